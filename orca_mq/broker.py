@@ -1,0 +1,177 @@
+"""The broker: two ROUTER sockets and a routing table, nothing else.
+
+- clients (DEALER) -> `server.frontend_address` ROUTER -> forwarded to the frontend;
+- frontend / scheduler / workers / launcher (DEALER, named) -> `server.backend_address` ROUTER,
+  addressed with the envelope of orca_mq.zmq_queue.
+
+Both ROUTERs set ZMQ_ROUTER_MANDATORY: a send to a vanished client raises EHOSTUNREACH, and the
+broker tells the frontend (`client_gone`), which aborts that client's requests. The broker also
+remembers which requests each client still waits on, so that when a process dies (`fatal` from
+the launcher) it can give each of them an `error` final message itself.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+import uvloop
+import zmq
+import zmq.asyncio
+
+from orca_mq.config import Config
+from orca_mq.logs import setup_logging
+from orca_mq.protocol import ProtocolError, decode, encode, unpack
+from orca_mq.protocol.client_msgs import TO_CLIENT, TO_SERVER, Error, Generate, Output, Ping, Pong
+from orca_mq.protocol.codec import channel, from_dict
+from orca_mq.protocol.control_msgs import ClientGone, Fatal
+from orca_mq.zmq_queue import BROKER, CLIENT, PEER, serve
+
+FRONTEND = b"frontend"
+_GONE_MEMORY = 4096   # vanished clients remembered, so the frontend hears of each once
+
+
+def _router(ctx: zmq.asyncio.Context, address: str) -> zmq.asyncio.Socket:
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.LINGER, 1000)
+    sock.bind(address)
+    return sock
+
+
+class Broker:
+    def __init__(self, cfg: Config) -> None:
+        self.log = setup_logging("broker", cfg.log)
+        self.ctx = zmq.asyncio.Context()
+        self.clients = _router(self.ctx, cfg.server.frontend_address)
+        self.backend = _router(self.ctx, cfg.server.backend_address)
+        self.waiting: dict[bytes, set[str]] = {}   # client -> request ids without a final message
+        self.gone: dict[bytes, None] = {}
+        self.fatal: str | None = None
+
+    async def run(self) -> int:
+        self.log.info("broker listening", clients=self.clients.LAST_ENDPOINT.decode(),
+                      backend=self.backend.LAST_ENDPOINT.decode())
+        code = await serve([self._client_loop(), self._backend_loop()], self.log)
+        self.clients.close()
+        self.backend.close()
+        self.ctx.term()
+        return code
+
+    async def _client_loop(self) -> None:
+        while True:
+            frames = await self.clients.recv_multipart()
+            client, parts = frames[0], frames[1:]
+            try:
+                if len(parts) != 1:
+                    raise ProtocolError(f"expected one frame, got {len(parts)}")
+                msg = decode(parts[0], TO_SERVER)
+            except ProtocolError as e:
+                self.log.warning("rejected client frame", client=client.hex(), error=str(e))
+                await self._to_client(client, encode(Error(str(e), e.request_id)))
+                continue
+            if isinstance(msg, Ping):
+                await self._to_client(client, encode(Pong(msg.nonce)))
+                continue
+            if isinstance(msg, Generate):
+                if self.fatal is not None:
+                    await self._to_client(client, encode(_failed(msg.request_id, self.fatal)))
+                    continue
+                pending = self.waiting.setdefault(client, set())
+                if msg.request_id in pending:
+                    await self._to_client(client, encode(Error(f"request_id {msg.request_id!r} is already in flight")))
+                    continue
+                pending.add(msg.request_id)
+            try:
+                await self.backend.send_multipart([FRONTEND, CLIENT, client, parts[0]])
+            except zmq.ZMQError:
+                self._settle(client, getattr(msg, "request_id", None))
+                await self._to_client(client, encode(_failed(getattr(msg, "request_id", ""), "frontend unavailable"))
+                                      if isinstance(msg, Generate) else encode(Error("frontend unavailable")))
+
+    async def _backend_loop(self) -> None:
+        while True:
+            frames = await self.backend.recv_multipart()
+            source = frames[0]
+            try:
+                if len(frames) != 4 or frames[1] not in (PEER, CLIENT, BROKER):
+                    raise ProtocolError(f"malformed envelope ({len(frames)} frames)")
+                _, route, address, payload = frames
+                body = unpack(payload)
+                if route == CLIENT:
+                    await self._deliver(address, payload, body)
+                elif route == BROKER:
+                    await self._handle_control(source, body)
+                else:
+                    try:
+                        await self.backend.send_multipart([address, PEER, source, payload])
+                    except zmq.ZMQError:
+                        raise ProtocolError(f"peer {address!r} unreachable") from None
+            except ProtocolError as e:
+                self.log.warning("rejected backend frame", source=source.decode(errors="replace"), error=str(e))
+                try:
+                    await self.backend.send_multipart([source, BROKER, b"", encode(Error(str(e), e.request_id))])
+                except zmq.ZMQError:
+                    pass
+
+    async def _deliver(self, client: bytes, payload: bytes, body: dict[str, Any]) -> None:
+        if body["type"] not in TO_CLIENT:
+            raise ProtocolError(f"{body['type']!r} is not a client message")
+        if body.get("finished") or body["type"] == Error.TYPE:  # type: ignore[attr-defined]
+            self._settle(client, body.get("request_id"))
+        if not await self._to_client(client, payload) and client not in self.gone:
+            self.gone[client] = None
+            if len(self.gone) > _GONE_MEMORY:
+                del self.gone[next(iter(self.gone))]
+            self.waiting.pop(client, None)
+            self.log.info("client vanished", client=client.hex())
+            await self.backend.send_multipart([FRONTEND, BROKER, b"", encode(ClientGone(client))])
+
+    async def _handle_control(self, source: bytes, body: dict[str, Any]) -> None:
+        msg = from_dict(body, channel(Fatal, Ping))
+        if isinstance(msg, Ping):
+            await self.backend.send_multipart([source, BROKER, b"", encode(Pong(msg.nonce))])
+            return
+        self.fatal = msg.reason
+        n = sum(len(r) for r in self.waiting.values())
+        self.log.error("failing every in-flight request", reason=msg.reason, requests=n)
+        for client, rids in list(self.waiting.items()):
+            for rid in rids:
+                await self._to_client(client, encode(_failed(rid, msg.reason)))
+        self.waiting.clear()
+
+    async def _to_client(self, client: bytes, payload: bytes) -> bool:
+        try:
+            await self.clients.send_multipart([client, payload])
+            return True
+        except zmq.ZMQError:  # EHOSTUNREACH under ROUTER_MANDATORY: the client disconnected
+            return False
+
+    def _settle(self, client: bytes, request_id: Any) -> None:
+        pending = self.waiting.get(client)
+        if pending is not None:
+            pending.discard(request_id)
+            if not pending:
+                del self.waiting[client]
+
+
+def _failed(request_id: str, reason: str) -> Output:
+    return Output(request_id, [], "", finished=True, finish_reason="error", error=f"server error: {reason}")
+
+
+async def _main(cfg: Config) -> int:
+    return await Broker(cfg).run()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="orca-mq broker")
+    parser.add_argument("--config-json", required=True)
+    args = parser.parse_args(argv)
+    sys.exit(uvloop.run(_main(Config.from_dict(json.loads(args.config_json)))))
+
+
+if __name__ == "__main__":
+    main()

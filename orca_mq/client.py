@@ -1,0 +1,245 @@
+"""Python clients: `AsyncClient` (asyncio) and `Client` (sync, the same client on a private loop).
+
+    async with AsyncClient("tcp://127.0.0.1:5555") as client:
+        async for ev in client.stream(prompt="Hello", max_tokens=8, temperature=0.0):
+            print(ev.text, end="")
+
+Sampling keyword arguments are sent as-is (SamplingParams fields); the server rejects unknown
+ones with an error event. Leaving a stream early (break, exception, cancellation) aborts the
+request. If the server stops answering — even its broker's pings — for `liveness_timeout`
+seconds, every open stream ends with an `error` event.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Coroutine, Iterator
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import zmq
+import zmq.asyncio
+
+from orca_mq.protocol import ProtocolError, decode, encode
+from orca_mq.protocol.client_msgs import TO_CLIENT, Abort, Error, Generate, Output, Ping, Stats, StatsReply
+
+DEFAULT_ADDRESS = "tcp://127.0.0.1:5555"
+T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class StreamEvent:
+    request_id: str
+    token_ids: list[int]                  # new tokens in this event (may be empty on the final one)
+    text: str                             # new text in this event
+    finished: bool = False
+    finish_reason: str | None = None      # "stop" | "length" | "abort" | "error" on the final event
+    error: str | None = None
+    metrics: dict[str, Any] | None = None  # final event: server-side timings and token counts
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    error: str | None
+    metrics: dict[str, Any] | None
+
+
+def _final_error(request_id: str, error: str) -> StreamEvent:
+    return StreamEvent(request_id, [], "", True, "error", error)
+
+
+class AsyncClient:
+    def __init__(self, address: str = DEFAULT_ADDRESS, *, liveness_timeout: float = 15.0, ping_interval: float = 2.0) -> None:
+        self.address = address
+        self.liveness_timeout = liveness_timeout
+        self.ping_interval = ping_interval
+        self._ctx: zmq.asyncio.Context | None = None
+        self._sock: zmq.asyncio.Socket | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self._streams: dict[str, asyncio.Queue[StreamEvent]] = {}
+        self._stats: dict[str, asyncio.Future[dict[str, Any]]] = {}
+        self._last_heard = 0.0
+
+    async def __aenter__(self) -> AsyncClient:
+        await self.connect()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def connect(self) -> None:
+        self._ctx = zmq.asyncio.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.RCVHWM, 0)
+        self._sock.connect(self.address)
+        self._last_heard = time.monotonic()
+        self._reader = asyncio.create_task(self._read())
+
+    async def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            await asyncio.gather(self._reader, return_exceptions=True)
+        self._fail_all("client closed")
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            assert self._ctx is not None
+            self._ctx.term()
+        self._sock = self._ctx = self._reader = None
+
+    async def stream(self, prompt: str | None = None, *, prompt_token_ids: list[int] | None = None,
+                     messages: list[dict[str, str]] | None = None, chat: bool = False,
+                     request_id: str | None = None, **sampling: Any) -> AsyncIterator[StreamEvent]:
+        """Submit a request and yield its events as tokens are produced; the last has finished=True."""
+        rid = request_id or uuid.uuid4().hex
+        queue: asyncio.Queue[StreamEvent] = asyncio.Queue()
+        self._streams[rid] = queue
+        try:
+            await self._send(Generate(rid, prompt, prompt_token_ids, messages, chat, sampling))
+            while True:
+                ev = await queue.get()
+                yield ev
+                if ev.finished:
+                    return
+        finally:
+            if self._streams.pop(rid, None) is not None and self._sock is not None:
+                await self._send(Abort(rid))  # left early: free the request's KV
+
+    async def generate(self, prompt: str | None = None, **kwargs: Any) -> RequestOutput:
+        """Run a request to the end and return everything it produced."""
+        text: list[str] = []
+        ids: list[int] = []
+        async for ev in self.stream(prompt, **kwargs):
+            text.append(ev.text)
+            ids.extend(ev.token_ids)
+            if ev.finished:
+                return RequestOutput(ev.request_id, "".join(text), ids, ev.finish_reason, ev.error, ev.metrics)
+        raise RuntimeError("stream ended without a final event")
+
+    async def abort(self, request_id: str) -> None:
+        """Ask the server to abort; the stream then ends with finish_reason "abort"."""
+        await self._send(Abort(request_id))
+
+    async def stats(self, *, record: bool = False, reset: bool = False, timeout: float = 10.0) -> dict[str, Any]:
+        """Scheduler (free/used KV slots, ...), worker and frontend counters."""
+        qid = uuid.uuid4().hex
+        fut = self._stats[qid] = asyncio.get_running_loop().create_future()
+        try:
+            await self._send(Stats(qid, record, reset))
+            return await asyncio.wait_for(fut, timeout)
+        finally:
+            self._stats.pop(qid, None)
+
+    async def _send(self, msg: Any) -> None:
+        if self._sock is None:
+            raise RuntimeError("client is not connected (use `async with` or connect())")
+        await self._sock.send(encode(msg))
+
+    async def _read(self) -> None:
+        assert self._sock is not None
+        while True:
+            if not await self._sock.poll(int(self.ping_interval * 1000)):
+                await self._check_liveness()
+                continue
+            self._last_heard = time.monotonic()
+            try:
+                msg = decode(await self._sock.recv(), TO_CLIENT)
+            except ProtocolError:
+                continue  # not for us to act on; the server never sends these
+            if isinstance(msg, Output):
+                self._deliver(msg.request_id, StreamEvent(msg.request_id, msg.token_ids, msg.text, msg.finished,
+                                                          msg.finish_reason, msg.error, msg.metrics))
+            elif isinstance(msg, Error) and msg.request_id is not None:
+                self._deliver(msg.request_id, _final_error(msg.request_id, msg.error))
+            elif isinstance(msg, StatsReply):
+                fut = self._stats.get(msg.query_id)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg.stats)
+            elif isinstance(msg, Error):
+                for fut in self._stats.values():  # a rejected stats query is the only request without an id
+                    if not fut.done():
+                        fut.set_exception(RuntimeError(msg.error))
+            # Pong: only refreshes _last_heard
+
+    async def _check_liveness(self) -> None:
+        if not self._streams and not self._stats:
+            self._last_heard = time.monotonic()
+            return
+        silent = time.monotonic() - self._last_heard
+        if silent >= self.liveness_timeout:
+            self._fail_all(f"server unreachable: no reply for {silent:.0f} s")
+            self._last_heard = time.monotonic()
+        else:
+            await self._send(Ping(int(time.monotonic() * 1000)))
+
+    def _deliver(self, request_id: str, ev: StreamEvent) -> None:
+        queue = self._streams.get(request_id)
+        if queue is None:
+            return  # a stream we already left
+        if ev.finished:
+            del self._streams[request_id]  # settled: nothing to abort when the generator closes
+        queue.put_nowait(ev)
+
+    def _fail_all(self, error: str) -> None:
+        for rid in list(self._streams):
+            self._deliver(rid, _final_error(rid, error))
+        for fut in self._stats.values():
+            if not fut.done():
+                fut.set_exception(ConnectionError(error))
+
+
+class Client:
+    """Blocking client: the AsyncClient on an event loop in a private thread."""
+
+    def __init__(self, address: str = DEFAULT_ADDRESS, **kwargs: Any) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="orca-mq-client", daemon=True)
+        self._thread.start()
+        self._client = AsyncClient(address, **kwargs)
+        self._call(self._client.connect())
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _call(self, coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def stream(self, prompt: str | None = None, **kwargs: Any) -> Iterator[StreamEvent]:
+        agen = self._client.stream(prompt, **kwargs)
+
+        async def step() -> StreamEvent | None:
+            try:
+                return await agen.__anext__()
+            except StopAsyncIteration:
+                return None
+
+        try:
+            while (ev := self._call(step())) is not None:
+                yield ev
+        finally:
+            self._call(agen.aclose())
+
+    def generate(self, prompt: str | None = None, **kwargs: Any) -> RequestOutput:
+        return self._call(self._client.generate(prompt, **kwargs))
+
+    def abort(self, request_id: str) -> None:
+        self._call(self._client.abort(request_id))
+
+    def stats(self, **kwargs: Any) -> dict[str, Any]:
+        return self._call(self._client.stats(**kwargs))
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._call(self._client.close())
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()
+            self._loop.close()

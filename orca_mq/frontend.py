@@ -1,0 +1,226 @@
+"""The frontend: tokenizes and validates client requests, forwards them to the scheduler, and
+streams each request's tokens back, detokenized incrementally.
+
+Every request gets exactly one final `output`: finished with "stop" | "length", "abort" (client
+abort or drain timeout) or "error" (invalid request; a process died — sent by the broker).
+A client that disconnects is reported by the broker (`client_gone`, from ZMQ_ROUTER_MANDATORY
+send failures on the first token sent after it left); its requests are aborted, which frees
+their KV at the scheduler's next iteration.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import uvloop
+import zmq.asyncio
+
+from orca_mq.config import Config
+from orca_mq.detokenizer import IncrementalDetokenizer
+from orca_mq.logs import setup_logging
+from orca_mq.protocol import ProtocolError, decode
+from orca_mq.protocol.client_msgs import TO_SERVER, Abort, Error, Generate, Output, Stats, StatsReply
+from orca_mq.protocol.codec import channel
+from orca_mq.protocol.control_msgs import AbortAll, ClientGone, Drain, Drained, Ready
+from orca_mq.protocol.engine_msgs import AbortRequest, AddRequest, StatsQuery, StatsResult, TokenBatch
+from orca_mq.sampling_params import InvalidRequest, SamplingParams
+from orca_mq.tokenizer import load_tokenizer
+from orca_mq.validation import validate_request
+from orca_mq.weights import read_model_info
+from orca_mq.zmq_queue import CLIENT, BrokerLink, Envelope, serve
+
+FROM_PROCESSES = channel(TokenBatch, StatsResult, Drain, AbortAll, ClientGone, Error)
+
+
+@dataclass(slots=True)
+class _Active:
+    client: bytes
+    detok: IncrementalDetokenizer
+    prompt_tokens: int
+    arrival: float
+    first_token: float | None = None
+    token_ids: list[int] = field(default_factory=list)
+
+
+class Frontend:
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.log = setup_logging("frontend", cfg.log)
+        self.tokenizer = load_tokenizer(cfg.model.path)
+        self.info = read_model_info(cfg.model.path)
+        self.ctx = zmq.asyncio.Context()
+        self.link = BrokerLink(self.ctx, cfg.server.backend_address, "frontend")
+        self.active: dict[str, _Active] = {}
+        self.by_client: dict[bytes, set[str]] = {}
+        self.stats_waiting: dict[str, tuple[bytes, str]] = {}  # our query id -> (client, its query id)
+        self.draining = False
+
+    async def run(self) -> int:
+        await self.link.to_peer("launcher", Ready("frontend", os.getpid()))
+        code = await serve([self._loop()], self.log)
+        self.link.close()
+        self.ctx.term()
+        return code
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                env = await self.link.recv()
+                await self._dispatch(env)
+            except ProtocolError as e:
+                self.log.warning("rejected frame", error=str(e))
+
+    async def _dispatch(self, env: Envelope) -> None:
+        if env.route == CLIENT:
+            try:
+                msg = decode(env.payload, TO_SERVER)
+            except ProtocolError as e:
+                await self.link.to_client(env.source, Error(str(e), e.request_id))
+                return
+            if isinstance(msg, Generate):
+                await self._admit(env.source, msg)
+            elif isinstance(msg, Abort):
+                if msg.request_id in self.active and self.active[msg.request_id].client == env.source:
+                    await self.link.to_peer("scheduler", AbortRequest(msg.request_id))
+            elif isinstance(msg, Stats):
+                qid = uuid.uuid4().hex
+                self.stats_waiting[qid] = (env.source, msg.query_id)
+                await self.link.to_peer("scheduler", StatsQuery(qid, msg.record, msg.reset))
+            return
+        msg = decode(env.payload, FROM_PROCESSES)
+        if isinstance(msg, TokenBatch):
+            await self._on_tokens(msg)
+        elif isinstance(msg, StatsResult):
+            client, query_id = self.stats_waiting.pop(msg.query_id, (b"", ""))
+            if client:
+                stats = msg.stats | {"frontend": {"active_requests": len(self.active), "draining": self.draining}}
+                await self.link.to_client(client, StatsReply(query_id, stats))
+        elif isinstance(msg, ClientGone):
+            await self._client_gone(msg.client)
+        elif isinstance(msg, Drain):
+            self.draining = True
+            self.log.info("draining", active=len(self.active))
+            await self._maybe_drained()
+        elif isinstance(msg, AbortAll):
+            self.log.warning("aborting every request", reason=msg.reason, active=len(self.active))
+            for rid in self.active:
+                await self.link.to_peer("scheduler", AbortRequest(rid))
+        elif isinstance(msg, Error):
+            self.log.warning("error from a process", error=msg.error, request_id=msg.request_id)
+
+    async def _admit(self, client: bytes, msg: Generate) -> None:
+        rid = msg.request_id
+        try:
+            if self.draining:
+                raise InvalidRequest("server is shutting down; not accepting new requests")
+            if rid in self.active:
+                raise InvalidRequest(f"request_id {rid!r} is already in use")
+            prompt_ids = self._prompt_ids(msg)
+            params = SamplingParams.from_dict(msg.sampling)
+            validate_request(prompt_ids, params, self.info, self.cfg)
+        except (InvalidRequest, TypeError) as e:
+            self.log.info("request rejected", request_id=rid, error=str(e))
+            await self.link.to_client(client, Output(rid, [], "", True, "error", str(e)))
+            return
+        self.active[rid] = _Active(client, IncrementalDetokenizer(self.tokenizer), len(prompt_ids), time.time())
+        self.by_client.setdefault(client, set()).add(rid)
+        self.log.info("request admitted", request_id=rid, prompt_tokens=len(prompt_ids), max_tokens=params.max_tokens)
+        await self.link.to_peer("scheduler", AddRequest(rid, prompt_ids, params.to_dict()))
+
+    def _prompt_ids(self, msg: Generate) -> list[int]:
+        given = [k for k in ("prompt", "prompt_token_ids", "messages") if getattr(msg, k) is not None]
+        if len(given) != 1:
+            raise InvalidRequest(f"give exactly one of prompt, prompt_token_ids, messages (got {given or 'none'})")
+        if msg.prompt_token_ids is not None:
+            if msg.chat:
+                raise InvalidRequest("chat=True needs prompt or messages, not prompt_token_ids")
+            return msg.prompt_token_ids
+        if msg.messages is None and not msg.chat:
+            if not msg.prompt:
+                raise InvalidRequest("empty prompt")
+            return self.tokenizer.encode(msg.prompt)
+        messages = msg.messages if msg.messages is not None else [{"role": "user", "content": msg.prompt}]
+        if not messages or not all(
+            set(m) == {"role", "content"} and isinstance(m["role"], str) and isinstance(m["content"], str) for m in messages
+        ):
+            raise InvalidRequest("messages must be a non-empty list of {'role': str, 'content': str}")
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # jinja raises for roles or orders the template forbids
+            raise InvalidRequest(f"chat template: {e}") from None
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    async def _on_tokens(self, batch: TokenBatch) -> None:
+        now = time.time()
+        for rid, token_id, reason in batch.events:
+            req = self.active.get(rid)
+            if req is None:
+                continue  # its client vanished: the abort is already on its way
+            new = [] if token_id is None else [token_id]
+            if new:
+                req.token_ids.append(token_id)  # type: ignore[arg-type]
+                req.first_token = req.first_token or now
+            text = req.detok.step(new)
+            if reason is None:
+                await self.link.to_client(req.client, Output(rid, new, text))
+                continue
+            text += req.detok.finish()
+            await self.link.to_client(req.client, Output(rid, new, text, True, reason, None, self._metrics(req, now)))
+            self._forget(rid)
+            self.log.info("request finished", request_id=rid, finish_reason=reason,
+                          completion_tokens=len(req.token_ids), iteration=batch.iteration)
+        await self._maybe_drained()
+
+    def _metrics(self, req: _Active, now: float) -> dict[str, Any]:
+        n = len(req.token_ids)
+        first = req.first_token
+        return {
+            "prompt_tokens": req.prompt_tokens,
+            "completion_tokens": n,
+            "arrival_time": req.arrival,
+            "first_token_time": first,
+            "finish_time": now,
+            "ttft": None if first is None else first - req.arrival,
+            "tpot": (now - first) / (n - 1) if first is not None and n > 1 else None,
+            "e2e_latency": now - req.arrival,
+        }
+
+    async def _client_gone(self, client: bytes) -> None:
+        rids = self.by_client.get(client, set()).copy()
+        self.log.info("client disconnected; aborting its requests", client=client.hex(), requests=len(rids))
+        for rid in rids:
+            self._forget(rid)
+            await self.link.to_peer("scheduler", AbortRequest(rid))
+        await self._maybe_drained()
+
+    def _forget(self, rid: str) -> None:
+        req = self.active.pop(rid)
+        owned = self.by_client[req.client]
+        owned.discard(rid)
+        if not owned:
+            del self.by_client[req.client]
+
+    async def _maybe_drained(self) -> None:
+        if self.draining and not self.active:
+            await self.link.to_peer("launcher", Drained())
+
+
+async def _main(cfg: Config) -> int:
+    return await Frontend(cfg).run()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="orca-mq frontend")
+    parser.add_argument("--config-json", required=True)
+    args = parser.parse_args(argv)
+    sys.exit(uvloop.run(_main(Config.from_dict(json.loads(args.config_json)))))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""Structured JSON-lines logs: one file per process under `log.dir`, plus stderr.
+
+Every line carries `role` and `pid`; callers bind `request_id` / `iteration` where they have one
+(`log.bind(request_id=...)`). `tools/launch.py logs` merges the files by timestamp.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import statistics
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, TextIO
+
+import structlog
+
+from orca_mq.config import LogConfig
+
+
+class _TeeLogger:
+    """structlog's final logger: writes each rendered line to every stream."""
+
+    def __init__(self, streams: list[TextIO]) -> None:
+        self._streams = streams
+
+    def msg(self, line: str) -> None:
+        for s in self._streams:
+            try:
+                s.write(line + "\n")
+                s.flush()
+            except (OSError, ValueError):
+                pass  # a closed stderr at shutdown must not kill the process
+
+    debug = info = warning = error = critical = exception = log = msg
+
+
+def setup_logging(role: str, cfg: LogConfig, **context: Any) -> structlog.typing.FilteringBoundLogger:
+    """Configure structlog for this process and return a logger bound to role, pid and context."""
+    streams: list[TextIO] = [sys.stderr]
+    if cfg.dir:
+        Path(cfg.dir).mkdir(parents=True, exist_ok=True)
+        streams.append(open(Path(cfg.dir) / f"{role}.log", "a", buffering=1, encoding="utf-8"))
+    level = logging.getLevelNamesMapping().get(cfg.level.upper())
+    if level is None:
+        raise ValueError(f"log.level: unknown level {cfg.level!r}")
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True, key="ts"),
+            structlog.processors.format_exc_info,
+            structlog.processors.JSONRenderer(sort_keys=False),
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(level),
+        logger_factory=lambda *_: _TeeLogger(streams),
+        cache_logger_on_first_use=True,
+    )
+    return structlog.get_logger().bind(role=role, pid=os.getpid(), **context)
+
+
+def summarize_ms(samples: Iterable[float]) -> dict[str, Any]:
+    """Count, median and p90 (in ms) of durations in seconds, for the stats replies."""
+    ms = sorted(x * 1000 for x in samples)
+    if not ms:
+        return {"n": 0, "median_ms": None, "p90_ms": None}
+    return {"n": len(ms), "median_ms": statistics.median(ms), "p90_ms": ms[int(0.9 * (len(ms) - 1))]}

@@ -1,0 +1,80 @@
+"""Client <-> server channel (the public socket at `server.frontend_address`).
+
+A client sends `generate` (it chooses the request_id, so it can abort before any reply),
+`abort`, `stats` and `ping`; every request gets exactly one final `output` (finished=True,
+finish_reason "stop" | "length" | "abort" | "error"). `error` answers a frame that could not be
+accepted at all; when it names a request_id that request is over.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from orca_mq.protocol.codec import channel, message
+
+
+@message("generate")
+@dataclass(slots=True)
+class Generate:
+    request_id: str
+    prompt: str | None = None                       # raw completion text, or the user message with chat
+    prompt_token_ids: list[int] | None = None
+    messages: list[dict[str, Any]] | None = None    # chat messages; the frontend applies the template
+    chat: bool = False
+    sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams fields; unknown ones are rejected
+
+
+@message("abort")
+@dataclass(slots=True)
+class Abort:
+    request_id: str
+
+
+@message("stats")
+@dataclass(slots=True)
+class Stats:
+    query_id: str
+    record: bool = False    # include the scheduler's iteration record and arrival order (tests)
+    reset: bool = False     # restart the timing windows after answering (benchmarks)
+
+
+@message("ping")
+@dataclass(slots=True)
+class Ping:
+    nonce: int
+
+
+@message("output")
+@dataclass(slots=True)
+class Output:
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finished: bool = False
+    finish_reason: str | None = None
+    error: str | None = None
+    metrics: dict[str, Any] | None = None
+
+
+@message("stats_reply")
+@dataclass(slots=True)
+class StatsReply:
+    query_id: str
+    stats: dict[str, Any]
+
+
+@message("pong")
+@dataclass(slots=True)
+class Pong:
+    nonce: int
+
+
+@message("error")
+@dataclass(slots=True)
+class Error:
+    error: str
+    request_id: str | None = None
+
+
+TO_SERVER = channel(Generate, Abort, Stats, Ping)
+TO_CLIENT = channel(Output, StatsReply, Pong, Error)

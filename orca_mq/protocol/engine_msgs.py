@@ -1,0 +1,81 @@
+"""Internal channel: frontend <-> scheduler <-> workers.
+
+The control frame carries an `IterationPlan` (orca_mq.iteration) as-is; the last worker answers
+with the `IterationResult`. Timestamps are `time.time()` of the sending process (one host), used
+only for the overhead statistics.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from orca_mq.iteration import IterationPlan, IterationResult
+from orca_mq.protocol.codec import message
+
+
+@message("add")
+@dataclass(slots=True)
+class AddRequest:
+    req_id: str
+    prompt_token_ids: list[int]
+    params: dict[str, Any]        # SamplingParams.to_dict(), already validated by the frontend
+
+
+@message("abort_req")
+@dataclass(slots=True)
+class AbortRequest:
+    req_id: str
+
+
+@message("tokens")
+@dataclass(slots=True)
+class TokenBatch:
+    """Every TokenEvent of one scheduler step, in order: (req_id, token_id, finish_reason)."""
+
+    iteration: int
+    events: list[tuple[str, int | None, str | None]]
+
+
+@message("stats_query")
+@dataclass(slots=True)
+class StatsQuery:
+    query_id: str
+    record: bool = False
+    reset: bool = False
+
+
+@message("stats_result")
+@dataclass(slots=True)
+class StatsResult:
+    query_id: str
+    stats: dict[str, Any]
+
+
+@message("plan")
+@dataclass(slots=True)
+class ControlFrame:
+    plan: IterationPlan
+    t_sent: float
+
+
+@message("result")
+@dataclass(slots=True)
+class IterationDone:
+    result: IterationResult
+    t_start: float                # last stage: compute start / end of this iteration
+    t_end: float
+
+
+@message("worker_stats_query")
+@dataclass(slots=True)
+class WorkerStatsQuery:
+    query_id: str
+    reset: bool = False
+
+
+@message("worker_stats")
+@dataclass(slots=True)
+class WorkerStats:
+    query_id: str
+    stage: int
+    stats: dict[str, Any]

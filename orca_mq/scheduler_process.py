@@ -1,0 +1,180 @@
+"""The iteration scheduler process: owns the request pool (the scheduler object of
+orca_mq.scheduler, policy from `scheduler.policy`) and drives the worker pipeline.
+
+Each step: schedule plans while fewer than `engine.n_workers` are in flight (one per pipeline
+stage, ORCA §4.2), push them on the control chain to worker 0, and when the last worker returns
+an iteration's tokens, retire/append them and stream them to the frontend at once.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import uvloop
+import zmq
+import zmq.asyncio
+
+from orca_mq.config import Config
+from orca_mq.logs import setup_logging, summarize_ms
+from orca_mq.protocol import ProtocolError, decode, encode
+from orca_mq.protocol.client_msgs import Error
+from orca_mq.protocol.codec import channel
+from orca_mq.protocol.control_msgs import Ready
+from orca_mq.protocol.engine_msgs import (AbortRequest, AddRequest, ControlFrame, IterationDone, StatsQuery,
+                                          StatsResult, TokenBatch, WorkerStats, WorkerStatsQuery)
+from orca_mq.sampling_params import SamplingParams
+from orca_mq.scheduler import TokenEvent, make_scheduler
+from orca_mq.sequence import Request
+from orca_mq.weights import read_model_info
+from orca_mq.zmq_queue import BrokerLink, control_address, serve
+
+ACCEPTED = channel(AddRequest, AbortRequest, StatsQuery, IterationDone, WorkerStats, Error)
+WINDOW = 10_000          # timing samples kept for the stats
+STATS_TIMEOUT = 2.0      # seconds to wait for the workers' stats
+
+
+@dataclass(slots=True)
+class _StatsQuery:
+    source: bytes
+    query: StatsQuery
+    workers: dict[int, dict[str, Any]] = field(default_factory=dict)
+
+
+
+class SchedulerProcess:
+    def __init__(self, cfg: Config, run_dir: str) -> None:
+        self.cfg = cfg
+        self.log = setup_logging("scheduler", cfg.log)
+        self.sched = make_scheduler(cfg, read_model_info(cfg.model.path))
+        self.ctx = zmq.asyncio.Context()
+        self.link = BrokerLink(self.ctx, cfg.server.backend_address, "scheduler")
+        self.control = self.ctx.socket(zmq.PUSH)
+        self.control.setsockopt(zmq.SNDHWM, 0)
+        self.control.setsockopt(zmq.LINGER, 0)
+        self.control.connect(control_address(run_dir, 0))
+        self.arrivals: deque[str] = deque(maxlen=WINDOW)    # FCFS checks: order of arrival here
+        self.turnaround: deque[float] = deque(maxlen=WINDOW)  # result received -> next plan sent
+        self.result_latency: deque[float] = deque(maxlen=WINDOW)  # last stage done -> result received
+        self.queries: dict[str, _StatsQuery] = {}
+
+    async def run(self) -> int:
+        await self.link.to_peer("launcher", Ready("scheduler", os.getpid()))
+        code = await serve([self._loop()], self.log)
+        self.link.close()
+        self.control.close()
+        self.ctx.term()
+        return code
+
+    async def _loop(self) -> None:
+        while True:
+            env = await self.link.recv()
+            received = time.time()
+            try:
+                msg = decode(env.payload, ACCEPTED)
+            except ProtocolError as e:
+                self.log.warning("rejected frame", source=env.source.decode(errors="replace"), error=str(e))
+                await self.link.to_peer(env.source, Error(f"scheduler: {e}", e.request_id))
+                continue
+            if isinstance(msg, IterationDone):
+                self.result_latency.append(received - msg.t_end)
+                events = self.sched.process_result(msg.result, time.monotonic())
+                await self._emit(msg.result.iteration, events)
+                if await self._pump():
+                    self.turnaround.append(time.time() - received)
+                continue
+            if isinstance(msg, AddRequest):
+                try:
+                    params = SamplingParams.from_dict(msg.params)
+                    self.sched.add(Request(msg.req_id, msg.prompt_token_ids, params, time.monotonic()))
+                except Exception:  # the frontend validated it: a refusal here is a bug, fail only this request
+                    self.log.exception("request refused by the scheduler", request_id=msg.req_id)
+                    await self.link.to_peer("frontend", TokenBatch(-1, [(msg.req_id, None, "error")]))
+                    continue
+                self.arrivals.append(msg.req_id)
+            elif isinstance(msg, AbortRequest):
+                ev = self.sched.abort(msg.req_id)
+                if ev is not None:
+                    await self._emit(-1, [ev])
+            elif isinstance(msg, StatsQuery):
+                await self._start_stats(env.source, msg)
+            elif isinstance(msg, WorkerStats):
+                await self._worker_stats(msg)
+            elif isinstance(msg, Error):
+                self.log.warning("error from a process", source=env.source.decode(errors="replace"), error=msg.error)
+            await self._pump()
+
+    async def _pump(self) -> bool:
+        """Fill the pipeline: one plan per free stage. Returns whether a plan was sent."""
+        sent = False
+        while self.sched.n_in_flight < self.cfg.engine.n_workers:
+            plan = self.sched.schedule(time.monotonic())
+            if plan is None:
+                break
+            await self.control.send(encode(ControlFrame(plan, time.time())), copy=False)
+            self.log.debug("iteration scheduled", iteration=plan.iteration, batch=len(plan.seqs), tokens=plan.num_tokens)
+            sent = True
+        return sent
+
+    async def _emit(self, iteration: int, events: list[TokenEvent]) -> None:
+        if events:
+            await self.link.to_peer("frontend", TokenBatch(iteration, [(e.req_id, e.token_id, e.finish_reason) for e in events]))
+
+    async def _start_stats(self, source: bytes, query: StatsQuery) -> None:
+        qid = uuid.uuid4().hex
+        self.queries[qid] = _StatsQuery(source, query)
+        for stage in range(self.cfg.engine.n_workers):
+            await self.link.to_peer(f"worker{stage}", WorkerStatsQuery(qid, query.reset))
+        asyncio.get_running_loop().call_later(STATS_TIMEOUT, lambda: asyncio.ensure_future(self._answer_stats(qid)))
+
+    async def _worker_stats(self, msg: WorkerStats) -> None:
+        pending = self.queries.get(msg.query_id)
+        if pending is not None:
+            pending.workers[msg.stage] = msg.stats
+            if len(pending.workers) == self.cfg.engine.n_workers:
+                await self._answer_stats(msg.query_id)
+
+    async def _answer_stats(self, qid: str) -> None:
+        pending = self.queries.pop(qid, None)
+        if pending is None:
+            return  # answered already
+        q = pending.query
+        stats: dict[str, Any] = {
+            "scheduler": self.sched.stats() | {
+                "n_in_flight": self.sched.n_in_flight,
+                "has_work": self.sched.has_work(),
+                "turnaround": summarize_ms(self.turnaround),
+                "result_latency": summarize_ms(self.result_latency),
+            },
+            "workers": [pending.workers.get(s) for s in range(self.cfg.engine.n_workers)],
+        }
+        if q.record:
+            stats["record"] = [[it, list(rids)] for it, rids in self.sched.record]
+            stats["arrival_order"] = list(self.arrivals)
+        if q.reset:
+            self.turnaround.clear()
+            self.result_latency.clear()
+        await self.link.to_peer(pending.source, StatsResult(q.query_id, stats))
+
+
+async def _main(cfg: Config, run_dir: str) -> int:
+    return await SchedulerProcess(cfg, run_dir).run()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="orca-mq iteration scheduler")
+    parser.add_argument("--config-json", required=True)
+    parser.add_argument("--run-dir", required=True, help="directory of the workers' control sockets")
+    args = parser.parse_args(argv)
+    sys.exit(uvloop.run(_main(Config.from_dict(json.loads(args.config_json)), args.run_dir)))
+
+
+if __name__ == "__main__":
+    main()

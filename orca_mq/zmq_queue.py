@@ -1,0 +1,122 @@
+"""Small queues over ZeroMQ sockets: every internal process's link to the broker, and the
+worker control chain.
+
+Envelope on the broker's backend ROUTER (after the ROUTER's own identity frame):
+    [route, address, payload]   route = b"P" peer (address = its identity, e.g. b"scheduler"),
+                                        b"C" client (address = the client's ROUTER identity),
+                                        b"B" the broker itself (address empty)
+A sender names the destination; the broker rewrites the address to the source when delivering.
+"""
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from orca_mq.protocol import ProtocolError, encode
+
+PEER = b"P"
+CLIENT = b"C"
+BROKER = b"B"
+
+
+@dataclass(slots=True)
+class Envelope:
+    route: bytes      # PEER | CLIENT | BROKER: where the message came from
+    source: bytes     # peer identity or client identity
+    payload: bytes
+
+
+def parse(frames: list[bytes]) -> Envelope:
+    if len(frames) != 3 or frames[0] not in (PEER, CLIENT, BROKER):
+        raise ProtocolError(f"malformed envelope ({len(frames)} frames)")
+    return Envelope(frames[0], frames[1], frames[2])
+
+
+def _dealer(ctx: zmq.Context[Any], address: str, identity: str) -> zmq.Socket[Any]:
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.ROUTING_ID, identity.encode())
+    sock.setsockopt(zmq.LINGER, 2000)     # let final messages out when a process stops
+    sock.setsockopt(zmq.SNDHWM, 0)        # never drop or block: the broker is local and fast
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.connect(address)
+    return sock
+
+
+class BrokerLink:
+    """An asyncio process's DEALER on the broker's backend socket."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, address: str, identity: str) -> None:
+        self.identity = identity
+        self.sock = _dealer(ctx, address, identity)
+
+    async def recv(self) -> Envelope:
+        return parse(await self.sock.recv_multipart(copy=True))
+
+    async def to_peer(self, peer: str | bytes, msg: Any) -> None:
+        await self.send_raw(PEER, peer if isinstance(peer, bytes) else peer.encode(), encode(msg))
+
+    async def to_client(self, client: bytes, msg: Any) -> None:
+        await self.send_raw(CLIENT, client, encode(msg))
+
+    async def to_broker(self, msg: Any) -> None:
+        await self.send_raw(BROKER, b"", encode(msg))
+
+    async def send_raw(self, route: bytes, address: bytes, payload: bytes) -> None:
+        await self.sock.send_multipart([route, address, payload], copy=False)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class SyncBrokerLink:
+    """The same link for a plain (non-asyncio) process: the launcher."""
+
+    def __init__(self, ctx: zmq.Context[Any], address: str, identity: str) -> None:
+        self.identity = identity
+        self.sock = _dealer(ctx, address, identity)
+
+    def recv(self, timeout: float) -> Envelope | None:
+        if not self.sock.poll(int(timeout * 1000)):
+            return None
+        return parse(self.sock.recv_multipart())
+
+    def to_peer(self, peer: str, msg: Any) -> None:
+        self.sock.send_multipart([PEER, peer.encode(), encode(msg)])
+
+    def to_broker(self, msg: Any) -> None:
+        self.sock.send_multipart([BROKER, b"", encode(msg)])
+
+    def close(self) -> None:
+        self.sock.close(linger=500)
+
+
+def control_address(run_dir: str, stage: int) -> str:
+    """Where worker `stage` pulls control frames (the scheduler or worker stage-1 pushes)."""
+    return f"ipc://{run_dir}/ctl{stage}"
+
+
+async def serve(loops: list[Coroutine[Any, Any, None]], log: Any) -> int:
+    """Run a process's loops until SIGTERM/SIGINT (exit code 0) or until one fails (exit code 1:
+    the launcher sees the death and fails in-flight requests instead of leaving them hanging)."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    tasks = [asyncio.create_task(c) for c in loops]
+    stopper = asyncio.create_task(stop.wait())
+    done, _ = await asyncio.wait([*tasks, stopper], return_when=asyncio.FIRST_COMPLETED)
+    code = 0
+    for t in done:
+        if t is not stopper and t.exception() is not None:
+            log.error("process loop failed", exc_info=t.exception())
+            code = 1
+    for t in [*tasks, stopper]:
+        t.cancel()
+    await asyncio.gather(*tasks, stopper, return_exceptions=True)
+    return code

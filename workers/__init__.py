@@ -1,0 +1,1 @@
+"""The worker process: controller (control frames), stage executor (compute thread), data plane."""

@@ -1,0 +1,113 @@
+"""A worker's controller: the asyncio control loop of one pipeline stage.
+
+For every control frame it first forwards the raw bytes to the next stage — before decoding,
+before any computation — so downstream stages get their frames as early as possible, then hands
+the plan to the compute thread and goes back to listening; it never waits on kernels. It also
+answers stats queries and ships the last stage's tokens to the scheduler, both through the broker.
+A malformed control frame reaches every stage the same way and each rejects it identically.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from orca_mq.config import Config
+from orca_mq.iteration import IterationResult
+from orca_mq.model_runner import ModelRunner
+from orca_mq.protocol import ProtocolError, decode
+from orca_mq.protocol.client_msgs import Error
+from orca_mq.protocol.codec import channel
+from orca_mq.protocol.control_msgs import Ready
+from orca_mq.protocol.engine_msgs import ControlFrame, IterationDone, WorkerStats, WorkerStatsQuery
+from orca_mq.zmq_queue import BrokerLink, control_address, serve
+from workers.data_plane import DataPlane
+from workers.stage_executor import StageExecutor
+
+CONTROL = channel(ControlFrame)
+FROM_BROKER = channel(WorkerStatsQuery, Error)
+
+
+class Controller:
+    def __init__(self, cfg: Config, stage: int, run_dir: str, log: Any) -> None:
+        self.stage = stage
+        self.name = f"worker{stage}"
+        self.log = log
+        self.ctx = zmq.asyncio.Context()
+        self.pull = self.ctx.socket(zmq.PULL)
+        self.pull.setsockopt(zmq.RCVHWM, 0)
+        self.pull.bind(control_address(run_dir, stage))
+        self.push: zmq.asyncio.Socket | None = None
+        if stage < cfg.engine.n_workers - 1:
+            self.push = self.ctx.socket(zmq.PUSH)
+            self.push.setsockopt(zmq.SNDHWM, 0)
+            self.push.setsockopt(zmq.LINGER, 0)
+            self.push.connect(control_address(run_dir, stage + 1))
+        self.link = BrokerLink(self.ctx, cfg.server.backend_address, self.name)
+        self.executor: StageExecutor | None = None
+        self._failed: asyncio.Future[None] | None = None
+
+    async def run(self, runner: ModelRunner, data_plane: DataPlane) -> int:
+        loop = asyncio.get_running_loop()
+        self._failed = loop.create_future()
+        # the compute thread reports through the event loop: the ZMQ sockets belong to this thread
+        self.executor = StageExecutor(
+            runner, data_plane,
+            on_result=lambda r, t0, t1: loop.call_soon_threadsafe(self._send_result, r, t0, t1),
+            on_error=lambda e: loop.call_soon_threadsafe(self._fail, e),
+        )
+        self.executor.start()
+        await self.link.to_peer("launcher", Ready(self.name, os.getpid()))
+        code = await serve([self._control_loop(), self._broker_loop(), self._compute_watch()], self.log)
+        self.executor.stop()
+        for sock in (self.pull, self.push):
+            if sock is not None:
+                sock.close(linger=0)
+        self.link.close()
+        self.ctx.term()
+        return code
+
+    async def _compute_watch(self) -> None:
+        assert self._failed is not None
+        await self._failed
+
+    async def _control_loop(self) -> None:
+        assert self.executor is not None
+        while True:
+            frame = await self.pull.recv(copy=True)
+            if self.push is not None:
+                await self.push.send(frame, copy=False)
+            try:
+                msg = decode(frame, CONTROL)
+            except ProtocolError as e:
+                self.log.warning("rejected control frame", error=str(e))
+                await self.link.to_peer("scheduler", Error(f"{self.name}: {e}"))
+                continue
+            self.log.debug("iteration received", iteration=msg.plan.iteration, batch=len(msg.plan.seqs))
+            self.executor.submit(msg.plan)
+
+    async def _broker_loop(self) -> None:
+        assert self.executor is not None
+        while True:
+            env = await self.link.recv()
+            try:
+                msg = decode(env.payload, FROM_BROKER)
+            except ProtocolError as e:
+                self.log.warning("rejected frame", source=env.source.decode(errors="replace"), error=str(e))
+                continue
+            if isinstance(msg, WorkerStatsQuery):
+                await self.link.to_peer(env.source, WorkerStats(msg.query_id, self.stage, self.executor.stats(msg.reset)))
+            else:
+                self.log.warning("error from a process", error=msg.error)
+
+    def _send_result(self, result: IterationResult, start: float, end: float) -> None:
+        asyncio.ensure_future(self.link.to_peer("scheduler", IterationDone(result, start, end)))
+
+    def _fail(self, error: BaseException) -> None:
+        self.log.error("compute thread failed", exc_info=error)
+        assert self._failed is not None
+        if not self._failed.done():
+            self._failed.set_exception(error)

@@ -1,0 +1,90 @@
+"""The compute thread of a worker: runs its stage of every iteration, in control-frame order.
+
+The controller hands plans over through a queue and never waits for them; this thread
+receives the previous stage's hidden states, runs its layers, and either sends the hidden
+states on (data plane) or, on the last stage, hands the sampled tokens back to the controller.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from orca_mq.iteration import IterationPlan, IterationResult
+from orca_mq.logs import summarize_ms
+from orca_mq.model_runner import ModelRunner
+from workers.data_plane import DataPlane
+
+WINDOW = 10_000
+
+ResultCallback = Callable[[IterationResult, float, float], None]   # result, compute start, compute end
+ErrorCallback = Callable[[BaseException], None]
+
+
+class StageExecutor:
+    def __init__(self, runner: ModelRunner, data_plane: DataPlane, on_result: ResultCallback, on_error: ErrorCallback) -> None:
+        self.runner = runner
+        self.data_plane = data_plane
+        self.stage = data_plane.stage
+        self.last = data_plane.stage == data_plane.n_stages - 1
+        self.on_result = on_result
+        self.on_error = on_error
+        self._plans: queue.SimpleQueue[IterationPlan | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._idle: deque[float] = deque(maxlen=WINDOW)      # previous compute end -> this compute start
+        self._compute: deque[float] = deque(maxlen=WINDOW)
+        self._last_end: float | None = None
+        self.iterations = 0
+        self._thread = threading.Thread(target=self._run, name=f"compute-{self.stage}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, plan: IterationPlan) -> None:
+        self._plans.put(plan)
+
+    def stop(self) -> None:
+        self._plans.put(None)
+
+    def _run(self) -> None:
+        try:
+            while (plan := self._plans.get()) is not None:
+                self._step(plan)
+        except BaseException as e:  # the controller turns this into a worker exit
+            self.on_error(e)
+
+    def _step(self, plan: IterationPlan) -> None:
+        hidden = None
+        if self.stage > 0:
+            shape = (plan.num_tokens, self.runner.hidden_size)
+            hidden = self.data_plane.recv(plan.iteration, shape, self.runner.dtype, self.runner.device)
+        start = time.time()
+        out = self.runner.execute(plan, hidden)
+        if self.last:
+            assert isinstance(out, IterationResult)
+            end = time.time()
+            self.on_result(out, start, end)
+        else:
+            self.data_plane.send(plan.iteration, out)
+            end = time.time()
+        with self._lock:
+            if self._last_end is not None:
+                self._idle.append(start - self._last_end)
+            self._compute.append(end - start)
+            self._last_end = end
+            self.iterations += 1
+
+    def stats(self, reset: bool) -> dict[str, Any]:
+        """Idle gaps between this stage's iterations (scheduler + messaging + pipeline waits)."""
+        with self._lock:
+            out = {"stage": self.stage, "iterations": self.iterations,
+                   "idle": summarize_ms(self._idle), "compute": summarize_ms(self._compute)}
+            if reset:
+                self._idle.clear()
+                self._compute.clear()
+                self._last_end = None
+        return out
+
