@@ -1,0 +1,141 @@
+"""One typed config object, read from config.toml with `section.key=value` overrides."""
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+DEFAULT_CONFIG_PATH = Path(__file__).resolve().parent.parent / "config.toml"
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    path: str = ""
+    dtype: str = "float32"
+    max_model_len: int = 2048
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    n_workers: int = 1
+    threads_per_worker: int = 2
+    device: str = "auto"
+    attention_backend: str = "auto"
+    n_slots: int = 16384
+    block_size: int = 16
+    host_slots: int = 65536
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    policy: str = "orca"
+    max_bs: int = 16
+
+
+@dataclass(slots=True)
+class FastServeConfig:
+    n_queues: int = 6
+    quantum: float = 0.0
+    quantum_ratio: float = 2.0
+    starve_limit: float = 10.0
+    kv_policy: str = "proactive"
+    min_free_blocks: int = 8
+    burst_queues: int = 2
+
+
+@dataclass(slots=True)
+class ServerConfig:
+    frontend_address: str = "tcp://127.0.0.1:5555"
+    backend_address: str = "ipc:///tmp/orca_mq_backend"
+    worker_base_port: int = 29500
+    drain_timeout: float = 30.0
+    ready_timeout: float = 300.0
+
+
+@dataclass(slots=True)
+class LogConfig:
+    dir: str = "logs"
+    level: str = "info"
+
+
+@dataclass(slots=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    fastserve: FastServeConfig = field(default_factory=FastServeConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    def set(self, dotted: str, value: Any) -> None:
+        """Set `section.key` (or a bare key when it is unique across sections), coercing strings."""
+        section, key = self._locate(dotted)
+        sub = getattr(self, section)
+        current = getattr(sub, key)
+        setattr(sub, key, _coerce(value, type(current), dotted))
+
+    def _locate(self, dotted: str) -> tuple[str, str]:
+        if "." in dotted:
+            section, key = dotted.split(".", 1)
+            if section not in _SECTIONS or key not in _fields(_SECTIONS[section]):
+                raise KeyError(f"unknown config key {dotted!r}")
+            return section, key
+        owners = [s for s, cls in _SECTIONS.items() if dotted in _fields(cls)]
+        if len(owners) != 1:
+            raise KeyError(f"unknown or ambiguous config key {dotted!r}")
+        return owners[0], dotted
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, dict[str, Any]]) -> "Config":
+        cfg = cls()
+        for section, values in data.items():
+            if section not in _SECTIONS:
+                raise KeyError(f"unknown config section [{section}]")
+            for key, value in values.items():
+                cfg.set(f"{section}.{key}", value)
+        return cfg
+
+
+_SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(Config)}  # type: ignore[misc]
+
+
+def _fields(cls: type) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls)}
+
+
+def _coerce(value: Any, kind: type, name: str) -> Any:
+    if isinstance(value, str) and kind is not str:
+        if kind is bool:
+            if value.lower() not in ("true", "false", "1", "0"):
+                raise ValueError(f"{name}: expected a boolean, got {value!r}")
+            return value.lower() in ("true", "1")
+        try:
+            return kind(value)
+        except ValueError as e:
+            raise ValueError(f"{name}: expected {kind.__name__}, got {value!r}") from e
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise ValueError(f"{name}: expected {kind.__name__}, got {value!r}")
+    return value
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | list[str] | None = None) -> Config:
+    """Read config.toml (default: the repo's) and apply overrides ({"a.b": v} or ["a.b=v", ...])."""
+    with open(path or DEFAULT_CONFIG_PATH, "rb") as f:
+        cfg = Config.from_dict(tomllib.load(f))
+    if isinstance(overrides, list):
+        pairs = []
+        for item in overrides:
+            if "=" not in item:
+                raise ValueError(f"override {item!r} is not section.key=value")
+            pairs.append(item.split("=", 1))
+        overrides = dict(pairs)
+    for key, value in (overrides or {}).items():
+        cfg.set(key, value)
+    return cfg

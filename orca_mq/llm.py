@@ -1,0 +1,83 @@
+"""Offline API in the style of vLLM, on the same iteration-level scheduler and engine as the server."""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from orca_mq.config import load_config
+from orca_mq.model_runner import ModelRunner
+from orca_mq.sampling_params import InvalidRequest, SamplingParams
+from orca_mq.scheduler import make_scheduler
+from orca_mq.sequence import Request
+from orca_mq.tokenizer import load_tokenizer
+from orca_mq.validation import validate_request
+from orca_mq.weights import read_model_info
+
+Prompt = str | list[int]
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+
+
+class LLM:
+    """LLM(model=path, max_bs=4, n_slots=...) overrides config.toml keys (bare or `section.key`).
+    All layers run in this process (one stage), one iteration at a time."""
+
+    def __init__(self, model: str | None = None, config: str | Path | None = None, **overrides: Any) -> None:
+        self.cfg = load_config(config, {k.replace("__", "."): v for k, v in overrides.items()})
+        if model is not None:
+            self.cfg.model.path = model
+        self.cfg.engine.n_workers = 1
+        self.info = read_model_info(self.cfg.model.path)
+        self.tokenizer = load_tokenizer(self.cfg.model.path)
+        self.runner = ModelRunner(self.cfg, info=self.info)
+        self.scheduler = make_scheduler(self.cfg, self.info)
+        self._ids = itertools.count()
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        params_list = list(params) if isinstance(params, Sequence) else [params or SamplingParams()] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise InvalidRequest(f"{len(prompts)} prompts but {len(params_list)} sampling params")
+        reqs = []
+        for prompt, p in zip(prompts, params_list):
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            validate_request(ids, p, self.info, self.cfg)  # all checked before any is queued
+            reqs.append(Request(f"offline-{next(self._ids)}", ids, p))
+        for r in reqs:
+            self.scheduler.add(r)
+        self.run_until_done()
+        return [
+            RequestOutput(r.req_id, r.prompt_token_ids, r.output_token_ids,
+                          self.tokenizer.decode(r.output_token_ids, skip_special_tokens=True), r.finish_reason or "")
+            for r in reqs
+        ]
+
+    def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
+             params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        prompts = [self.encode_chat(c) for c in conversations]  # type: ignore[arg-type]
+        return self.generate(prompts, params)
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.tokenizer.encode(text)
+
+    def run_until_done(self) -> None:
+        sched = self.scheduler
+        while sched.has_work():
+            plan = sched.schedule(time.monotonic())
+            if plan is None:
+                raise RuntimeError("scheduler has requests but cannot schedule any (KV pool too small?)")
+            sched.process_result(self.runner.execute(plan), time.monotonic())  # type: ignore[arg-type]

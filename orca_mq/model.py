@@ -1,0 +1,96 @@
+"""One pipeline stage of a Llama- or GPT-2-family model, run with selective batching.
+
+All tokens of the iteration flow as one [T, hidden] tensor through embeddings, norms, QKV/out
+projections, MLP and residual adds; only attention is split per request (attention.py); the LM
+head runs on each request's last token only.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from orca_mq.attention import AttentionMetadata, attention_torch, write_kv_torch
+from orca_mq.kv_cache import KVCache
+from orca_mq.weights import ModelInfo, StageWeights
+
+Tensor = torch.Tensor
+
+
+class StageModel:
+    def __init__(self, info: ModelInfo, weights: StageWeights, layers: range, max_len: int,
+                 device: torch.device, attention_backend: str = "torch") -> None:
+        self.info, self.layers = info, layers
+        self.w = weights
+        self.first, self.last = weights.embed is not None and layers.start == 0, weights.final_norm is not None
+        self.scale = 1.0 / math.sqrt(info.head_dim)
+        self.split = [info.n_heads * info.head_dim, info.n_kv_heads * info.head_dim, info.n_kv_heads * info.head_dim]
+        if attention_backend == "triton":
+            import kernels
+
+            self._write_kv, self._attention = kernels.write_kv_for_engine, kernels.attention_for_engine
+        else:
+            self._write_kv, self._attention = write_kv_torch, attention_torch
+        if info.arch == "llama":  # rotary tables in the rotate-half layout, as Hugging Face computes them
+            d = info.head_dim
+            inv_freq = 1.0 / (info.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+            freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
+            emb = torch.cat([freqs, freqs], dim=-1)
+            dtype = weights.layers[0]["qkv"].dtype if weights.layers else torch.float32
+            self.cos, self.sin = emb.cos().to(device, dtype), emb.sin().to(device, dtype)
+
+    # ------------------------------------------------------------ forward
+
+    @torch.inference_mode()
+    def forward(self, inputs: Tensor, meta: AttentionMetadata, kv: KVCache) -> Tensor:
+        """inputs: token ids [T] on the first stage, else hidden [T, H]. Returns hidden [T, H],
+        or logits [B, vocab] of each request's last token on the last stage."""
+        h = self.embed(inputs, meta) if self.first else inputs
+        rope = (self.cos[meta.positions], self.sin[meta.positions]) if self.info.arch == "llama" else None
+        for i, w in enumerate(self.w.layers):
+            k_cache, v_cache = kv.layer(i)
+            h = self._layer(h, w, meta, k_cache, v_cache, rope)
+        if not self.last:
+            return h
+        h = h.index_select(0, meta.last_token_idx)
+        return F.linear(self._norm(h, self.w.final_norm["w"], self.w.final_norm.get("b")), self.w.lm_head)
+
+    def embed(self, tokens: Tensor, meta: AttentionMetadata) -> Tensor:
+        h = F.embedding(tokens, self.w.embed)
+        return h + F.embedding(meta.positions, self.w.pos_embed) if self.w.pos_embed is not None else h
+
+    def _norm(self, x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+        if self.info.arch == "gpt2":
+            return F.layer_norm(x, (x.shape[-1],), w, b, self.info.norm_eps)
+        xf = x.float()  # F.rms_norm is not fused on CPU and is far slower than these three ops
+        return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.info.norm_eps)).to(x.dtype)
+
+    def _layer(self, h: Tensor, w: dict[str, Tensor], meta: AttentionMetadata,
+               k_cache: Tensor, v_cache: Tensor, rope: tuple[Tensor, Tensor] | None) -> Tensor:
+        gpt2 = self.info.arch == "gpt2"
+        x = self._norm(h, w["ln1_w"], w["ln1_b"]) if gpt2 else self._norm(h, w["attn_norm"], None)
+        qkv = F.linear(x, w["qkv"], w.get("qkv_b"))
+        t, d = h.shape[0], self.info.head_dim
+        if rope is not None:  # Q and K heads rotate together: one set of elementwise ops
+            qk = _rotary(qkv[:, : self.split[0] + self.split[1]].reshape(t, -1, d), rope)
+            q, k = qk[:, : self.info.n_heads], qk[:, self.info.n_heads:]
+        else:
+            q, k = qkv[:, : self.split[0]].reshape(t, -1, d), qkv[:, self.split[0]: -self.split[2]].reshape(t, -1, d)
+        v = qkv[:, -self.split[2]:].reshape(t, -1, d)
+        self._write_kv(k, v, k_cache, v_cache, meta)
+        o = self._attention(q, k, v, k_cache, v_cache, meta, self.scale).reshape(t, -1)
+        h = h + F.linear(o, w["o"], w.get("o_b"))
+        if gpt2:
+            x = self._norm(h, w["ln2_w"], w["ln2_b"])
+            return h + F.linear(F.gelu(F.linear(x, w["fc"], w["fc_b"]), approximate="tanh"), w["proj"], w["proj_b"])
+        gate, up = F.linear(self._norm(h, w["ffn_norm"], None), w["gate_up"]).chunk(2, dim=-1)
+        return h + F.linear(F.silu(gate) * up, w["down"])
+
+
+def _rotary(x: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
+    """x * cos + rotate_half(x) * sin, with the table's two equal halves computed once."""
+    half = x.shape[-1] // 2
+    cos, sin = rope[0][:, None, :half], rope[1][:, None, :half]
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)

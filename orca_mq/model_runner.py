@@ -1,0 +1,86 @@
+"""Executes one iteration plan on one pipeline stage: its layers, its KV pool, and (last stage) sampling."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from orca_mq.attention import build_metadata
+from orca_mq.iteration import IterationPlan, IterationResult
+from orca_mq.kv_cache import KVCache
+from orca_mq.model import StageModel
+from orca_mq.sampler import sample
+from orca_mq.weights import ModelInfo, load_stage_weights, read_model_info
+
+if TYPE_CHECKING:
+    from orca_mq.config import Config
+
+Tensor = torch.Tensor
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("engine.device = cuda but no CUDA device is available")
+    return torch.device(name)
+
+
+def resolve_attention_backend(name: str, device: torch.device) -> str:
+    if name == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    if name not in ("torch", "triton"):
+        raise ValueError(f"engine.attention_backend must be auto | torch | triton, got {name!r}")
+    return name
+
+
+class ModelRunner:
+    def __init__(self, cfg: "Config", stage: int = 0, n_stages: int = 1, info: ModelInfo | None = None) -> None:
+        if cfg.model.dtype not in DTYPES:
+            raise ValueError(f"model.dtype must be one of {sorted(DTYPES)}, got {cfg.model.dtype!r}")
+        self.device = resolve_device(cfg.engine.device)
+        self.dtype = DTYPES[cfg.model.dtype]
+        torch.set_num_threads(cfg.engine.threads_per_worker)
+        self.info = info or read_model_info(cfg.model.path)
+        self.stage, self.n_stages = stage, n_stages
+        self.first, self.last = stage == 0, stage == n_stages - 1
+        layers = self.info.stage_layers(stage, n_stages)
+        weights = load_stage_weights(self.info, layers, self.first, self.last, self.dtype)
+        for w in [*weights.layers, weights.final_norm or {}]:
+            for k, t in w.items():
+                w[k] = t.to(self.device)
+        for name in ("embed", "pos_embed", "lm_head"):
+            t = getattr(weights, name)
+            if t is not None:
+                setattr(weights, name, t.to(self.device))
+        if weights.lm_head is not None and weights.embed is not None and self.info.tie_embeddings:
+            weights.lm_head = weights.embed  # one copy of a tied head
+        self.block_size = cfg.engine.block_size
+        self.model = StageModel(self.info, weights, layers, self.info.max_model_len(cfg), self.device,
+                                resolve_attention_backend(cfg.engine.attention_backend, self.device))
+        self.kv = KVCache.allocate(len(layers), cfg.engine.n_slots // self.block_size, self.block_size,
+                                   self.info.n_kv_heads, self.info.head_dim, self.dtype, self.device)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.info.hidden_size
+
+    def execute(self, plan: IterationPlan, hidden_in: Tensor | None = None) -> Tensor | IterationResult:
+        """Stage 0 takes the plan's tokens, later stages the previous stage's hidden states.
+        Returns hidden states [T, hidden] to pass on, or on the last stage the sampled tokens."""
+        out = self.forward(plan, hidden_in)
+        if not self.last:
+            return out
+        return IterationResult(plan.iteration, [s.req_id for s in plan.seqs], sample(out, plan.seqs))
+
+    def forward(self, plan: IterationPlan, hidden_in: Tensor | None = None) -> Tensor:
+        """Hidden states [T, hidden], or on the last stage logits [B, vocab] of each request's last token."""
+        meta = build_metadata(plan, self.block_size, self.device)
+        if self.first:
+            inputs = torch.tensor([t for s in plan.seqs for t in s.token_ids], dtype=torch.int64, device=self.device)
+        elif hidden_in is None:
+            raise ValueError(f"stage {self.stage} needs the previous stage's hidden states")
+        else:
+            inputs = hidden_in
+        return self.model.forward(inputs, meta, self.kv)

@@ -1,0 +1,212 @@
+"""Iteration-level schedulers over one request pool: ORCA (Algorithm 1) and the request-level baseline.
+
+A scheduler is pure bookkeeping (no I/O): `schedule()` returns the next iteration to run,
+`process_result()` takes its tokens back. The offline LLM and the scheduler process drive the
+same objects, so what is tested here is what serves.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from orca_mq.block_manager import BlockManager
+from orca_mq.iteration import IterationPlan, IterationResult, SeqWork
+from orca_mq.sequence import Phase, Request
+
+if TYPE_CHECKING:
+    from orca_mq.config import Config
+    from orca_mq.weights import ModelInfo
+
+
+@dataclass(slots=True)
+class TokenEvent:
+    req_id: str
+    token_id: int | None            # None on a final event that carries no new token (abort)
+    finish_reason: str | None = None  # "stop" | "length" | "abort" when the request is done
+
+
+class Scheduler:
+    """What every policy shares: the pool, KV blocks, iterations in flight, finishing."""
+
+    def __init__(self, cfg: "Config", info: "ModelInfo") -> None:
+        self.max_bs = cfg.scheduler.max_bs
+        self.n_workers = cfg.engine.n_workers
+        self.block_manager = BlockManager(cfg.engine.n_slots // cfg.engine.block_size, cfg.engine.block_size)
+        self.eos_token_ids = set(info.eos_token_ids)
+        self.pool: dict[str, Request] = {}            # insertion order = arrival order
+        self.in_flight: dict[int, list[Request]] = {}
+        self.iteration = 0
+        self.record: list[tuple[int, list[str]]] = []  # (iteration, request ids) for FCFS checks
+        if self.max_bs < 1 or self.n_workers < 1:
+            raise ValueError("max_bs and n_workers must be >= 1")
+
+    # ------------------------------------------------------------ pool
+
+    def add(self, req: Request) -> None:
+        if req.req_id in self.pool:
+            raise ValueError(f"duplicate request id {req.req_id}")
+        self.pool[req.req_id] = req
+
+    def abort(self, req_id: str) -> TokenEvent | None:
+        req = self.pool.get(req_id)
+        if req is None:
+            return None
+        if req.running:  # its iteration is in flight: finish when the tokens come back
+            req.aborted = True
+            return None
+        self._finish(req, "abort")
+        return TokenEvent(req_id, None, "abort")
+
+    def has_work(self) -> bool:
+        return bool(self.pool) or bool(self.in_flight)
+
+    @property
+    def n_in_flight(self) -> int:
+        return len(self.in_flight)
+
+    def stats(self) -> dict[str, int]:
+        bm = self.block_manager
+        return {
+            "n_slots": bm.num_blocks * bm.block_size, "free_slots": bm.num_free_slots,
+            "used_slots": bm.num_used_slots, "waiting": sum(not r.running for r in self.pool.values()),
+            "running": sum(r.running for r in self.pool.values()), "in_flight": len(self.in_flight),
+            "iterations": self.iteration,
+        }
+
+    # ------------------------------------------------------------ iterations
+
+    def schedule(self, now: float) -> IterationPlan | None:
+        """The next iteration, or None when the pipeline is full or nothing can run."""
+        if len(self.in_flight) >= self.n_workers:
+            return None
+        batch = self.select(now)
+        if not batch:
+            return None
+        seqs = []
+        for req in batch:
+            tokens, start = req.next_tokens()
+            table = self.block_manager.ensure(req.req_id, start + len(tokens))
+            p = req.params
+            seqs.append(SeqWork(req.req_id, tokens, start, list(table), p.temperature, p.top_k, p.top_p, p.seed))
+            req.running = True
+        self.iteration += 1
+        plan = IterationPlan(self.iteration, seqs)
+        self.in_flight[plan.iteration] = batch
+        self.record.append((plan.iteration, [r.req_id for r in batch]))
+        return plan
+
+    def process_result(self, result: IterationResult, now: float) -> list[TokenEvent]:
+        batch = self.in_flight.pop(result.iteration, None)
+        if batch is None or [r.req_id for r in batch] != list(result.req_ids):
+            raise ValueError(f"result of iteration {result.iteration} does not match any iteration in flight")
+        events = []
+        for req, token in zip(batch, result.token_ids):
+            req.running = False
+            req.n_iterations += 1
+            if req.aborted:
+                self._finish(req, "abort")
+                events.append(TokenEvent(req.req_id, None, "abort"))
+                continue
+            req.output_token_ids.append(token)
+            req.phase = Phase.INCREMENT
+            if req.first_token_time is None:
+                req.first_token_time = now
+            reason = self._stop_reason(req, token)
+            if reason:
+                self._finish(req, reason, now)
+            events.append(TokenEvent(req.req_id, token, reason))
+        self.after_iteration(batch, now)
+        return self.emit(events)
+
+    def _stop_reason(self, req: Request, token: int) -> str | None:
+        if not req.params.ignore_eos and token in self.eos_token_ids or token in req.params.stop_token_ids:
+            return "stop"
+        return "length" if len(req.output_token_ids) >= req.params.max_tokens else None
+
+    def _finish(self, req: Request, reason: str, now: float | None = None) -> None:
+        req.phase, req.finish_reason, req.finish_time = Phase.FINISHED, reason, now
+        del self.pool[req.req_id]
+        self.block_manager.free(req.req_id)
+        self.release(req)
+
+    # ------------------------------------------------------------ policy hooks
+
+    def select(self, now: float) -> list[Request]:
+        raise NotImplementedError
+
+    def release(self, req: Request) -> None:
+        """A request left the pool: return whatever the policy holds for it."""
+
+    def after_iteration(self, batch: list[Request], now: float) -> None:
+        """An iteration's tokens were appended (FastServe preempts and demotes here)."""
+
+    def emit(self, events: list[TokenEvent]) -> list[TokenEvent]:
+        return events
+
+
+class OrcaScheduler(Scheduler):
+    """ORCA Algorithm 1: iteration-level FCFS, reserving max_tokens KV slots at a request's first schedule."""
+
+    def __init__(self, cfg: "Config", info: "ModelInfo") -> None:
+        super().__init__(cfg, info)
+        self.n_slots = self.block_manager.num_blocks * self.block_manager.block_size
+        self.n_rsrv = 0
+        self.reserved: dict[str, int] = {}
+
+    def select(self, now: float) -> list[Request]:
+        batch: list[Request] = []
+        for req in self.pool.values():  # arrival order
+            if req.running:
+                continue
+            if len(batch) == self.max_bs:
+                break
+            if req.phase is Phase.INITIATION and req.req_id not in self.reserved:
+                need = self.block_manager.blocks_for(req.max_total_tokens) * self.block_manager.block_size
+                if self.n_rsrv + need > self.n_slots:
+                    break  # strict FCFS: a later request may not pass one that does not fit
+                self.n_rsrv += need
+                self.reserved[req.req_id] = need
+            batch.append(req)
+        return batch
+
+    def release(self, req: Request) -> None:
+        self.n_rsrv -= self.reserved.pop(req.req_id, 0)
+
+    def stats(self) -> dict[str, int]:
+        return {**super().stats(), "reserved_slots": self.n_rsrv}
+
+
+class RequestLevelScheduler(OrcaScheduler):
+    """The baseline (Triton dynamic batcher + FasterTransformer): a batch runs until every request
+    in it finishes; nothing joins meanwhile and nothing returns early. Finished requests spend no
+    compute while they wait for the batch, which flatters the baseline slightly."""
+
+    def __init__(self, cfg: "Config", info: "ModelInfo") -> None:
+        super().__init__(cfg, info)
+        self.batch: list[Request] = []
+        self.held: list[TokenEvent] = []
+
+    def select(self, now: float) -> list[Request]:
+        if not self.batch:
+            self.batch = super().select(now)
+        return [r for r in self.batch if not r.running and r.phase is not Phase.FINISHED]
+
+    def emit(self, events: list[TokenEvent]) -> list[TokenEvent]:
+        self.held.extend(events)
+        if any(r.phase is not Phase.FINISHED for r in self.batch):
+            return []
+        self.batch, out, self.held = [], self.held, []
+        return out
+
+
+def make_scheduler(cfg: "Config", info: "ModelInfo") -> Scheduler:
+    policy = cfg.scheduler.policy
+    if policy == "orca":
+        return OrcaScheduler(cfg, info)
+    if policy == "request":
+        return RequestLevelScheduler(cfg, info)
+    if policy == "fastserve":
+        from orca_mq.fastserve import FastServeScheduler
+
+        return FastServeScheduler(cfg, info)
+    raise ValueError(f"unknown scheduler.policy {policy!r} (orca | request | fastserve)")

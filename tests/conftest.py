@@ -1,0 +1,60 @@
+"""Shared fixtures: tiny random Llama / GPT-2 models saved as safetensors dirs, and the embedded model."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _save_tiny(path: Path, config) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).float().eval()
+    with torch.no_grad():  # random init is near-zero for some params; widen so bugs change logits
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
+                      bos_token_id=1, eos_token_id=2)
+    return _save_tiny(tmp_path_factory.mktemp("tiny_llama"), cfg)
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt2_dir(tmp_path_factory) -> Path:
+    from transformers import GPT2Config
+
+    cfg = GPT2Config(vocab_size=512, n_embd=64, n_layer=3, n_head=4, n_positions=512,
+                     bos_token_id=1, eos_token_id=2)
+    return _save_tiny(tmp_path_factory.mktemp("tiny_gpt2"), cfg)
+
+
+@pytest.fixture(scope="session")
+def hf_reference():
+    """transformers' own model for the embedded GGUF (the reference tests compare against)."""
+    from transformers import AutoModelForCausalLM
+
+    from orca_mq.model_files import embedded_model_path
+
+    path = embedded_model_path()
+    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def embedded_llm():
+    from orca_mq import LLM
+
+    return LLM(max_bs=3, n_slots=4096)
