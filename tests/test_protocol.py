@@ -1,0 +1,92 @@
+"""The message codec: every type round-trips; malformed, truncated, unknown and wrong-version
+frames and badly typed fields are rejected with a ProtocolError (never another exception)."""
+from __future__ import annotations
+
+import msgpack
+import pytest
+
+from orca_mq.iteration import IterationPlan, IterationResult, SeqWork
+from orca_mq.protocol import PROTOCOL_VERSION, ProtocolError, decode, encode, unpack
+from orca_mq.protocol.client_msgs import TO_CLIENT, TO_SERVER, Abort, Error, Generate, Output, Ping, Pong, Stats, StatsReply
+from orca_mq.protocol.codec import channel
+from orca_mq.protocol.control_msgs import AbortAll, ClientGone, Drain, Drained, Fatal, Ready
+from orca_mq.protocol.engine_msgs import (AbortRequest, AddRequest, ControlFrame, IterationDone, StatsQuery,
+                                          StatsResult, TokenBatch, WorkerStats, WorkerStatsQuery)
+
+PLAN = IterationPlan(7, [SeqWork("a", [1, 2, 3], 0, [0], 0.0, 0, 1.0, None),
+                         SeqWork("b", [9], 41, [3, 4, 5], 0.7, 40, 0.9, 1234)], swap_out=[(1, 100)], swap_in=[(101, 2)])
+
+MESSAGES = [
+    Generate("r1", prompt="héllo 你好", sampling={"max_tokens": 4, "temperature": 0.0}),
+    Generate("r2", prompt_token_ids=[1, 2, 3]),
+    Generate("r3", messages=[{"role": "user", "content": "hi"}], chat=True),
+    Abort("r1"), Stats("q", record=True), Ping(5),
+    Output("r1", [5], "x"), Output("r1", [], "", True, "error", "bad", {"ttft": 0.1}), StatsReply("q", {"a": [1]}),
+    Pong(5), Error("nope"), Error("nope", "r1"),
+    AddRequest("r1", [1, 2], {"max_tokens": 3}), AbortRequest("r1"), TokenBatch(3, [("a", 5, None), ("b", None, "abort")]),
+    StatsQuery("q"), StatsResult("q", {}), ControlFrame(PLAN, 1.5),
+    IterationDone(IterationResult(7, ["a", "b"], [10, 11]), 1.0, 2.0), WorkerStatsQuery("q", True), WorkerStats("q", 1, {}),
+    Ready("frontend", 12), Drain(), Drained(), AbortAll("why"), Fatal("worker1 died"), ClientGone(b"\x00abcd"),
+]
+
+
+@pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: type(m).__name__)
+def test_round_trip(msg):
+    assert decode(encode(msg), channel(type(msg))) == msg
+
+
+def test_plan_keeps_its_types():
+    plan = decode(encode(ControlFrame(PLAN, 0.0)), channel(ControlFrame)).plan
+    assert isinstance(plan.seqs[1], SeqWork) and plan.seqs[1].seed == 1234 and plan.num_tokens == 4
+    assert plan.swap_out == [(1, 100)] and isinstance(plan.swap_out[0], tuple)
+
+
+def _raw(**body):
+    return msgpack.packb({"v": PROTOCOL_VERSION, **body})
+
+
+BAD_FRAMES = {
+    "not msgpack": b"\xc1\xc1\xc1",
+    "truncated": encode(Generate("r9", prompt="hello world"))[:-4],
+    "trailing bytes": encode(Ping(1)) + b"\x00",
+    "not a map": msgpack.packb([1, 2, 3]),
+    "no version": msgpack.packb({"type": "ping", "nonce": 1}),
+    "wrong version": msgpack.packb({"v": PROTOCOL_VERSION + 1, "type": "ping", "nonce": 1}),
+    "unknown type": _raw(type="teleport"),
+    "type of another channel": encode(TokenBatch(1, [])),
+    "unknown field": _raw(type="generate", request_id="r", prompt="x", colour="red"),
+    "missing field": _raw(type="abort"),
+    "str for int": _raw(type="generate", request_id="r", prompt_token_ids=["1"]),
+    "bool for int": _raw(type="ping", nonce=True),
+    "float for int list": _raw(type="generate", request_id="r", prompt_token_ids=[1.5]),
+    "map with int keys": msgpack.packb({"v": 1, "type": "generate", "request_id": "r", "sampling": {1: 2}}),
+    "invalid utf-8": b"\x82\xa1v\x01\xa4type\xa4\xff\xfe\xfd\xfc",
+    "empty": b"",
+}
+
+
+@pytest.mark.parametrize("frame", BAD_FRAMES.values(), ids=BAD_FRAMES.keys())
+def test_bad_frames_raise_protocol_error(frame):
+    with pytest.raises(ProtocolError):
+        decode(frame, TO_SERVER)
+
+
+def test_error_names_the_request_when_it_can():
+    with pytest.raises(ProtocolError) as e:
+        decode(_raw(type="generate", request_id="r7", prompt="x", colour="red"), TO_SERVER)
+    assert e.value.request_id == "r7" and "colour" in str(e.value)
+
+
+def test_nested_plan_is_checked():
+    body = unpack(encode(ControlFrame(PLAN, 0.0)))
+    body["plan"][1][0][2] = "zero"  # start_pos of the first seq
+    with pytest.raises(ProtocolError, match="start_pos"):
+        decode(msgpack.packb(body), channel(ControlFrame))
+    body["plan"][1][0] = body["plan"][1][0][:3]  # a seq with fields missing
+    with pytest.raises(ProtocolError):
+        decode(msgpack.packb(body), channel(ControlFrame))
+
+
+def test_channels_are_disjoint_where_it_matters():
+    assert not TO_SERVER & TO_CLIENT
+    assert "plan" not in TO_SERVER | TO_CLIENT

@@ -1,0 +1,118 @@
+"""The broker process on its own (no model): routing, rejection of bad frames, vanished clients,
+and failing in-flight requests on `fatal`."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import msgpack
+import pytest
+import zmq
+
+from orca_mq.config import Config
+from orca_mq.protocol import decode, encode
+from orca_mq.protocol.client_msgs import TO_CLIENT, Error, Generate, Output, Ping, Pong
+from orca_mq.protocol.codec import channel
+from orca_mq.protocol.control_msgs import ClientGone, Fatal
+from orca_mq.zmq_queue import BROKER, CLIENT, PEER
+from serving_harness import ROOT, free_port
+
+TIMEOUT_MS = 5000
+
+
+@pytest.fixture()
+def broker(tmp_path):
+    cfg = Config()
+    cfg.server.frontend_address = f"tcp://127.0.0.1:{free_port()}"
+    cfg.server.backend_address = f"ipc://{tmp_path}/backend"
+    cfg.log.dir = str(tmp_path / "logs")
+    proc = subprocess.Popen([sys.executable, "-m", "orca_mq.broker", "--config-json", json.dumps(cfg.to_dict())], cwd=ROOT)
+    ctx = zmq.Context()
+    frontend = ctx.socket(zmq.DEALER)
+    frontend.setsockopt(zmq.ROUTING_ID, b"frontend")
+    frontend.connect(cfg.server.backend_address)
+    launcher = ctx.socket(zmq.DEALER)
+    launcher.setsockopt(zmq.ROUTING_ID, b"launcher")
+    launcher.connect(cfg.server.backend_address)
+    for sock in (frontend, launcher):  # until the broker knows both identities
+        for _ in range(100):
+            sock.send_multipart([BROKER, b"", encode(Ping(1))])
+            if sock.poll(200):
+                while sock.poll(300):  # pongs of earlier pings
+                    sock.recv_multipart()
+                break
+    yield cfg, ctx, frontend, launcher
+    proc.terminate()
+    proc.wait(10)
+    assert proc.returncode == 0
+    ctx.destroy(linger=0)
+
+
+def _client(ctx, cfg):
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(cfg.server.frontend_address)
+    return sock
+
+
+def _recv(sock, n_frames=1):
+    assert sock.poll(TIMEOUT_MS), "no reply"
+    frames = sock.recv_multipart()
+    assert len(frames) == n_frames
+    return frames
+
+
+def test_bad_client_frames_get_errors_and_the_broker_survives(broker):
+    cfg, ctx, frontend, _ = broker
+    client = _client(ctx, cfg)
+    for frame in [[b"\xc1garbage"], [encode(Ping(1))[:-1]], [msgpack.packb({"v": 99, "type": "ping", "nonce": 1})],
+                  [msgpack.packb({"v": 1, "type": "warp"})], [encode(Ping(1)), b"extra"],
+                  [msgpack.packb({"v": 1, "type": "generate", "request_id": "r1", "prompt": "x", "bogus": 1})]]:
+        client.send_multipart(frame)
+        msg = decode(_recv(client)[0], TO_CLIENT)
+        assert isinstance(msg, Error), frame
+    assert msg.request_id == "r1"  # the last one named its request: that request is over
+    client.send(encode(Ping(7)))
+    assert decode(_recv(client)[0], TO_CLIENT) == Pong(7)
+    assert not frontend.poll(100), "nothing malformed may reach the frontend"
+
+
+def test_routing_and_vanished_client(broker):
+    cfg, ctx, frontend, _ = broker
+    client = _client(ctx, cfg)
+    client.send(encode(Generate("r1", prompt="hi")))
+    route, cid, payload = _recv(frontend, 3)
+    assert route == CLIENT and decode(payload, channel(Generate)).request_id == "r1"
+    frontend.send_multipart([CLIENT, cid, encode(Output("r1", [5], "x"))])
+    assert decode(_recv(client)[0], TO_CLIENT) == Output("r1", [5], "x")
+    client.close()
+    time.sleep(0.3)  # the broker's ROUTER notices the TCP close
+    frontend.send_multipart([CLIENT, cid, encode(Output("r1", [6], "y"))])
+    route, _, payload = _recv(frontend, 3)
+    assert route == BROKER and decode(payload, channel(ClientGone)) == ClientGone(cid)
+
+
+def test_unknown_peer_and_bad_envelopes_are_answered(broker):
+    _, _, frontend, _ = broker
+    frontend.send_multipart([PEER, b"nobody", encode(Ping(1))])
+    assert "unreachable" in decode(_recv(frontend, 3)[2], channel(Error)).error
+    frontend.send_multipart([b"X", b"", b""])
+    assert "envelope" in decode(_recv(frontend, 3)[2], channel(Error)).error
+    frontend.send_multipart([CLIENT, b"\x00abcd", encode(Generate("r", prompt="x"))])  # not a client-bound type
+    assert isinstance(decode(_recv(frontend, 3)[2], channel(Error)), Error)
+
+
+def test_fatal_fails_in_flight_requests_and_refuses_new_ones(broker):
+    cfg, ctx, frontend, launcher = broker
+    client = _client(ctx, cfg)
+    client.send(encode(Generate("r1", prompt="hi")))
+    _recv(frontend, 3)
+    launcher.send_multipart([BROKER, b"", encode(Fatal("worker1 died"))])
+    out = decode(_recv(client)[0], TO_CLIENT)
+    assert out.request_id == "r1" and out.finished and out.finish_reason == "error" and "worker1 died" in out.error
+    client.send(encode(Generate("r2", prompt="hi")))
+    out = decode(_recv(client)[0], TO_CLIENT)
+    assert out.request_id == "r2" and out.finish_reason == "error"
+    assert not frontend.poll(100)
