@@ -1,0 +1,208 @@
+"""Faults against a running server; each has its documented outcome, nothing hangs, and no KV
+slot is leaked afterwards.
+
+- malformed / truncated / unknown-type / wrong-version frames: an `error` reply, logged, no crash
+- invalid requests (too long, empty, bad sampling values or token ids, unknown fields): an
+  `error` final message to that client only
+- abort mid-stream: final `abort`; a vanished client: its requests are aborted (ROUTER_MANDATORY)
+- SIGKILL of a worker: every in-flight request gets an `error` final, the launcher exits 1
+- SIGTERM of the launcher: drain, then every process is gone (exit 0) within 30 s
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import msgpack
+import pytest
+import zmq
+
+from orca_mq.client import AsyncClient, Client
+from orca_mq.protocol import decode, encode
+from orca_mq.protocol.client_msgs import TO_CLIENT, Error, Generate, Output
+from orca_mq.zmq_queue import PEER
+from serving_harness import alive, start_server
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = start_server(tmp_path_factory.mktemp("faults"), n_workers=1, **{"server.drain_timeout": 3.0, "engine.n_slots": 4096})
+    yield srv
+    srv.stop()
+
+
+def _stats_settled(address: str, timeout: float = 15.0) -> dict:
+    deadline = time.monotonic() + timeout
+    with Client(address) as client:
+        while True:
+            stats = client.stats()
+            if stats["frontend"]["active_requests"] == 0 and stats["scheduler"]["used_slots"] == 0:
+                return stats
+            assert time.monotonic() < deadline, f"requests or KV slots still held: {stats}"
+            time.sleep(0.2)
+
+
+def _dealer(ctx: zmq.Context, address: str, identity: bytes | None = None) -> zmq.Socket:
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    if identity:
+        sock.setsockopt(zmq.ROUTING_ID, identity)
+    sock.connect(address)
+    return sock
+
+
+def _logs(server, role: str) -> str:
+    return (server.log_dir / f"{role}.log").read_text()
+
+
+def test_malformed_frames_are_answered_and_logged(server):
+    ctx = zmq.Context()
+    try:
+        client = _dealer(ctx, server.address)
+        bad = [b"\xc1\xc1", encode(Generate("t1", prompt="truncated frame"))[:-3],
+               msgpack.packb({"v": 42, "type": "generate", "request_id": "t2", "prompt": "x"}),
+               msgpack.packb({"v": 1, "type": "teleport"}),
+               msgpack.packb({"v": 1, "type": "generate", "request_id": "t3", "prompt": "x", "colour": "red"})]
+        for frame in bad:
+            client.send(frame)
+            assert client.poll(10_000), f"no reply to {frame!r}"
+            assert isinstance(decode(client.recv(), TO_CLIENT), Error)
+        # inside the system too: a rogue peer on the backend socket, garbage to the scheduler, the frontend
+        # and the first worker's control socket
+        backend = next(a.split("=", 1)[1] for a in server.proc.args if a.startswith("server.backend_address="))
+        rogue = _dealer(ctx, backend, b"rogue")
+        rogue.send_multipart([PEER, b"scheduler", msgpack.packb({"v": 1, "type": "add", "req_id": "x"})])
+        assert rogue.poll(10_000) and "missing field" in decode(rogue.recv_multipart()[2], frozenset({"error"})).error
+        rogue.send_multipart([PEER, b"frontend", b"\xc1"])
+        assert rogue.poll(10_000) and "malformed" in decode(rogue.recv_multipart()[2], frozenset({"error"})).error
+        run_dir = server.children[server.pid_of("workers.main")].split("--run-dir ")[1].split()[0]
+        control = ctx.socket(zmq.PUSH)
+        control.setsockopt(zmq.LINGER, 1000)
+        control.connect(f"ipc://{run_dir}/ctl0")
+        control.send(msgpack.packb({"v": 1, "type": "plan", "plan": "nonsense", "t_sent": 0.0}))
+        control.close()
+    finally:
+        ctx.destroy(linger=0)
+    with Client(server.address) as c:  # still serving
+        assert c.generate("Hello", max_tokens=3, temperature=0.0).finish_reason == "length"
+    assert "rejected control frame" in _logs(server, "worker0")
+    assert "rejected client frame" in _logs(server, "broker")
+    _stats_settled(server.address)
+
+
+INVALID = [
+    ({"prompt_token_ids": [1] * 2100, "max_tokens": 4}, "context length"),
+    ({"prompt": "Hello", "max_tokens": 5000}, "context length"),
+    ({"prompt": ""}, "empty prompt"),
+    ({"prompt_token_ids": []}, "empty prompt"),
+    ({"prompt_token_ids": [1, -5]}, "vocabulary"),
+    ({"prompt_token_ids": [1, 10**9]}, "vocabulary"),
+    ({"prompt": "x", "temperature": -1.0}, "temperature"),
+    ({"prompt": "x", "top_p": 0.0}, "top_p"),
+    ({"prompt": "x", "top_k": -2}, "top_k"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": "many"}, "max_tokens"),
+    ({"prompt": "x", "stop_token_ids": [10**9]}, "stop_token_ids"),
+    ({"prompt": "x", "frobnicate": 1}, "unknown field"),
+    ({"prompt": "x", "prompt_token_ids": [1]}, "exactly one"),
+    ({"prompt_token_ids": [1], "chat": True}, "chat"),
+    ({"messages": [{"role": "user"}]}, "messages"),
+]
+
+
+def test_invalid_requests_fail_alone(server):
+    async def run():
+        async with AsyncClient(server.address) as client:
+            good = asyncio.create_task(client.generate(prompt="The sky is", max_tokens=6, temperature=0.0, ignore_eos=True))
+            bad = await asyncio.gather(*(client.generate(**kw) for kw, _ in INVALID))
+            return await good, bad
+
+    good, bad = asyncio.run(run())
+    assert good.finish_reason == "length" and len(good.token_ids) == 6
+    for (kw, words), out in zip(INVALID, bad):
+        assert out.finish_reason == "error" and out.token_ids == [], kw
+        assert words in out.error, (kw, out.error)
+    _stats_settled(server.address)
+
+
+def test_abort_mid_stream(server):
+    async def run():
+        async with AsyncClient(server.address) as client:
+            events = []
+            async for ev in client.stream(prompt="Count to a thousand:", max_tokens=300, temperature=0.0, ignore_eos=True):
+                events.append(ev)
+                if len(events) == 2:
+                    await client.abort(ev.request_id)
+            return events
+
+    events = asyncio.run(run())
+    final = events[-1]
+    assert final.finished and final.finish_reason == "abort" and final.error is None
+    assert 2 <= sum(len(e.token_ids) for e in events) < 300
+    _stats_settled(server.address)
+
+
+def test_vanished_client_frees_its_requests(server):
+    ctx = zmq.Context()
+    try:
+        sock = _dealer(ctx, server.address)
+        sock.send(encode(Generate("gone", prompt="Tell me everything.", sampling={"max_tokens": 300, "ignore_eos": True})))
+        for _ in range(2):
+            assert sock.poll(30_000)
+            assert isinstance(decode(sock.recv(), TO_CLIENT), Output)
+        sock.close(linger=0)  # the client disappears without a word
+    finally:
+        ctx.destroy(linger=0)
+    stats = _stats_settled(server.address)
+    assert stats["scheduler"]["free_slots"] == stats["scheduler"]["n_slots"]
+    assert "client disconnected" in _logs(server, "frontend")
+
+
+def test_sigterm_drains_then_stops_every_process(server):
+    """Last test of the module: it stops the shared server."""
+    async def run():
+        async with AsyncClient(server.address) as client:
+            events = []
+            async for ev in client.stream(prompt="Once upon a time", max_tokens=1500, temperature=0.0, ignore_eos=True):
+                events.append(ev)
+                if len(events) == 2:
+                    server.proc.send_signal(signal.SIGTERM)
+            return events
+
+    start = time.monotonic()
+    events = asyncio.run(asyncio.wait_for(run(), 60))
+    assert events[-1].finish_reason == "abort"  # did not finish within drain_timeout = 3 s
+    assert server.proc.wait(30) == 0
+    deadline = start + 30
+    while any(alive(pid) for pid in server.children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [cmd for pid, cmd in server.children.items() if alive(pid)]
+
+
+def test_killed_worker_fails_in_flight_requests(tmp_path):
+    srv = start_server(tmp_path, n_workers=2, **{"engine.n_slots": 4096})
+    try:
+        async def run():
+            async with AsyncClient(srv.address) as client:
+                events = []
+                async for ev in client.stream(prompt="Once upon a time", max_tokens=1500, temperature=0.0, ignore_eos=True):
+                    events.append(ev)
+                    if len(events) == 2:
+                        os.kill(srv.pid_of("--stage 1"), signal.SIGKILL)
+                        killed = time.monotonic()
+                return events, time.monotonic() - killed
+
+        events, took = asyncio.run(asyncio.wait_for(run(), 60))
+        assert events[-1].finish_reason == "error" and "worker1" in events[-1].error
+        assert took < 10, f"the error came {took:.1f} s after the kill"
+        assert srv.proc.wait(30) == 1
+        deadline = time.monotonic() + 15
+        while any(alive(pid) for pid in srv.children) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [cmd for pid, cmd in srv.children.items() if alive(pid)]
+    finally:
+        srv.stop()
