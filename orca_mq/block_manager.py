@@ -40,12 +40,13 @@ class BlockManager:
 
     def ensure(self, req_id: str, n_tokens: int) -> list[int]:
         """Grow the request's block table to hold n_tokens tokens; returns the table."""
-        table = self.tables.setdefault(req_id, [])
+        table = self.tables.get(req_id, [])
         missing = self.blocks_for(n_tokens) - len(table)
         if missing > len(self.free_blocks):
             raise KVAllocationError(
                 f"request {req_id}: needs {missing} more KV blocks, {len(self.free_blocks)} free"
             )
+        self.tables[req_id] = table
         for _ in range(max(0, missing)):
             table.append(self.free_blocks.popleft())
         return table

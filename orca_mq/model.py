@@ -26,7 +26,8 @@ class StageModel:
         self.first, self.last = weights.embed is not None and layers.start == 0, weights.final_norm is not None
         self.scale = 1.0 / math.sqrt(info.head_dim)
         self.split = [info.n_heads * info.head_dim, info.n_kv_heads * info.head_dim, info.n_kv_heads * info.head_dim]
-        if attention_backend == "triton":
+        self.triton = attention_backend == "triton"
+        if self.triton:  # CUDA: the fused kernels of kernels/ (checked on CPU under TRITON_INTERPRET=1)
             import kernels
 
             self._write_kv, self._attention = kernels.write_kv_for_engine, kernels.attention_for_engine
@@ -47,7 +48,8 @@ class StageModel:
         """inputs: token ids [T] on the first stage, else hidden [T, H]. Returns hidden [T, H],
         or logits [B, vocab] of each request's last token on the last stage."""
         h = self.embed(inputs, meta) if self.first else inputs
-        rope = (self.cos[meta.positions], self.sin[meta.positions]) if self.info.arch == "llama" else None
+        # the torch path gathers this iteration's rotary rows once for all layers
+        rope = (self.cos[meta.positions], self.sin[meta.positions]) if self.info.arch == "llama" and not self.triton else None
         for i, w in enumerate(self.w.layers):
             k_cache, v_cache = kv.layer(i)
             h = self._layer(h, w, meta, k_cache, v_cache, rope)
@@ -63,6 +65,10 @@ class StageModel:
     def _norm(self, x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
         if self.info.arch == "gpt2":
             return F.layer_norm(x, (x.shape[-1],), w, b, self.info.norm_eps)
+        if self.triton:
+            import kernels
+
+            return kernels.rms_norm(x, w, self.info.norm_eps)
         xf = x.float()  # F.rms_norm is not fused on CPU and is far slower than these three ops
         return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.info.norm_eps)).to(x.dtype)
 
@@ -72,12 +78,15 @@ class StageModel:
         x = self._norm(h, w["ln1_w"], w["ln1_b"]) if gpt2 else self._norm(h, w["attn_norm"], None)
         qkv = F.linear(x, w["qkv"], w.get("qkv_b"))
         t, d = h.shape[0], self.info.head_dim
-        if rope is not None:  # Q and K heads rotate together: one set of elementwise ops
-            qk = _rotary(qkv[:, : self.split[0] + self.split[1]].reshape(t, -1, d), rope)
-            q, k = qk[:, : self.info.n_heads], qk[:, self.info.n_heads:]
-        else:
-            q, k = qkv[:, : self.split[0]].reshape(t, -1, d), qkv[:, self.split[0]: -self.split[2]].reshape(t, -1, d)
+        q, k = qkv[:, : self.split[0]].reshape(t, -1, d), qkv[:, self.split[0]: -self.split[2]].reshape(t, -1, d)
         v = qkv[:, -self.split[2]:].reshape(t, -1, d)
+        if rope is not None:  # Q and K heads rotate together: one set of elementwise ops
+            qk = _rotary(qkv[:, : self.split[0] + self.split[1]].reshape(t, -1, d), *rope)
+            q, k = qk[:, : self.info.n_heads], qk[:, self.info.n_heads:]
+        elif self.triton and not gpt2:
+            import kernels
+
+            q, k = kernels.rotary(q, k, meta.positions, self.cos, self.sin)
         self._write_kv(k, v, k_cache, v_cache, meta)
         o = self._attention(q, k, v, k_cache, v_cache, meta, self.scale).reshape(t, -1)
         h = h + F.linear(o, w["o"], w.get("o_b"))
@@ -88,9 +97,9 @@ class StageModel:
         return h + F.linear(F.silu(gate) * up, w["down"])
 
 
-def _rotary(x: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
+def _rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """x * cos + rotate_half(x) * sin, with the table's two equal halves computed once."""
     half = x.shape[-1] // 2
-    cos, sin = rope[0][:, None, :half], rope[1][:, None, :half]
+    cos, sin = cos[:, None, :half], sin[:, None, :half]
     x1, x2 = x[..., :half], x[..., half:]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)

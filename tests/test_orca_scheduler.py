@@ -1,0 +1,168 @@
+"""ORCA Algorithm 1 and the request-level baseline, driven by a fake engine that returns token 100 + iteration."""
+from __future__ import annotations
+
+import pytest
+
+from orca_mq.config import load_config
+from orca_mq.iteration import IterationPlan, IterationResult
+from orca_mq.sampling_params import SamplingParams
+from orca_mq.scheduler import OrcaScheduler, RequestLevelScheduler, Scheduler, make_scheduler
+from orca_mq.sequence import Phase, Request
+from orca_mq.weights import ModelInfo
+
+INFO = ModelInfo(path="", arch="llama", vocab_size=1000, hidden_size=8, n_layers=2, n_heads=2, n_kv_heads=1,
+                 intermediate_size=16, norm_eps=1e-5, context_length=4096, eos_token_ids=[2])
+
+
+def make(policy: str = "orca", **overrides) -> Scheduler:
+    cfg = load_config(overrides={"scheduler.policy": policy, "engine.block_size": 4, "engine.n_slots": 1024,
+                                 **overrides})
+    return make_scheduler(cfg, INFO)
+
+
+def req(i: int, prompt_len: int = 5, max_tokens: int = 3, arrival: float | None = None, **params) -> Request:
+    return Request(f"r{i}", [7] * prompt_len, SamplingParams(max_tokens=max_tokens, ignore_eos=True, **params),
+                   arrival=float(i) if arrival is None else arrival)
+
+
+def finish(plan: IterationPlan, token: int | None = None) -> IterationResult:
+    return IterationResult(plan.iteration, [s.req_id for s in plan.seqs],
+                           [token if token is not None else 100 + plan.iteration for _ in plan.seqs])
+
+
+def run(sched: Scheduler, steps: int = 10_000) -> list[tuple[str, int | None, str | None]]:
+    events = []
+    for _ in range(steps):
+        plan = sched.schedule(0.0)
+        if plan is None:
+            assert not sched.has_work(), "work left but nothing schedulable: deadlock"
+            break
+        events += [(e.req_id, e.token_id, e.finish_reason) for e in sched.process_result(finish(plan), 0.0)]
+    return events
+
+
+def test_iteration_level_fcfs_holds_throughout():
+    sched = make(max_bs=3)
+    reqs = [req(i, prompt_len=3 + i, max_tokens=2 + (7 * i) % 5) for i in range(8)]
+    for r in reqs:
+        sched.add(r)
+    iterations = {r.req_id: 0 for r in reqs}
+    while sched.has_work():
+        plan = sched.schedule(0.0)
+        for s in plan.seqs:
+            iterations[s.req_id] += 1
+        sched.process_result(finish(plan), 0.0)
+        # an earlier request has run at least as many iterations as a later one, unless it finished
+        live = [r for r in reqs if r.phase is not Phase.FINISHED]
+        for a, b in zip(live, live[1:]):
+            assert iterations[a.req_id] >= iterations[b.req_id]
+    assert all(len(r.output_token_ids) == r.params.max_tokens for r in reqs)
+
+
+def test_new_request_joins_at_next_iteration_and_finished_leaves_at_once():
+    sched = make(max_bs=4)
+    sched.add(req(0, max_tokens=1))
+    sched.add(req(1, max_tokens=5))
+    plan = sched.schedule(0.0)
+    assert [s.req_id for s in plan.seqs] == ["r0", "r1"]
+    assert [len(s.token_ids) for s in plan.seqs] == [5, 5] and all(s.start_pos == 0 for s in plan.seqs)
+    events = sched.process_result(finish(plan), 0.0)
+    assert ("r0", "length") in [(e.req_id, e.finish_reason) for e in events]  # returned at once
+    assert sched.block_manager.table("r0") == []                                 # its KV freed at once
+    sched.add(req(2, prompt_len=9))
+    plan = sched.schedule(0.0)
+    by_id = {s.req_id: s for s in plan.seqs}
+    assert set(by_id) == {"r1", "r2"}                           # r0 left, r2 joined
+    assert by_id["r1"].token_ids == [101] and by_id["r1"].start_pos == 5   # increment at its own position
+    assert len(by_id["r2"].token_ids) == 9 and by_id["r2"].start_pos == 0  # initiation of the whole prompt
+
+
+def test_reservation_limits_admission_without_deadlock():
+    # 32 slots; each request reserves ceil((8+8)/4)*4 = 16 slots: at most two at a time
+    sched = make(max_bs=8, **{"engine.n_slots": 32})
+    for i in range(5):
+        sched.add(req(i, prompt_len=8, max_tokens=8))
+    plan = sched.schedule(0.0)
+    assert [s.req_id for s in plan.seqs] == ["r0", "r1"]
+    assert sched.n_rsrv == 32
+    events = run_from(sched, plan)
+    assert sorted({e[0] for e in events if e[2]}) == [f"r{i}" for i in range(5)]
+    assert sched.n_rsrv == 0 and sched.block_manager.num_free_blocks == 8
+
+
+def run_from(sched: Scheduler, plan: IterationPlan) -> list:
+    events = [(e.req_id, e.token_id, e.finish_reason) for e in sched.process_result(finish(plan), 0.0)]
+    return events + run(sched)
+
+
+def test_strict_fcfs_a_small_request_does_not_pass_a_large_one():
+    sched = make(max_bs=8, **{"engine.n_slots": 32})
+    sched.add(req(0, prompt_len=8, max_tokens=8))   # 16 slots
+    sched.add(req(1, prompt_len=16, max_tokens=8))  # 24 slots: does not fit beside r0
+    sched.add(req(2, prompt_len=2, max_tokens=2))   # would fit, but must wait behind r1
+    plan = sched.schedule(0.0)
+    assert [s.req_id for s in plan.seqs] == ["r0"]
+
+
+def test_pipeline_keeps_n_workers_batches_in_flight():
+    sched = make(max_bs=2, **{"engine.n_workers": 2})
+    for i in range(4):
+        sched.add(req(i))
+    p1, p2 = sched.schedule(0.0), sched.schedule(0.0)
+    assert [s.req_id for s in p1.seqs] == ["r0", "r1"] and [s.req_id for s in p2.seqs] == ["r2", "r3"]
+    assert sched.schedule(0.0) is None  # n_scheduled == n_workers: wait for one to return
+    sched.process_result(finish(p1), 0.0)
+    p3 = sched.schedule(0.0)
+    assert [s.req_id for s in p3.seqs] == ["r0", "r1"]  # running requests (r2, r3) are not candidates
+
+
+def test_abort_waiting_and_running_requests_frees_kv():
+    sched = make(max_bs=1)
+    sched.add(req(0, max_tokens=10))
+    sched.add(req(1))
+    plan = sched.schedule(0.0)
+    assert sched.abort("r1").finish_reason == "abort"      # waiting: final event now
+    assert sched.abort("r0") is None                       # running: when its iteration returns
+    events = sched.process_result(finish(plan), 0.0)
+    assert [(e.req_id, e.token_id, e.finish_reason) for e in events] == [("r0", None, "abort")]
+    assert not sched.has_work() and sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
+    assert sched.n_rsrv == 0
+    assert sched.abort("nope") is None
+
+
+def test_stop_conditions():
+    sched = make()
+    sched.add(Request("eos", [5], SamplingParams(max_tokens=9)))
+    sched.add(Request("ign", [5], SamplingParams(max_tokens=2, ignore_eos=True)))
+    sched.add(Request("stop", [5], SamplingParams(max_tokens=9, ignore_eos=True, stop_token_ids=[2])))
+    plan = sched.schedule(0.0)
+    events = {e.req_id: e.finish_reason for e in sched.process_result(finish(plan, token=2), 0.0)}
+    assert events == {"eos": "stop", "ign": None, "stop": "stop"}
+
+
+def test_request_level_baseline_runs_batches_to_completion():
+    sched = make("request", max_bs=2)
+    assert isinstance(sched, RequestLevelScheduler) and isinstance(make(), OrcaScheduler)
+    sched.add(req(0, max_tokens=1))
+    sched.add(req(1, max_tokens=4))
+    plan = sched.schedule(0.0)
+    assert sched.process_result(finish(plan), 0.0) == []    # r0 finished but does not return early
+    sched.add(req(2, max_tokens=1))
+    seen = []
+    while sched.has_work():
+        plan = sched.schedule(0.0)
+        seen.append([s.req_id for s in plan.seqs])
+        events = sched.process_result(finish(plan), 0.0)
+        if "r1" in seen[-1] and events:
+            assert {e.req_id for e in events if e.finish_reason} == {"r0", "r1"}
+    assert seen == [["r1"], ["r1"], ["r1"], ["r2"]]          # r2 never joins r1's batch
+
+
+def test_unknown_policy_and_bad_results_are_errors():
+    with pytest.raises(ValueError, match="unknown scheduler.policy"):
+        make("lifo")
+    sched = make()
+    sched.add(req(0))
+    plan = sched.schedule(0.0)
+    with pytest.raises(ValueError, match="does not match"):
+        sched.process_result(IterationResult(plan.iteration + 5, ["r0"], [1]), 0.0)

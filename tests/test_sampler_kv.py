@@ -1,0 +1,52 @@
+"""Sampling constraints and the block allocator."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from orca_mq.block_manager import BlockManager, KVAllocationError
+from orca_mq.iteration import SeqWork
+from orca_mq.sampler import sample
+
+
+def seq(**kw) -> SeqWork:
+    return SeqWork("r", [1], 0, [0], **kw)
+
+
+def test_greedy_is_argmax():
+    logits = torch.randn(4, 50)
+    assert sample(logits, [seq(temperature=0.0)] * 4) == logits.argmax(-1).tolist()
+    assert sample(logits, [seq(temperature=1.0, top_k=1)] * 4) == logits.argmax(-1).tolist()
+
+
+def test_top_k_and_top_p_restrict_the_support():
+    torch.manual_seed(0)
+    logits = torch.randn(1, 100) * 3
+    top5 = set(logits[0].topk(5).indices.tolist())
+    probs = logits[0].softmax(-1)
+    order = probs.argsort(descending=True)
+    nucleus = set(order[: int((probs[order].cumsum(0) < 0.5).sum()) + 1].tolist())
+    for i in range(200):
+        assert sample(logits, [seq(temperature=1.0, top_k=5, seed=i)])[0] in top5
+        assert sample(logits, [seq(temperature=1.0, top_p=0.5, seed=i)])[0] in nucleus
+    # unrestricted sampling does leave those sets: the tests above can fail
+    draws = {sample(logits, [seq(temperature=2.0, seed=i)])[0] for i in range(200)}
+    assert not draws <= top5
+
+
+def test_seed_gives_same_token_regardless_of_batch_row():
+    logits = torch.randn(3, 1000)
+    alone = sample(logits[1:2], [seq(temperature=1.0, seed=9)])
+    batched = sample(logits, [seq(temperature=1.0), seq(temperature=1.0, seed=9), seq(temperature=0.0)])
+    assert batched[1] == alone[0] and batched[2] == logits[2].argmax().item()
+
+
+def test_block_manager_allocates_grows_and_frees():
+    bm = BlockManager(num_blocks=4, block_size=4)
+    assert bm.ensure("a", 5) == [0, 1] and bm.ensure("a", 8) == [0, 1] and bm.ensure("a", 9) == [0, 1, 2]
+    with pytest.raises(KVAllocationError, match="needs 2 more KV blocks, 1 free"):
+        bm.ensure("b", 8)
+    assert bm.table("b") == [] and bm.num_free_blocks == 1  # a failed allocation takes nothing
+    assert bm.free("a") == [0, 1, 2] and bm.num_free_slots == 16 and bm.num_used_slots == 0
+    with pytest.raises(ValueError):
+        BlockManager(0, 4)

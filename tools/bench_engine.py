@@ -1,0 +1,152 @@
+"""Engine benchmark: time of one iteration vs batch composition, against transformers and this machine's ceiling.
+
+Prints a table and writes JSON. Every figure comes from this one run: the machine's fp32 matmul
+GFLOP/s, our engine (selective batching over the paged KV pool) and transformers' own forward
+on the same shapes, so ratios hold even on a noisy shared machine. Times are medians.
+
+    python tools/bench_engine.py --out results/bench_engine.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from orca_mq.config import load_config  # noqa: E402
+from orca_mq.iteration import IterationPlan, SeqWork  # noqa: E402
+from orca_mq.model_runner import ModelRunner  # noqa: E402
+from orca_mq.weights import ModelInfo  # noqa: E402
+
+# (name, [(prompt tokens this iteration, cached tokens before)] per request)
+CASES: list[tuple[str, list[tuple[int, int]]]] = [
+    ("decode b=1 kv=256", [(1, 255)]),
+    ("decode b=8 kv=256", [(1, 255)] * 8),
+    ("decode b=32 kv=256", [(1, 255)] * 32),
+    ("decode b=64 kv=256", [(1, 255)] * 64),
+    ("prefill 128", [(128, 0)]),
+    ("prefill 512", [(512, 0)]),
+    ("mixed 1x128 prefill + 31 decodes", [(128, 0)] + [(1, 255)] * 31),
+    ("mixed 2x256 prefill + 62 decodes", [(256, 0)] * 2 + [(1, 255)] * 62),
+]
+
+
+def median_time(fn, repeat: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def matmul_ceiling(repeat: int) -> float:
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    return 2 * 2048**3 / median_time(lambda: a @ b, repeat) / 1e9
+
+
+def iteration_flops(info: ModelInfo, reqs: list[tuple[int, int]]) -> float:
+    h, d, i = info.hidden_size, info.head_dim, info.intermediate_size
+    per_token = 2 * info.n_layers * (h * (info.n_heads + 2 * info.n_kv_heads) * d + h * h + 3 * h * i)
+    tokens = sum(q for q, _ in reqs)
+    attn = sum(4 * info.n_layers * info.n_heads * d * sum(ctx + j + 1 for j in range(q)) for q, ctx in reqs)
+    return per_token * tokens + attn + 2 * h * info.vocab_size * len(reqs)
+
+
+def plan_for(reqs: list[tuple[int, int]], block_size: int) -> tuple[IterationPlan, IterationPlan | None]:
+    """The measured plan, and a warm-up plan that fills the cached context of each request."""
+    seqs, warm, next_block = [], [], 0
+    for r, (q, ctx) in enumerate(reqs):
+        n = -(-(ctx + q) // block_size)
+        table = list(range(next_block, next_block + n))
+        next_block += n
+        seqs.append(SeqWork(f"r{r}", [7 + (r % 50)] * q, ctx, table))
+        if ctx:
+            warm.append(SeqWork(f"r{r}", [11] * ctx, 0, table))
+    return IterationPlan(1, seqs), (IterationPlan(0, warm) if warm else None)
+
+
+def bench_ours(runner: ModelRunner, reqs: list[tuple[int, int]], repeat: int) -> float:
+    plan, warm = plan_for(reqs, runner.block_size)
+    if warm:
+        runner.forward(warm)
+    return median_time(lambda: runner.forward(plan), repeat)
+
+
+def bench_transformers(model, reqs: list[tuple[int, int]], repeat: int) -> float | None:
+    """transformers' forward on the same shapes: a uniform batch (decode with a DynamicCache cropped back
+    after every step, or a prefill); mixed batches have no transformers equivalent without padding."""
+    from transformers import DynamicCache
+
+    if len(set(reqs)) != 1:
+        return None
+    (q, ctx), b = reqs[0], len(reqs)
+    with torch.no_grad():
+        if ctx == 0:
+            ids = torch.full((b, q), 11)
+            return median_time(lambda: model(ids, use_cache=False, logits_to_keep=1), repeat)
+        cache = DynamicCache(config=model.config)
+        model(torch.full((b, ctx), 11), past_key_values=cache, use_cache=True)
+
+        def step() -> None:
+            model(torch.full((b, 1), 7), past_key_values=cache, use_cache=True)
+            cache.crop(-1)  # back to ctx tokens: every step sees the same cache
+
+        return median_time(step, repeat)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default=None)
+    ap.add_argument("--set", action="append", default=[], metavar="section.key=value")
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--no-transformers", action="store_true")
+    ap.add_argument("--out", default="results/bench_engine.json")
+    args = ap.parse_args()
+    cfg = load_config(args.config, ["engine.n_slots=32768", *args.set])
+    cfg.engine.n_workers = 1
+    runner = ModelRunner(cfg)
+    torch.set_num_threads(cfg.engine.threads_per_worker)
+    ref = None
+    if not args.no_transformers:
+        from transformers import AutoModelForCausalLM
+
+        from orca_mq.model_files import resolve_model_path
+
+        p = resolve_model_path(cfg.model.path)
+        ref = (AutoModelForCausalLM.from_pretrained(p.parent, gguf_file=p.name, dtype=torch.float32) if p.is_file()
+               else AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32)).eval()
+    ceiling = matmul_ceiling(args.repeat)
+    rows = []
+    for name, reqs in CASES:
+        tokens = sum(q for q, _ in reqs)
+        ours = bench_ours(runner, reqs, args.repeat)
+        theirs = bench_transformers(ref, reqs, args.repeat) if ref is not None else None
+        gflops = iteration_flops(runner.info, reqs) / ours / 1e9
+        rows.append({
+            "case": name, "batch": len(reqs), "tokens": tokens, "ms": ours * 1e3, "tok_s": tokens / ours,
+            "gflop_s": gflops, "frac_of_ceiling": gflops / ceiling,
+            "transformers_ms": theirs and theirs * 1e3, "transformers_tok_s": theirs and tokens / theirs,
+            "speedup_vs_transformers": theirs and theirs / ours,
+        })
+    print(f"matmul ceiling (fp32 2048^3, {torch.get_num_threads()} threads): {ceiling:.1f} GFLOP/s")
+    print(f"{'case':36} {'ms':>8} {'tok/s':>8} {'GFLOP/s':>8} {'%ceil':>6} {'HF tok/s':>9} {'x HF':>6}")
+    for r in rows:
+        hf = f"{r['transformers_tok_s']:9.0f} {r['speedup_vs_transformers']:6.2f}" if r["transformers_tok_s"] else f"{'-':>9} {'-':>6}"
+        print(f"{r['case']:36} {r['ms']:8.1f} {r['tok_s']:8.0f} {r['gflop_s']:8.1f} {100 * r['frac_of_ceiling']:5.0f}% {hf}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"config": cfg.to_dict(), "matmul_ceiling_gflop_s": ceiling,
+                               "threads": torch.get_num_threads(), "rows": rows}, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
