@@ -86,9 +86,9 @@ class SchedulerProcess:
             if isinstance(msg, IterationDone):
                 self.result_latency.append(received - msg.t_end)
                 events = self.sched.process_result(msg.result, time.monotonic())
-                await self._emit(msg.result.iteration, events)
-                if await self._pump():
+                if await self._pump():  # the engine first, then the stream: tokens wait microseconds, stages do not
                     self.turnaround.append(time.time() - received)
+                await self._emit(msg.result.iteration, events)
                 continue
             if isinstance(msg, AddRequest):
                 try:

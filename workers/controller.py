@@ -87,7 +87,7 @@ class Controller:
                 await self.link.to_peer("scheduler", Error(f"{self.name}: {e}"))
                 continue
             self.log.debug("iteration received", iteration=msg.plan.iteration, batch=len(msg.plan.seqs))
-            self.executor.submit(msg.plan)
+            self.executor.submit(msg.plan, msg.t_sent)
 
     async def _broker_loop(self) -> None:
         assert self.executor is not None

@@ -32,10 +32,11 @@ class StageExecutor:
         self.last = data_plane.stage == data_plane.n_stages - 1
         self.on_result = on_result
         self.on_error = on_error
-        self._plans: queue.SimpleQueue[IterationPlan | None] = queue.SimpleQueue()
+        self._plans: queue.SimpleQueue[tuple[IterationPlan, float] | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._idle: deque[float] = deque(maxlen=WINDOW)      # previous compute end -> this compute start
         self._compute: deque[float] = deque(maxlen=WINDOW)
+        self._plan_latency: deque[float] = deque(maxlen=WINDOW)  # scheduler sent the plan -> compute start
         self._last_end: float | None = None
         self.iterations = 0
         self._thread = threading.Thread(target=self._run, name=f"compute-{self.stage}", daemon=True)
@@ -43,20 +44,20 @@ class StageExecutor:
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, plan: IterationPlan) -> None:
-        self._plans.put(plan)
+    def submit(self, plan: IterationPlan, t_sent: float) -> None:
+        self._plans.put((plan, t_sent))
 
     def stop(self) -> None:
         self._plans.put(None)
 
     def _run(self) -> None:
         try:
-            while (plan := self._plans.get()) is not None:
-                self._step(plan)
+            while (item := self._plans.get()) is not None:
+                self._step(*item)
         except BaseException as e:  # the controller turns this into a worker exit
             self.on_error(e)
 
-    def _step(self, plan: IterationPlan) -> None:
+    def _step(self, plan: IterationPlan, t_sent: float) -> None:
         hidden = None
         if self.stage > 0:
             shape = (plan.num_tokens, self.runner.hidden_size)
@@ -74,6 +75,7 @@ class StageExecutor:
             if self._last_end is not None:
                 self._idle.append(start - self._last_end)
             self._compute.append(end - start)
+            self._plan_latency.append(start - t_sent)
             self._last_end = end
             self.iterations += 1
 
@@ -81,10 +83,12 @@ class StageExecutor:
         """Idle gaps between this stage's iterations (scheduler + messaging + pipeline waits)."""
         with self._lock:
             out = {"stage": self.stage, "iterations": self.iterations,
-                   "idle": summarize_ms(self._idle), "compute": summarize_ms(self._compute)}
+                   "idle": summarize_ms(self._idle), "compute": summarize_ms(self._compute),
+                   "plan_latency": summarize_ms(self._plan_latency)}
             if reset:
                 self._idle.clear()
                 self._compute.clear()
+                self._plan_latency.clear()
                 self._last_end = None
         return out
 
