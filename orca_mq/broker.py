@@ -120,6 +120,8 @@ class Broker:
     async def _deliver(self, client: bytes, payload: bytes, body: dict[str, Any]) -> None:
         if body["type"] not in TO_CLIENT:
             raise ProtocolError(f"{body['type']!r} is not a client message")
+        if self.fatal is not None:
+            return  # every waiting request already got its final error
         if body.get("finished") or body["type"] == Error.TYPE:  # type: ignore[attr-defined]
             self._settle(client, body.get("request_id"))
         if not await self._to_client(client, payload) and client not in self.gone:

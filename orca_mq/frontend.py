@@ -124,9 +124,13 @@ class Frontend:
             prompt_ids = self._prompt_ids(msg)
             params = SamplingParams.from_dict(msg.sampling)
             validate_request(prompt_ids, params, self.info, self.cfg)
-        except (InvalidRequest, TypeError) as e:
+        except InvalidRequest as e:
             self.log.info("request rejected", request_id=rid, error=str(e))
             await self.link.to_client(client, Output(rid, [], "", True, "error", str(e)))
+            return
+        except Exception as e:  # e.g. a tokenizer failure: fail this request, keep serving the others
+            self.log.exception("request failed before admission", request_id=rid)
+            await self.link.to_client(client, Output(rid, [], "", True, "error", f"internal error: {e}"))
             return
         self.active[rid] = _Active(client, IncrementalDetokenizer(self.tokenizer), len(prompt_ids), time.time())
         self.by_client.setdefault(client, set()).add(rid)

@@ -84,6 +84,9 @@ class SchedulerProcess:
                 await self.link.to_peer(env.source, Error(f"scheduler: {e}", e.request_id))
                 continue
             if isinstance(msg, IterationDone):
+                if msg.result.iteration not in self.sched.in_flight:  # a stray frame: nothing to apply it to
+                    await self.link.to_peer(env.source, Error(f"scheduler: iteration {msg.result.iteration} is not in flight"))
+                    continue
                 self.result_latency.append(received - msg.t_end)
                 events = self.sched.process_result(msg.result, time.monotonic())
                 if await self._pump():  # the engine first, then the stream: tokens wait microseconds, stages do not
