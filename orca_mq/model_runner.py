@@ -1,7 +1,7 @@
 """Executes one iteration plan on one pipeline stage: its layers, its KV pool, and (last stage) sampling."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -17,6 +17,14 @@ if TYPE_CHECKING:
 
 Tensor = torch.Tensor
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class Swapper(Protocol):
+    """Applies a plan's KV offloads/uploads off the compute thread (workers/kv_swap.py)."""
+
+    def submit(self, plan: IterationPlan) -> None: ...
+
+    def wait(self, plan: IterationPlan) -> None: ...
 
 
 def resolve_device(name: str) -> torch.device:
@@ -61,6 +69,9 @@ class ModelRunner:
                                 resolve_attention_backend(cfg.engine.attention_backend, self.device))
         self.kv = KVCache.allocate(len(layers), cfg.engine.n_slots // self.block_size, self.block_size,
                                    self.info.n_kv_heads, self.info.head_dim, self.dtype, self.device)
+        self.host_blocks = cfg.engine.host_slots // self.block_size
+        self.host_kv: KVCache | None = None      # FastServe offload target, allocated on the first offload
+        self.swapper: Swapper | None = None      # a worker attaches its copy thread; offline, copies run inline
 
     @property
     def hidden_size(self) -> int:
@@ -69,10 +80,26 @@ class ModelRunner:
     def execute(self, plan: IterationPlan, hidden_in: Tensor | None = None) -> Tensor | IterationResult:
         """Stage 0 takes the plan's tokens, later stages the previous stage's hidden states.
         Returns hidden states [T, hidden] to pass on, or on the last stage the sampled tokens."""
+        self.swap(plan)
         out = self.forward(plan, hidden_in)
         if not self.last:
             return out
         return IterationResult(plan.iteration, [s.req_id for s in plan.seqs], sample(out, plan.seqs))
+
+    def prepare(self, plan: IterationPlan) -> None:
+        """Start the plan's KV copies ahead of its compute (the controller calls it on frame arrival)."""
+        if self.swapper is not None:
+            self.swapper.submit(plan)
+
+    def swap(self, plan: IterationPlan) -> None:
+        """FastServe offload (swap_out) then upload (swap_in), landed before this iteration reads the KV."""
+        if self.swapper is not None:
+            self.swapper.wait(plan)
+        elif plan.swap_out or plan.swap_in:
+            if self.host_kv is None:
+                self.host_kv = self.kv.host_pool(self.host_blocks)
+            self.kv.copy_blocks(self.host_kv, plan.swap_out)
+            self.host_kv.copy_blocks(self.kv, plan.swap_in)
 
     def forward(self, plan: IterationPlan, hidden_in: Tensor | None = None) -> Tensor:
         """Hidden states [T, hidden], or on the last stage logits [B, vocab] of each request's last token."""

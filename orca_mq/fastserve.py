@@ -1,0 +1,180 @@
+"""FastServe: skip-join MLFQ with preemption at token granularity and proactive KV offload/upload.
+
+The policy over the shared Scheduler base (orca_mq/scheduler.py):
+* add: skip-join, a job enters the highest queue whose quantum covers its predicted first
+  (initiation) iteration, from the start-up profile (orca_mq/profiler.py).
+* select: starved jobs go to Q1; then the highest-priority jobs, FCFS inside a queue, up to max_bs,
+  each with its KV placed on the device by the KV policy (orca_mq/kv_policy.py).
+* after_iteration: every job of the iteration is preempted back to its queue and charged the
+  predicted time of the iteration it ran; one that used its queue's quantum is demoted.
+* schedule: the plan carries the KV policy's offloads/uploads, which every stage applies first.
+Per-request metrics (queue history, waiting, swaps) are kept here: `request_metrics(req_id)`.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+from orca_mq.block_manager import BlockManager
+from orca_mq.iteration import IterationPlan
+from orca_mq.kv_policy import KV_POLICIES, SwapCounts
+from orca_mq.mlfq import JobState, SkipJoinMLFQ
+from orca_mq.profiler import IterationProfile
+from orca_mq.scheduler import Scheduler
+from orca_mq.sequence import Request
+
+if TYPE_CHECKING:
+    from orca_mq.config import Config
+    from orca_mq.weights import ModelInfo
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+KEPT_METRICS = 10_000   # finished requests whose metrics stay available
+
+
+@dataclass(slots=True)
+class Waits:
+    queued_s: float = 0.0       # arrival -> first iteration
+    preempted_s: float = 0.0    # between its iterations, preempted by higher-priority jobs
+
+
+def _logger() -> Any:
+    """The serving processes configure structlog (orca_mq.logs); offline, say nothing below warnings."""
+    if structlog.is_configured():
+        return structlog.get_logger().bind(role="scheduler", pid=os.getpid())
+    return structlog.wrap_logger(structlog.PrintLogger(), wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+
+
+class FastServeScheduler(Scheduler):
+    def __init__(self, cfg: "Config", info: "ModelInfo", profile: IterationProfile | None = None) -> None:
+        super().__init__(cfg, info)
+        fs, eng = cfg.fastserve, cfg.engine
+        if fs.kv_policy not in KV_POLICIES:
+            raise ValueError(f"fastserve.kv_policy must be one of {sorted(KV_POLICIES)}, got {fs.kv_policy!r}")
+        if fs.min_free_blocks < 0 or fs.burst_queues < 0:
+            raise ValueError("fastserve.min_free_blocks and fastserve.burst_queues must be >= 0")
+        self.fs = fs
+        self.host_block_manager = BlockManager(max(1, eng.host_slots // eng.block_size), eng.block_size)
+        self.kv = KV_POLICIES[fs.kv_policy](self.block_manager, self.host_block_manager, self.max_bs)
+        self.block_bytes = 2 * info.n_layers * eng.block_size * info.n_kv_heads * info.head_dim * DTYPE_BYTES[cfg.model.dtype]
+        self.waits: dict[str, Waits] = {}
+        self.finished: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self.log = _logger()
+        self.use_profile(profile or IterationProfile.estimate(info, cfg.model.dtype))
+
+    def use_profile(self, profile: IterationProfile) -> None:
+        """Predict iteration times from `profile` (measured at start-up by profiler.profile_engine);
+        Q1's quantum is one increment iteration at max_bs unless fastserve.quantum sets it."""
+        if self.pool:
+            raise RuntimeError("the iteration profile must be set before any request arrives")
+        self.profile = profile
+        q1 = self.fs.quantum or profile.increment_time(self.max_bs)
+        self.mlfq = SkipJoinMLFQ(self.fs.n_queues, q1, self.fs.quantum_ratio, self.fs.starve_limit)
+        self.log.info("fastserve quanta", quanta_s=[round(q, 4) for q in self.mlfq.quanta], kv_policy=self.fs.kv_policy)
+
+    def next_iteration_time(self, req: Request) -> float:
+        if req.n_iterations == 0:
+            return self.profile.initiation_time(len(req.prompt_token_ids))
+        return self.profile.increment_time(self.max_bs)
+
+    # ------------------------------------------------------------ pool
+
+    def add(self, req: Request) -> None:
+        if self.block_manager.blocks_for(req.max_total_tokens) > self.block_manager.num_blocks:
+            raise ValueError(f"request {req.req_id}: {req.max_total_tokens} tokens exceed the device KV pool")
+        super().add(req)
+        q = self.mlfq.join(req.req_id, self.next_iteration_time(req), req.arrival)
+        self.waits[req.req_id] = Waits()
+        self.log.debug("skip-join", request_id=req.req_id, queue=q + 1, prompt=len(req.prompt_token_ids))
+
+    def release(self, req: Request) -> None:
+        swaps = self.kv.release(req.req_id)
+        metrics = self._metrics(self.mlfq.leave(req.req_id), self.waits.pop(req.req_id), swaps)
+        self.finished[req.req_id] = metrics
+        while len(self.finished) > KEPT_METRICS:
+            self.finished.popitem(last=False)
+        self.log.info("fastserve request done", request_id=req.req_id, finish_reason=req.finish_reason, **metrics)
+
+    # ------------------------------------------------------------ iterations
+
+    def schedule(self, now: float) -> IterationPlan | None:
+        plan = super().schedule(now)
+        if plan is not None:
+            plan.swap_out, plan.swap_in = self.kv.take_swaps()
+            if plan.swap_out or plan.swap_in:
+                self.log.debug("kv swap", iteration=plan.iteration, offload_blocks=len(plan.swap_out),
+                               upload_blocks=len(plan.swap_in))
+        return plan
+
+    def select(self, now: float) -> list[Request]:
+        idle = [r for r in self.pool.values() if not r.running]
+        nxt = {r.req_id: self.next_iteration_time(r) for r in idle}
+        for rid in self.mlfq.promote_starved(list(nxt), nxt, now):
+            self.log.debug("starvation promotion", request_id=rid, queue=1)
+        order = [self.pool[rid] for rid in self.mlfq.order(list(nxt))]
+        enst = self.mlfq.enst(list(self.pool), self.max_bs, now)
+        batch = self.kv.select(order, enst, self.free_target())
+        for req in batch:
+            waited = now - self.mlfq.jobs[req.req_id].ready_since
+            w = self.waits[req.req_id]
+            if req.n_iterations:
+                w.preempted_s += waited
+            else:
+                w.queued_s += waited
+        return batch
+
+    def free_target(self) -> int:
+        """Device blocks kept free: max(K, burst). A burst of arrivals skip-joins the top queues, so
+        the burst predictor is the KV the jobs there without device KV (new or offloaded) need to run."""
+        bm, burst = self.block_manager, 0
+        for rid, job in self.mlfq.jobs.items():
+            if job.queue < self.fs.burst_queues and not bm.table(rid):
+                burst += bm.blocks_for(self.pool[rid].num_tokens)
+        return max(self.fs.min_free_blocks, burst)
+
+    def after_iteration(self, batch: list[Request], now: float) -> None:
+        """Token-level preemption: each job returns to its queue, charged the predicted time of its
+        iteration (its initiation, or an increment at this batch size)."""
+        for req in batch:
+            job = self.mlfq.jobs.get(req.req_id)
+            if job is None:  # finished
+                continue
+            first = req.n_iterations == 1
+            service = self.profile.initiation_time(len(req.prompt_token_ids)) if first else self.profile.increment_time(len(batch))
+            queue = job.queue
+            self.mlfq.charge(req.req_id, service, self.next_iteration_time(req), now)
+            if job.queue != queue:
+                self.log.debug("demotion", request_id=req.req_id, queue=job.queue + 1)
+
+    # ------------------------------------------------------------ metrics
+
+    def _metrics(self, job: JobState, waits: Waits, swaps: SwapCounts) -> dict[str, Any]:
+        kinds = [kind for _, kind, _ in job.history]
+        return {
+            "queue_history": [[round(t, 6), kind, q + 1] for t, kind, q in job.history],   # queues numbered Q1..Qk
+            "join_queue": job.history[0][2] + 1, "demotions": kinds.count("demote"), "promotions": kinds.count("promote"),
+            "queued_s": waits.queued_s, "preempted_s": waits.preempted_s,
+            "offloads": swaps.offloads, "uploads": swaps.uploads,
+            "offload_bytes": swaps.offload_blocks * self.block_bytes, "upload_bytes": swaps.upload_blocks * self.block_bytes,
+        }
+
+    def request_metrics(self, req_id: str) -> dict[str, Any] | None:
+        """FastServe metrics of a request, live or (one of the last KEPT_METRICS) finished; None if unknown."""
+        if req_id in self.finished:
+            return self.finished[req_id]
+        if req_id not in self.mlfq.jobs:
+            return None
+        return self._metrics(self.mlfq.jobs[req_id], self.waits[req_id], self.kv.counts.get(req_id, SwapCounts()))
+
+    def stats(self) -> dict[str, Any]:
+        host = self.host_block_manager
+        queues = [0] * len(self.mlfq.quanta)
+        for job in self.mlfq.jobs.values():
+            queues[job.queue] += 1
+        return {**super().stats(), "host_slots": host.num_blocks * host.block_size, "host_free_slots": host.num_free_slots,
+                "host_used_slots": host.num_used_slots, "queue_lengths": queues,
+                "on_host": len(host.tables), "reserved_slots": sum(self.kv.reserved.values()) * self.block_manager.block_size}

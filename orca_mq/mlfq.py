@@ -1,0 +1,100 @@
+"""FastServe's skip-join multi-level feedback queue (MLFQ): priorities, quanta, ENST.
+
+Queues Q1..Qk (index 0..k-1, 0 = highest priority) with quantum(Qi) = quantum(Q1) * ratio^(i-1).
+A job's service in its queue is the predicted time of the iterations it ran there; it is demoted
+once that reaches the queue's quantum. Pure bookkeeping on the caller's clock: `now` is passed in.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class JobState:
+    queue: int
+    arrival: float                  # FCFS order inside a queue
+    ready_since: float              # when it last became runnable (arrival or its iteration's return)
+    attained: float = 0.0           # service received in the current queue
+    budget: float = 0.0             # quantum of the current queue, + extra after a starvation promotion
+    history: list[tuple[float, str, int]] = field(default_factory=list)   # (time, join|demote|promote, queue)
+
+
+class SkipJoinMLFQ:
+    def __init__(self, n_queues: int, quantum: float, ratio: float, starve_limit: float) -> None:
+        if n_queues < 1 or quantum <= 0 or ratio < 1 or starve_limit <= 0:
+            raise ValueError("fastserve: need n_queues >= 1, quantum > 0, quantum_ratio >= 1, starve_limit > 0")
+        self.quanta = [quantum * ratio**i for i in range(n_queues)]
+        self.starve_limit = starve_limit
+        self.jobs: dict[str, JobState] = {}
+
+    def skip_join_queue(self, iteration_time: float, lowest: int = 0) -> int:
+        """The highest-priority queue (not above `lowest`) whose quantum covers the iteration."""
+        for q in range(lowest, len(self.quanta)):
+            if self.quanta[q] >= iteration_time:
+                return q
+        return len(self.quanta) - 1
+
+    def join(self, job_id: str, first_iteration_time: float, now: float) -> int:
+        q = self.skip_join_queue(first_iteration_time)
+        self.jobs[job_id] = JobState(q, now, now, budget=self.quanta[q], history=[(now, "join", q)])
+        return q
+
+    def leave(self, job_id: str) -> JobState:
+        return self.jobs.pop(job_id)
+
+    def charge(self, job_id: str, service: float, next_iteration_time: float, now: float) -> None:
+        """A job's iteration returned (token-level preemption): account its service and demote it
+        to the queue its next iteration fits in once the current queue's quantum is used up."""
+        job = self.jobs[job_id]
+        job.attained += service
+        job.ready_since = now
+        if job.attained < job.budget:
+            return
+        q = self.skip_join_queue(next_iteration_time, min(job.queue + 1, len(self.quanta) - 1))
+        if q != job.queue:
+            job.history.append((now, "demote", q))
+        job.queue, job.attained, job.budget = q, 0.0, self.quanta[q]
+
+    def promote_starved(self, waiting: list[str], next_iteration_time: dict[str, float], now: float) -> list[str]:
+        """Jobs below Q1 runnable for longer than starve_limit go to Q1, where their early arrival puts
+        them first, so starve_limit bounds how long any job waits (plus an iteration). One
+        whose next iteration exceeds Q1's quantum gets that much quantum instead, so that iteration
+        runs without demotion (FastServe's extra quantum)."""
+        promoted = []
+        for job_id in waiting:
+            job = self.jobs[job_id]
+            if job.queue and now - job.ready_since > self.starve_limit:
+                job.queue, job.attained = 0, 0.0
+                job.budget = max(self.quanta[0], next_iteration_time[job_id])
+                job.history.append((now, "promote", 0))
+                promoted.append(job_id)
+        return promoted
+
+    def order(self, job_ids: list[str]) -> list[str]:
+        """Priority order: highest queue first, FCFS (arrival order) inside a queue."""
+        return sorted(job_ids, key=lambda j: (self.jobs[j].queue, self.jobs[j].arrival))
+
+    def enst(self, job_ids: list[str], max_bs: int, now: float) -> dict[str, float]:
+        """Estimated next scheduled time of each job (seconds from now), FastServe §4.2:
+        ENST(i) = min(T_promote(i), T_execute(i)). T_promote is the time left before starvation
+        promotion (none in Q1); T_execute is the service every job ahead of i still gets before i's turn,
+        assuming none finishes early: the rest of its own queue's quantum plus the full quanta of the
+        queues between it and i. Iterations batch max_bs jobs, so that service drains max_bs at a
+        time, and a job with fewer than max_bs jobs ahead runs in the next iteration."""
+        k = len(self.quanta)
+        cum = [0.0]
+        for qt in self.quanta:
+            cum.append(cum[-1] + qt)
+        count, rem = [0] * k, [0.0] * k           # jobs ahead per queue, their remaining in-queue service
+        out: dict[str, float] = {}
+        for n_ahead, job_id in enumerate(self.order(job_ids)):
+            job = self.jobs[job_id]
+            t_execute = 0.0
+            if n_ahead >= max_bs:
+                qi = job.queue
+                t_execute = (rem[qi] + sum(rem[q] + count[q] * (cum[qi] - cum[q + 1]) for q in range(qi))) / max_bs
+            t_promote = max(0.0, self.starve_limit - (now - job.ready_since)) if job.queue else t_execute
+            out[job_id] = min(t_promote, t_execute)
+            count[job.queue] += 1
+            rem[job.queue] += max(0.0, job.budget - job.attained)
+        return out

@@ -1,0 +1,316 @@
+"""FastServe scheduler on a fake clock and a fake engine (no model): skip-join MLFQ, preemption,
+starvation, ENST-ordered offload/upload, and the KV policies.
+
+The fake engine tags every KV slot with (request, position) and checks that each iteration reads
+exactly its own earlier tags through its block table after applying the plan's swaps (offloads
+first, then uploads, as every stage does): a lost, stale or misplaced KV block fails the test.
+"""
+from __future__ import annotations
+
+import random
+from collections import deque
+
+import pytest
+
+from orca_mq.block_manager import BlockManager
+from orca_mq.config import Config
+from orca_mq.fastserve import FastServeScheduler
+from orca_mq.iteration import IterationPlan, IterationResult
+from orca_mq.kv_policy import ProactiveKV, ReactiveKV
+from orca_mq.mlfq import SkipJoinMLFQ
+from orca_mq.profiler import IterationProfile, profile_engine
+from orca_mq.sampling_params import SamplingParams
+from orca_mq.sequence import Request
+from orca_mq.weights import ModelInfo
+
+INFO = ModelInfo("fake", "llama", 512, 64, 2, 4, 2, 128, 1e-5, 4096, eos_token_ids=[2])
+# initiation: 1 ms per input token; increment: 10 ms at batch 1 .. 20 ms at batch 64
+PROFILE = IterationProfile([(1, 0.001), (1000, 1.0)], [(1, 0.010), (64, 0.020)])
+BS = 4  # block size
+
+
+def make(**overrides) -> FastServeScheduler:
+    cfg = Config()
+    settings = {"engine.block_size": BS, "engine.n_slots": 64 * BS, "engine.host_slots": 1024 * BS, "scheduler.max_bs": 4,
+                "fastserve.starve_limit": 1.0, "fastserve.min_free_blocks": 4, "fastserve.burst_queues": 2}
+    for key, value in {**settings, **overrides}.items():
+        cfg.set(key, value)
+    return FastServeScheduler(cfg, INFO, PROFILE)
+
+
+def req(rid: str, prompt: int, max_tokens: int, arrival: float = 0.0) -> Request:
+    return Request(rid, [5] * prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), arrival)
+
+
+class FakeEngine:
+    """KV pools as {block: [tag per slot]}; applies swaps like a stage, then checks and writes tags."""
+
+    def __init__(self) -> None:
+        self.device: dict[int, list] = {}
+        self.host: dict[int, list] = {}
+
+    def execute(self, plan: IterationPlan) -> IterationResult:
+        for d, h in plan.swap_out:
+            self.host[h] = list(self.device[d])
+        for h, d in plan.swap_in:
+            self.device[d] = list(self.host[h])
+        for s in plan.seqs:
+            for pos in range(s.seq_len):
+                block = self.device.setdefault(s.block_table[pos // BS], [None] * BS)
+                if pos < s.start_pos:
+                    assert block[pos % BS] == (s.req_id, pos), f"iteration {plan.iteration}: {s.req_id} lost its KV at {pos}"
+                else:
+                    block[pos % BS] = (s.req_id, pos)
+        return IterationResult(plan.iteration, [s.req_id for s in plan.seqs], [7] * len(plan.seqs))
+
+
+def duration(plan: IterationPlan) -> float:
+    return 0.010 + 0.001 * sum(len(s.token_ids) for s in plan.seqs if s.start_pos == 0)
+
+
+def run(sched: FastServeScheduler, arrivals: list[Request], check=None) -> list[IterationPlan]:
+    """Drive the scheduler like the scheduler process: arrivals at their times, up to n_workers
+    plans in flight, results in order, the clock advancing by each iteration's duration."""
+    engine, pending, in_flight, plans = FakeEngine(), deque(sorted(arrivals, key=lambda r: r.arrival)), deque(), []
+    now = 0.0
+    while pending or sched.has_work():
+        while pending and pending[0].arrival <= now:
+            sched.add(pending.popleft())
+        while (plan := sched.schedule(now)) is not None:
+            assert not any(sched.kv.on_host(s.req_id) for s in plan.seqs), "a job ran with its KV on the host"
+            if check:
+                check(sched, plan)
+            plans.append(plan)
+            in_flight.append((plan, engine.execute(plan)))
+        if in_flight:
+            plan, result = in_flight.popleft()
+            now += duration(plan)
+            sched.process_result(result, now)
+        elif pending:
+            now = pending[0].arrival
+        else:
+            pytest.fail(f"stalled with work left: {sched.stats()}")
+    return plans
+
+
+def bursty(n: int, seed: int, rate: float = 40.0) -> list[Request]:
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for i in range(n):
+        t += rng.expovariate(rate) if rng.random() < 0.7 else 0.0  # bursts of simultaneous arrivals
+        out.append(req(f"r{i}", rng.choice([2, 5, 9, 30, 60]), rng.choice([1, 3, 8, 20, 40]), t))
+    return out
+
+
+def assert_clean(sched: FastServeScheduler) -> None:
+    stats = sched.stats()
+    assert stats["free_slots"] == stats["n_slots"] and stats["host_free_slots"] == stats["host_slots"]
+    assert not sched.block_manager.tables and not sched.host_block_manager.tables and not sched.kv.reserved
+
+
+# ---------------------------------------------------------------- MLFQ
+
+
+def test_skip_join_places_jobs_by_predicted_first_iteration():
+    sched = make(**{"engine.n_slots": 1024 * BS})
+    q1 = PROFILE.increment_time(4)  # quantum of Q1 = one increment iteration at max_bs
+    assert sched.mlfq.quanta == pytest.approx([q1 * 2**i for i in range(6)])
+    for i, prompt in enumerate([5, 15, 30, 60, 150, 300, 900]):
+        sched.add(req(f"j{i}", prompt, 4))
+    assert [sched.request_metrics(f"j{i}")["join_queue"] for i in range(7)] == [1, 2, 3, 4, 5, 6, 6]
+
+
+def test_demotion_after_the_quantum_and_token_level_preemption():
+    sched = make()
+    plans = run(sched, [req("a", 5, 12)])
+    history = sched.request_metrics("a")["queue_history"]
+    assert [(kind, q) for _, kind, q in history] == [("join", 1), ("demote", 2), ("demote", 3), ("demote", 4)]
+    # Q1: initiation (5 ms) + 1 increment (10 ms) >= 10.5 ms; Q2: 3 increments >= 21 ms; Q3: 5 >= 42 ms
+    ends = [sum(duration(p) for p in plans[: i + 1]) for i in range(len(plans))]
+    assert [t for t, _, _ in history[1:]] == pytest.approx([ends[1], ends[4], ends[9]])
+
+
+def test_a_short_job_preempts_a_long_one_at_the_next_iteration():
+    sched = make(**{"scheduler.max_bs": 1})
+    plans = run(sched, [req("long", 5, 40), req("short", 5, 3, arrival=0.1)])
+    order = [p.seqs[0].req_id for p in plans]
+    first_short = order.index("short")
+    assert order[first_short: first_short + 3] == ["short"] * 3 and "long" in order[first_short + 3:]
+    assert plans[first_short].iteration - 1 == max(p.iteration for p in plans[:first_short])
+    assert sum(duration(p) for p in plans[:first_short]) <= 0.1 + 0.011  # joined at the first iteration after arrival
+
+
+def test_starvation_promotion_with_extra_quantum():
+    mlfq = SkipJoinMLFQ(n_queues=4, quantum=0.1, ratio=2.0, starve_limit=1.0)
+    mlfq.join("x", first_iteration_time=0.5, now=0.0)           # skip-joins Q4: 0.4 < 0.5 <= 0.8
+    assert mlfq.jobs["x"].queue == 3
+    assert mlfq.promote_starved(["x"], {"x": 0.5}, now=1.0) == []          # not yet longer than starve_limit
+    assert mlfq.promote_starved(["x"], {"x": 0.5}, now=1.01) == ["x"]
+    job = mlfq.jobs["x"]
+    assert (job.queue, job.budget) == (0, 0.5)   # its next iteration (0.5 s) fits: extra quantum over Q1's 0.1
+    mlfq.charge("x", 0.5, next_iteration_time=0.05, now=1.6)
+    assert job.queue == 1 and [k for _, k, _ in job.history] == ["join", "promote", "demote"]
+
+
+def test_no_starvation_of_a_long_job_under_a_stream_of_short_ones():
+    def stream(starve_limit: float) -> tuple[list[IterationPlan], FastServeScheduler]:
+        sched = make(**{"scheduler.max_bs": 1, "fastserve.starve_limit": starve_limit})
+        shorts = [req(f"s{i}", 5, 2, arrival=0.015 * i) for i in range(200)]   # 3 s of Q1 work arriving faster than served
+        return run(sched, [req("long", 60, 30), *shorts]), sched
+
+    def long_runs_before(plans: list[IterationPlan], t_end: float) -> int:
+        t, n = 0.0, 0
+        for p in plans:
+            t += duration(p)
+            n += t <= t_end and p.seqs[0].req_id == "long"
+        return n
+
+    plans, sched = stream(starve_limit=0.5)
+    metrics = sched.request_metrics("long")
+    assert metrics["promotions"] >= 2 and long_runs_before(plans, 3.0) >= 4
+    plans, _ = stream(starve_limit=100.0)   # without promotion the stream starves it
+    assert long_runs_before(plans, 3.0) <= 2
+
+
+def test_enst_is_min_of_promotion_and_execution_time():
+    mlfq = SkipJoinMLFQ(n_queues=6, quantum=0.1, ratio=2.0, starve_limit=10.0)
+    mlfq.join("a", 0.05, now=9.0)    # Q1
+    mlfq.join("b", 0.3, now=9.4)     # Q3
+    mlfq.join("c", 5.0, now=0.0)     # Q6, close to promotion
+    mlfq.join("d", 5.0, now=9.0)     # Q6
+    enst = mlfq.enst(["a", "b", "c", "d"], max_bs=1, now=9.5)
+    assert enst["a"] == 0.0                                   # nothing ahead
+    assert enst["b"] == pytest.approx(0.1 + 0.2)              # a: rest of Q1 + Q2
+    assert enst["c"] == pytest.approx(0.5)                    # T_promote (execution: 3.1 + 2.8)
+    assert enst["d"] == pytest.approx(0.1 + 0.2 + 0.4 + 0.8 + 1.6 + 0.4 + 0.8 + 1.6 + 3.2)  # a + b + c ahead
+    assert mlfq.enst(["a", "b", "c", "d"], max_bs=2, now=9.5)["b"] == 0.0   # runs in the next batch
+
+
+# ---------------------------------------------------------------- KV policies
+
+
+def _resident(bm: BlockManager, *jobs: tuple[str, int]) -> list[Request]:
+    out = []
+    for rid, n_tokens in jobs:
+        r = req(rid, n_tokens, 8)
+        r.output_token_ids.append(7)
+        r.phase = r.phase.INCREMENT
+        bm.ensure(rid, r.num_tokens)
+        out.append(r)
+    return out
+
+
+def test_offload_picks_the_largest_enst_and_upload_the_smallest():
+    device, host = BlockManager(10, BS), BlockManager(100, BS)
+    kv = ReactiveKV(device, host, max_bs=4)
+    x, y, z = _resident(device, ("x", 10), ("y", 10), ("z", 10))   # 3 blocks each, 1 free
+    kv.reserved.update(x=4, y=4, z=4)
+    new, y_blocks = req("n", 8, 4), device.table("y")
+    batch = kv.select([new, x, y, z], {"n": 0.0, "x": 5.0, "y": 9.0, "z": 1.0}, reserve=0)
+    assert new in batch and kv.on_host("y") and not kv.on_host("x") and not kv.on_host("z")
+    swap_out, swap_in = kv.take_swaps()
+    assert swap_out == list(zip(y_blocks, host.table("y"))) and not swap_in
+
+    device, host = BlockManager(10, BS), BlockManager(100, BS)
+    kv = ProactiveKV(device, host, max_bs=1)
+    a, b, c = _resident(device, ("a", 10), ("b", 10), ("c", 10))
+    kv.reserved.update(a=4, b=4, c=4)
+    for r in (b, c):
+        kv.offload(r.req_id)
+    kv.take_swaps()
+    batch = kv.select([a, b, c], {"a": 0.0, "b": 3.0, "c": 1.0}, reserve=2)
+    assert batch == [a]
+    assert kv.on_host("b") and not kv.on_host("c")  # c (smaller ENST) uploaded ahead; room for one only
+    swap_out, swap_in = kv.take_swaps()
+    assert not swap_out and {d for _, d in swap_in} == set(device.table("c"))
+
+
+def test_proactive_keeps_free_blocks_for_arrivals_reactive_does_not():
+    for cls, offloaded in ((ProactiveKV, True), (ReactiveKV, False)):
+        device, host = BlockManager(10, BS), BlockManager(100, BS)
+        kv = cls(device, host, max_bs=1)
+        a, b, c = _resident(device, ("a", 10), ("b", 10), ("c", 10))
+        kv.reserved.update(a=4, b=4, c=4)
+        assert kv.select([a, b, c], {"a": 0.0, "b": 2.0, "c": 1.0}, reserve=3) == [a]
+        assert kv.on_host("b") is offloaded and not kv.on_host("c")
+        assert (device.num_free_blocks >= 3) is offloaded
+
+
+@pytest.mark.parametrize("policy", ["proactive", "reactive", "defer"])
+@pytest.mark.parametrize("n_workers", [1, 2])
+def test_bursty_load_keeps_every_kv_and_frees_both_pools(policy: str, n_workers: int):
+    sched = make(**{"fastserve.kv_policy": policy, "engine.n_workers": n_workers, "engine.n_slots": 40 * BS})
+    reserved_max = []
+
+    def check(s: FastServeScheduler, plan: IterationPlan) -> None:
+        reserved_max.append(sum(s.kv.reserved.values()))
+        if policy == "defer":
+            assert not plan.swap_out and not plan.swap_in
+        if policy == "reactive":  # uploads only for the plan's own jobs: no prefetch
+            assert {d for _, d in plan.swap_in} <= {b for q in plan.seqs for b in q.block_table}
+
+    arrivals = bursty(80, seed=n_workers)
+    plans = run(sched, arrivals, check)
+    assert {r.req_id for r in arrivals} == {rid for p in plans for rid in (q.req_id for q in p.seqs)}
+    assert all(sched.request_metrics(r.req_id) is not None for r in arrivals)
+    assert_clean(sched)
+    offloads = sum(sched.request_metrics(r.req_id)["offloads"] for r in arrivals)
+    prefetched = sum(len({d for _, d in p.swap_in} - {b for q in p.seqs for b in q.block_table}) for p in plans)
+    if policy == "defer":
+        assert offloads == 0 and max(reserved_max) <= 40
+    else:
+        assert offloads > 0 and max(reserved_max) > 40   # more jobs started than the device could hold
+        assert policy == "proactive" or prefetched == 0
+        m = next(sched.request_metrics(r.req_id) for r in arrivals if sched.request_metrics(r.req_id)["offloads"])
+        assert m["offload_bytes"] == m["offload_bytes"] // sched.block_bytes * sched.block_bytes > 0
+
+
+def test_defer_new_jobs_wait_for_free_blocks():
+    sched = make(**{"fastserve.kv_policy": "defer", "engine.n_slots": 16 * BS})
+    plans = run(sched, [req("big", 8, 40), req("next", 8, 16, arrival=0.001)])   # 12 + 6 blocks > 16
+    first_next = next(i for i, p in enumerate(plans) if p.seqs[0].req_id == "next")
+    assert all(p.seqs[0].req_id == "big" for p in plans[:first_next]) and len(plans[:first_next]) == 40
+    assert_clean(sched)
+
+
+def test_full_host_pool_makes_new_jobs_wait_and_loses_nothing():
+    sched = make(**{"engine.n_slots": 28 * BS, "engine.host_slots": 8 * BS})   # host smaller than the device
+    arrivals = bursty(40, seed=3)
+    run(sched, arrivals)
+    assert all(sched.request_metrics(r.req_id) is not None for r in arrivals)
+    assert_clean(sched)
+
+
+def test_abort_frees_the_host_copy_and_keeps_metrics():
+    sched = make(**{"scheduler.max_bs": 1, "engine.n_slots": 8 * BS, "fastserve.min_free_blocks": 0,
+                    "fastserve.burst_queues": 0})
+    engine, now = FakeEngine(), 0.0
+    sched.add(req("a", 20, 8))
+    sched.process_result(engine.execute(sched.schedule(now)), now := now + 0.02)   # a holds 5 of 8 blocks
+    sched.add(req("b", 13, 4, arrival=now))                                     # b needs 4: a is offloaded
+    plan = sched.schedule(now)
+    assert [s.req_id for s in plan.seqs] == ["b"] and sched.kv.on_host("a") and plan.swap_out
+    sched.process_result(engine.execute(plan), now + 0.02)
+    assert sched.abort("a") is not None and sched.request_metrics("a")["offloads"] == 1
+    assert sched.host_block_manager.num_free_blocks == sched.host_block_manager.num_blocks
+    with pytest.raises(ValueError):
+        sched.add(req("huge", 40, 1))   # more KV than the device pool can ever hold
+
+
+def test_profile_interpolates_measured_points_and_round_trips():
+    timings = iter([0.01 * (i % 7 + 1) for i in range(1000)])
+    seen: list[IterationPlan] = []
+
+    def fake_run(plan: IterationPlan) -> None:
+        seen.append(plan)
+        next(timings)
+
+    prof = profile_engine(fake_run, block_size=16, num_blocks=64, max_len=300, max_bs=8, repeats=1)
+    assert [x for x, _ in prof.initiation] == [1, 16, 32, 64, 128, 256, 300]
+    assert [x for x, _ in prof.increment] == [1, 2, 4, 8]
+    assert all(p.iteration < 0 for p in seen) and all(max(b for s in p.seqs for b in s.block_table) < 64 for p in seen)
+    assert all(t1 >= t0 for (_, t0), (_, t1) in zip(prof.initiation, prof.initiation[1:]))  # monotone
+    p = IterationProfile([(1, 0.01), (101, 0.11)], [(1, 0.02), (5, 0.03)])
+    assert p.initiation_time(51) == pytest.approx(0.06) and p.initiation_time(201) == pytest.approx(0.21)
+    assert p.increment_time(3) == pytest.approx(0.025)
+    assert IterationProfile.from_dict(p.to_dict()) == p
