@@ -69,20 +69,15 @@ class Frontend:
         return code
 
     async def _loop(self) -> None:
-        while True:
+        async for env in self.link.envelopes(self.log):
             try:
-                env = await self.link.recv()
                 await self._dispatch(env)
             except ProtocolError as e:
-                self.log.warning("rejected frame", error=str(e))
+                await self.link.reject(env, e, self.log)
 
     async def _dispatch(self, env: Envelope) -> None:
         if env.route == CLIENT:
-            try:
-                msg = decode(env.payload, TO_SERVER)
-            except ProtocolError as e:
-                await self.link.to_client(env.source, Error(str(e), e.request_id))
-                return
+            msg = decode(env.payload, TO_SERVER)
             if isinstance(msg, Generate):
                 await self._admit(env.source, msg)
             elif isinstance(msg, Abort):

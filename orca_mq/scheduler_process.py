@@ -74,14 +74,12 @@ class SchedulerProcess:
         return code
 
     async def _loop(self) -> None:
-        while True:
-            env = await self.link.recv()
+        async for env in self.link.envelopes(self.log):
             received = time.time()
             try:
                 msg = decode(env.payload, ACCEPTED)
             except ProtocolError as e:
-                self.log.warning("rejected frame", source=env.source.decode(errors="replace"), error=str(e))
-                await self.link.to_peer(env.source, Error(f"scheduler: {e}", e.request_id))
+                await self.link.reject(env, e, self.log)
                 continue
             if isinstance(msg, IterationDone):
                 if msg.result.iteration not in self.sched.in_flight:  # a stray frame: nothing to apply it to

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from collections.abc import Coroutine
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +19,7 @@ import zmq
 import zmq.asyncio
 
 from orca_mq.protocol import ProtocolError, encode
+from orca_mq.protocol.client_msgs import Error
 
 PEER = b"P"
 CLIENT = b"C"
@@ -57,6 +58,20 @@ class BrokerLink:
 
     async def recv(self) -> Envelope:
         return parse(await self.sock.recv_multipart(copy=True))
+
+    async def envelopes(self, log: Any) -> AsyncIterator[Envelope]:
+        """Every well-formed envelope; a malformed one is logged and skipped (the broker never sends one)."""
+        while True:
+            try:
+                yield await self.recv()
+            except ProtocolError as e:
+                log.warning("rejected envelope", error=str(e))
+
+    async def reject(self, env: Envelope, error: ProtocolError, log: Any) -> None:
+        """Log a frame that could not be accepted and answer its sender (the broker reports its own)."""
+        log.warning("rejected frame", route=env.route.decode(), source=env.source.hex(), error=str(error))
+        if env.route != BROKER:
+            await self.send_raw(env.route, env.source, encode(Error(f"{self.identity}: {error}", error.request_id)))
 
     async def to_peer(self, peer: str | bytes, msg: Any) -> None:
         await self.send_raw(PEER, peer if isinstance(peer, bytes) else peer.encode(), encode(msg))

@@ -21,7 +21,7 @@ import zmq
 
 from orca_mq.client import AsyncClient, Client
 from orca_mq.protocol import decode, encode
-from orca_mq.protocol.client_msgs import TO_CLIENT, Error, Generate, Output
+from orca_mq.protocol.client_msgs import TO_CLIENT, Error, Generate, Output, Ping
 from orca_mq.zmq_queue import PEER
 from serving_harness import alive, start_server
 
@@ -79,6 +79,9 @@ def test_malformed_frames_are_answered_and_logged(server):
         assert rogue.poll(10_000) and "missing field" in decode(rogue.recv_multipart()[2], frozenset({"error"})).error
         rogue.send_multipart([PEER, b"frontend", b"\xc1"])
         assert rogue.poll(10_000) and "malformed" in decode(rogue.recv_multipart()[2], frozenset({"error"})).error
+        for peer in (b"frontend", b"worker0"):  # well-formed, but not a type that process accepts
+            rogue.send_multipart([PEER, peer, encode(Ping(3))])
+            assert rogue.poll(10_000) and "not accepted" in decode(rogue.recv_multipart()[2], frozenset({"error"})).error
         run_dir = server.children[server.pid_of("workers.main")].split("--run-dir ")[1].split()[0]
         control = ctx.socket(zmq.PUSH)
         control.setsockopt(zmq.LINGER, 1000)

@@ -91,12 +91,11 @@ class Controller:
 
     async def _broker_loop(self) -> None:
         assert self.executor is not None
-        while True:
-            env = await self.link.recv()
+        async for env in self.link.envelopes(self.log):
             try:
                 msg = decode(env.payload, FROM_BROKER)
             except ProtocolError as e:
-                self.log.warning("rejected frame", source=env.source.decode(errors="replace"), error=str(e))
+                await self.link.reject(env, e, self.log)
                 continue
             if isinstance(msg, WorkerStatsQuery):
                 await self.link.to_peer(env.source, WorkerStats(msg.query_id, self.stage, self.executor.stats(msg.reset)))
