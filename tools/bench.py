@@ -1,0 +1,355 @@
+#!/usr/bin/env python3
+"""Run one benchmark: generate a trace, replay it against the system, write metrics.
+
+    python tools/bench.py --policy {request,orca,fastserve} --trace {orca,fastserve}
+        [--num-requests N] [--rate REQ_PER_S] [--cv CV] [--zipf THETA]
+        [--input-len MIN:MAX] [--output-len MIN:MAX] [--max-bs B] [--seed S]
+        [--set section.key=value ...] [--address ADDR] --out FILE.json
+
+Without --address the system is started here:
+    python tools/launch.py --set scheduler.policy=P --set scheduler.max_bs=B
+        --set server.frontend_address=tcp://127.0.0.1:<free port>
+        --set server.backend_address=ipc://<private path> --set server.worker_base_port=<free port>
+        --set log.dir=FILE.logs [--set ...]
+(the last three only when --set does not give them); the bench waits for a stdout line containing
+"ready", replays the trace, then sends the launcher SIGTERM and waits for it to exit. The
+launcher's stdout and stderr go to FILE.launch.log. With --address the system is already running
+and --policy / --max-bs are only recorded as labels (they must match what the server runs).
+
+Progress goes to stderr, a summary table to stdout, and everything to FILE.json:
+{"config": {...}, "summary": {...}, "requests": [...]} (see orca_mq/bench/metrics.py).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import math
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from orca_mq.bench.metrics import format_table, summarize
+from orca_mq.bench.trace import (
+    DEFAULT_INPUT_LEN,
+    DEFAULT_OUTPUT_LEN,
+    TRACE_KINDS,
+    TraceSpec,
+    make_trace,
+    parse_range,
+    spec_dict,
+    trace_stats,
+)
+
+POLICIES = ("request", "orca", "fastserve")
+# keys the bench sets itself when it launches the system
+OWN_KEYS = ("scheduler.policy", "scheduler.max_bs", "server.frontend_address")
+
+
+def parse_rate(text: str) -> float:
+    try:
+        rate = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"rate must be a number or 'inf', got {text!r}") from None
+    if math.isnan(rate) or rate < 0:
+        raise argparse.ArgumentTypeError(f"rate must be >= 0 (0 or inf = all requests at t=0), got {text!r}")
+    return rate
+
+
+def _range_arg(text: str) -> tuple[int, int]:
+    try:
+        return parse_range(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--policy", required=True, choices=POLICIES)
+    p.add_argument("--trace", required=True, choices=TRACE_KINDS)
+    p.add_argument("--num-requests", type=int, default=100, metavar="N")
+    p.add_argument("--rate", type=parse_rate, default=1.0, metavar="REQ_PER_S",
+                   help="mean arrival rate in req/s; inf or 0 = all requests at t=0 (default 1)")
+    p.add_argument("--cv", type=float, default=1.0, help="fastserve trace: CV of the Gamma inter-arrival times (default 1)")
+    p.add_argument("--zipf", type=float, default=1.0, metavar="THETA",
+                   help="fastserve trace: Zipf exponent of the lengths, P(min+i) ~ 1/(i+1)^THETA (default 1)")
+    p.add_argument("--input-len", type=_range_arg, default=None, metavar="MIN:MAX",
+                   help=f"prompt length range, inclusive (default {DEFAULT_INPUT_LEN[0]}:{DEFAULT_INPUT_LEN[1]})")
+    p.add_argument("--output-len", type=_range_arg, default=None, metavar="MIN:MAX",
+                   help=f"max_tokens range, inclusive (default {DEFAULT_OUTPUT_LEN[0]}:{DEFAULT_OUTPUT_LEN[1]})")
+    p.add_argument("--max-bs", type=int, default=None, metavar="B", help="scheduler.max_bs (default: config.toml)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="section.key=value",
+                   help="system config override, passed to launch.py (repeatable)")
+    p.add_argument("--address", default=None, help="frontend address of a running system (default: launch one)")
+    p.add_argument("--out", required=True, metavar="FILE.json")
+    p.add_argument("--warmup", type=int, default=1, help="untimed short requests sent before the trace (default 1)")
+    p.add_argument("--request-timeout", type=float, default=0.0, metavar="S",
+                   help="give up on a request after S seconds (0 = never; default)")
+    p.add_argument("--launch-timeout", type=float, default=600.0, metavar="S",
+                   help="seconds to wait for launch.py to print 'ready' (default 600)")
+    p.add_argument("--launch-log", default=None, metavar="FILE", help="launcher output (default FILE.launch.log)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+# ---------------------------------------------------------------- launching the system
+
+def free_tcp_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Launcher:
+    """tools/launch.py as a child process in its own session; stdout/stderr to a log file."""
+
+    def __init__(self, sets: list[str], log_path: Path, ready_timeout: float, stop_timeout: float):
+        self.cmd = [sys.executable, "-u", str(ROOT / "tools" / "launch.py")]
+        for s in sets:
+            self.cmd += ["--set", s]
+        self.log_path = log_path
+        self.ready_timeout = ready_timeout
+        self.stop_timeout = stop_timeout
+        self.ready = threading.Event()
+        self.proc: subprocess.Popen[str] | None = None
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.log = open(self.log_path, "w", buffering=1)
+        self.log.write("# " + " ".join(self.cmd) + "\n")
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(self.cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=self.log, stdin=subprocess.DEVNULL,
+                                     text=True, bufsize=1, env=env, start_new_session=True)
+        threading.Thread(target=self._pump, daemon=True).start()
+        deadline = time.monotonic() + self.ready_timeout
+        while not self.ready.wait(0.2):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"launch.py exited with code {self.proc.returncode} before it was ready; "
+                                   f"see {self.log_path}:\n{self._tail()}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"launch.py not ready after {self.ready_timeout:.0f} s; see {self.log_path}:\n{self._tail()}")
+
+    def _pump(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        for line in self.proc.stdout:
+            try:
+                self.log.write(line)
+            except ValueError:  # log closed
+                pass
+            if "ready" in line:
+                self.ready.set()
+
+    def _tail(self, n: int = 20) -> str:
+        try:
+            return "".join(self.log_path.read_text(errors="replace").splitlines(keepends=True)[-n:])
+        except OSError:
+            return ""
+
+    def stop(self) -> int | None:
+        """SIGTERM the launcher, wait for it; SIGKILL its process group if it does not exit in time."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(self.stop_timeout)
+            except subprocess.TimeoutExpired:
+                print(f"bench: launch.py still running {self.stop_timeout:.0f} s after SIGTERM; killing its process group",
+                      file=sys.stderr)
+                try:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                self.proc.wait()
+        rc = self.proc.returncode
+        time.sleep(0.1)  # let the pump thread write the last lines
+        self.log.close()
+        return rc
+
+
+# ---------------------------------------------------------------- helpers
+
+def _jsonable(x: Any) -> Any:
+    """Strict JSON: non-finite floats become the strings "inf", "-inf", "nan"."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    return x
+
+
+def _git_rev() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=5)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def write_result(path: Path, config: dict, summary: dict, requests: list[dict]) -> None:
+    """Strict JSON, config and summary indented, one request record per line; atomic (tmp + rename)."""
+    def dump(x: Any, indent: int | None) -> str:
+        return json.dumps(_jsonable(x), indent=indent, allow_nan=False)
+
+    body = (
+        '{\n"config": ' + dump(config, 1) + ',\n"summary": ' + dump(summary, 1) + ',\n"requests": [\n'
+        + ",\n".join(dump(r, None) for r in requests) + "\n]}\n"
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(body)
+    os.replace(tmp, path)
+
+
+def run_replay(address: str, trace: list, args: argparse.Namespace) -> tuple[list[dict], float]:
+    from orca_mq.bench.replay import replay
+
+    coro = replay(address, trace, progress=not args.no_progress, warmup=args.warmup,
+                  request_timeout=args.request_timeout or None)
+    try:
+        import uvloop
+        loop_factory = uvloop.new_event_loop
+    except ImportError:
+        loop_factory = None
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        return runner.run(coro)
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+# ---------------------------------------------------------------- main
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from orca_mq.bench.trace import load_corpus
+    from orca_mq.config import load_config
+    from orca_mq.tokenizer import load_tokenizer
+
+    signal.signal(signal.SIGTERM, _on_sigterm)  # so `finally` stops the launcher when we are terminated
+    out = Path(args.out)
+    launched = args.address is None
+
+    for s in args.sets:
+        key = s.split("=", 1)[0].strip()
+        if "=" not in s:
+            sys.exit(f"bench: --set {s!r} is not section.key=value")
+        if launched and key in OWN_KEYS:
+            sys.exit(f"bench: --set {key}: use --policy / --max-bs (the bench picks the frontend address when it launches)")
+    try:
+        cfg = load_config(overrides=list(args.sets) + [f"scheduler.policy={args.policy}"])
+    except (KeyError, ValueError) as e:
+        sys.exit(f"bench: bad --set: {e}")
+    if args.max_bs is None:
+        args.max_bs = cfg.scheduler.max_bs
+    cfg.set("scheduler.max_bs", args.max_bs)
+
+    spec = TraceSpec(kind=args.trace, num_requests=args.num_requests, rate=args.rate, cv=args.cv, zipf=args.zipf,
+                     input_len=args.input_len or DEFAULT_INPUT_LEN, output_len=args.output_len or DEFAULT_OUTPUT_LEN,
+                     seed=args.seed)
+    try:
+        spec.validate()
+    except ValueError as e:
+        sys.exit(f"bench: {e}")
+    longest = spec.input_len[1] + spec.output_len[1]
+    if longest > cfg.model.max_model_len:
+        print(f"bench: warning: input max + output max = {longest} > model.max_model_len = {cfg.model.max_model_len}; "
+              f"the longest requests will be rejected", file=sys.stderr)
+
+    t_prep = time.perf_counter()
+    tok = load_tokenizer(cfg.model.path)
+    corpus = load_corpus(tok)
+    trace = make_trace(spec, corpus)
+    print(f"bench: trace {args.trace}: {len(trace)} requests over {trace[-1].arrival_s:.1f} s "
+          f"(corpus {len(corpus)} tokens, built in {time.perf_counter() - t_prep:.1f} s)", file=sys.stderr)
+
+    launch_sets: list[str] = []
+    launcher = None
+    address = args.address
+    if launched:
+        address = f"tcp://127.0.0.1:{free_tcp_port()}"
+        user_keys = {s.split("=", 1)[0].strip() for s in args.sets}
+        launch_sets = [f"scheduler.policy={args.policy}", f"scheduler.max_bs={args.max_bs}",
+                       f"server.frontend_address={address}"]
+        # keep this run from colliding with any other system on the machine
+        if "server.backend_address" not in user_keys:
+            launch_sets.append(f"server.backend_address=ipc://{tempfile.gettempdir()}/orca_mq_bench_{os.getpid()}_backend")
+        if "server.worker_base_port" not in user_keys:
+            launch_sets.append(f"server.worker_base_port={free_tcp_port()}")
+        if "log.dir" not in user_keys:  # the system's logs next to the result
+            launch_sets.append(f"log.dir={out.resolve().with_name(out.stem + '.logs')}")
+        launch_sets += list(args.sets)
+        for s in launch_sets:
+            cfg.set(*s.split("=", 1))
+        log_path = Path(args.launch_log) if args.launch_log else out.with_name(out.stem + ".launch.log")
+        launcher = Launcher(launch_sets, log_path, args.launch_timeout, cfg.server.drain_timeout + 30.0)
+
+    started_at = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    launcher_rc = None
+    try:
+        if launcher is not None:
+            t = time.perf_counter()
+            print(f"bench: starting the system ({args.policy}, max_bs={args.max_bs}) at {address}; log {launcher.log_path}",
+                  file=sys.stderr)
+            launcher.start()
+            print(f"bench: system ready in {time.perf_counter() - t:.1f} s", file=sys.stderr)
+        records, wall_start = run_replay(address, trace, args)
+    except KeyboardInterrupt:
+        print("bench: interrupted", file=sys.stderr)
+        return 130
+    except RuntimeError as e:
+        print(f"bench: {e}", file=sys.stderr)
+        return 1
+    finally:
+        if launcher is not None:
+            launcher_rc = launcher.stop()
+            print(f"bench: launch.py exited with code {launcher_rc}", file=sys.stderr)
+
+    summary = summarize(records)
+    config = {
+        "policy": args.policy, "trace": args.trace, "num_requests": args.num_requests, "rate": args.rate,
+        "cv": args.cv, "zipf": args.zipf, "input_len": list(spec.input_len), "output_len": list(spec.output_len),
+        "max_bs": args.max_bs, "seed": args.seed, "set": list(args.sets), "address": address, "launched": launched,
+        "out": str(out), "warmup": args.warmup, "request_timeout": args.request_timeout,
+        "launch_sets": launch_sets,
+        # the effective system config: exact when launched here, config.toml + --set when --address is used
+        "system": cfg.to_dict(),
+        "trace_spec": spec_dict(spec),
+        "trace_stats": trace_stats(trace),
+        "started_at": started_at, "wall_start": wall_start, "git_rev": _git_rev(), "host": platform.node(),
+        "launcher_exit_code": launcher_rc,
+    }
+    write_result(out, config, summary, records)
+
+    rate = "inf" if math.isinf(args.rate) or args.rate == 0 else f"{args.rate:g} req/s"
+    extra = f", cv={args.cv:g}, zipf={args.zipf:g}" if args.trace == "fastserve" else ""
+    print(f"policy={args.policy} max_bs={args.max_bs} trace={args.trace} rate={rate}{extra} "
+          f"n={args.num_requests} seed={args.seed}")
+    print(format_table(summary))
+    print(f"wrote {out}")
+    return 0 if summary["n_ok"] > 0 else 1
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # before the system was started: nothing to clean up
+        print("bench: interrupted", file=sys.stderr)
+        sys.exit(130)

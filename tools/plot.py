@@ -1,0 +1,225 @@
+#!/usr/bin/env python3
+"""Figures from tools/bench.py result files.
+
+    python tools/plot.py RESULTS.json... --out DIR
+
+Writes, for each trace kind found in the files:
+
+  fig10_<trace>.png          ORCA Fig. 10 style: median normalized latency (JCT / generated tokens,
+                             ms/token) vs throughput (tok/s); one line per (policy, max_bs) and any
+                             other setting that differs between files; points are arrival rates.
+  fig9_rate_<trace>.png      FastServe Fig. 9 style: mean JCT (top) and p99 JCT (bottom) vs arrival
+                             rate; one line per policy (and other differing settings), one panel
+                             per CV (fastserve trace).
+  fig9_zipf_<trace>.png      the same vs Zipf θ, one panel per (CV, rate), when the files vary θ.
+  summary.csv                one row per file: its settings and the main metrics.
+
+Files are grouped by their "config" block; files whose runs all failed (n_ok = 0) are skipped.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+# settings that may tell two result files apart (besides rate, the x axis of most figures)
+SETTINGS = ("policy", "max_bs", "cv", "zipf", "input_len", "output_len", "num_requests", "seed", "set")
+CSV_METRICS = ("n_requests", "n_errors", "makespan_s", "throughput_tok_s", "throughput_req_s", "jct_mean_s",
+               "jct_p50_s", "jct_p99_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "itl_p50_s", "itl_p99_s",
+               "norm_latency_p50_s")
+
+
+class Run:
+    def __init__(self, path: Path, data: dict[str, Any]):
+        self.path = path
+        self.config: dict[str, Any] = data["config"]
+        self.summary: dict[str, Any] = data["summary"]
+        self.rate = float(self.config.get("rate", "nan"))  # "inf" is stored as a string
+        self.trace = str(self.config.get("trace"))
+
+    def get(self, key: str) -> Any:
+        v = self.config.get(key)
+        if key in ("cv", "zipf") and self.trace != "fastserve":
+            return None  # not a parameter of the orca trace
+        return tuple(v) if isinstance(v, list) else v
+
+    def m(self, key: str) -> float:
+        v = self.summary.get(key)
+        return float("nan") if v is None else float(v)
+
+
+def load(paths: list[str]) -> list[Run]:
+    runs = []
+    for p in paths:
+        path = Path(p)
+        try:
+            data = json.loads(path.read_text())
+            run = Run(path, data)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            print(f"plot: skipping {path}: {e}", file=sys.stderr)
+            continue
+        if not run.summary.get("n_ok"):
+            print(f"plot: skipping {path}: no successful request", file=sys.stderr)
+            continue
+        runs.append(run)
+    return runs
+
+
+def _fmt(key: str, v: Any) -> str:
+    if v is None:
+        return ""
+    if key == "set":
+        return "[" + " ".join(v) + "]" if v else "[]"
+    if isinstance(v, tuple):
+        return ":".join(map(str, v))
+    if isinstance(v, float):
+        return f"{v:g}"
+    return str(v)
+
+
+def varying(runs: list[Run], keys: tuple[str, ...]) -> list[str]:
+    return [k for k in keys if len({repr(r.get(k)) for r in runs}) > 1]
+
+
+def group(runs: list[Run], keys: list[str]) -> dict[tuple, list[Run]]:
+    out: dict[tuple, list[Run]] = defaultdict(list)
+    for r in runs:
+        out[tuple(r.get(k) for k in keys)].append(r)
+    return dict(sorted(out.items(), key=lambda kv: tuple(repr(x) for x in kv[0])))
+
+
+def label(keys: list[str], values: tuple) -> str:
+    if keys[:2] == ["policy", "max_bs"]:
+        head = f"{values[0]}({values[1]})"  # the paper's "orca(max_bs)"
+        rest = [f"{k}={_fmt(k, v)}" for k, v in zip(keys[2:], values[2:])]
+        return ", ".join([head] + rest)
+    return ", ".join(f"{k}={_fmt(k, v)}" for k, v in zip(keys, values)) or "all"
+
+
+def _rate_text(rate: float) -> str:
+    return "inf" if math.isinf(rate) or rate == 0 else f"{rate:g}"
+
+
+def fig10(runs: list[Run], trace: str, out: Path) -> Path:
+    keys = ["policy", "max_bs"] + [k for k in varying(runs, SETTINGS) if k not in ("policy", "max_bs", "seed")]
+    fig, ax = plt.subplots(figsize=(6.4, 4.6))
+    for values, rs in group(runs, keys).items():
+        rs = sorted(rs, key=lambda r: (r.rate if r.rate > 0 else math.inf, r.get("seed") or 0))
+        xs = [r.m("throughput_tok_s") for r in rs]
+        ys = [r.m("norm_latency_p50_s") * 1000 for r in rs]
+        (line,) = ax.plot(xs, ys, marker="o", label=label(keys, values))
+        for x, y, r in zip(xs, ys, rs):
+            ax.annotate(_rate_text(r.rate), (x, y), textcoords="offset points", xytext=(3, 3), fontsize=7,
+                        color=line.get_color())
+    ax.set_xlabel("throughput (generated tokens/s)")
+    ax.set_ylabel("median normalized latency (ms/token)")
+    ax.set_title(f"normalized latency vs throughput ({trace} trace; labels = req/s)")
+    ax.set_ylim(bottom=0)
+    ax.set_xlim(left=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    path = out / f"fig10_{trace}.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return path
+
+
+def fig9(runs: list[Run], trace: str, out: Path, x: str) -> Path | None:
+    """Mean / p99 JCT vs x ("rate" or "zipf"); panels per CV (and per rate when x = zipf)."""
+    if x == "rate":
+        runs = [r for r in runs if 0 < r.rate < math.inf]
+        panel_keys = ["cv"] if trace == "fastserve" else []
+    else:
+        panel_keys = ["cv", "rate"]
+    if not runs:
+        return None
+    axis_of = (lambda r: r.rate) if x == "rate" else (lambda r: r.get("zipf"))
+    line_keys = [k for k in varying(runs, SETTINGS) if k not in (*panel_keys, x, "seed")]
+    if "policy" not in line_keys:
+        line_keys.insert(0, "policy")
+
+    def panel_of(r: Run) -> tuple:
+        return tuple(r.rate if k == "rate" else r.get(k) for k in panel_keys)
+
+    panels: dict[tuple, list[Run]] = defaultdict(list)
+    for r in runs:
+        panels[panel_of(r)].append(r)
+    if x == "zipf":  # only panels where θ actually varies
+        panels = {k: v for k, v in panels.items() if len({r.get("zipf") for r in v}) > 1}
+        if not panels:
+            return None
+    pkeys = sorted(panels, key=lambda t: tuple(float("inf") if v is None else v for v in t))
+    fig, axes = plt.subplots(2, len(pkeys), figsize=(4.2 * len(pkeys) + 1, 6.4), squeeze=False, sharex="col")
+    for col, pk in enumerate(pkeys):
+        for values, rs in group(panels[pk], line_keys).items():
+            rs = sorted(rs, key=axis_of)
+            xs = [axis_of(r) for r in rs]
+            for row, metric in enumerate(("jct_mean_s", "jct_p99_s")):
+                axes[row][col].plot(xs, [r.m(metric) for r in rs], marker="o", label=label(line_keys, values))
+        title = ", ".join(f"{'rate' if k == 'rate' else k}={_fmt(k, v)}" for k, v in zip(panel_keys, pk))
+        axes[0][col].set_title(title or f"{trace} trace")
+        axes[1][col].set_xlabel("arrival rate (req/s)" if x == "rate" else "Zipf θ")
+        for row in range(2):
+            axes[row][col].grid(alpha=0.3)
+            axes[row][col].set_ylim(bottom=0)
+    axes[0][0].set_ylabel("mean JCT (s)")
+    axes[1][0].set_ylabel("p99 JCT (s)")
+    axes[0][-1].legend(fontsize=8)
+    fig.suptitle(f"job completion time vs {'arrival rate' if x == 'rate' else 'Zipf θ'} ({trace} trace)")
+    path = out / f"fig9_{x}_{trace}.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return path
+
+
+def write_csv(runs: list[Run], out: Path) -> Path:
+    path = out / "summary.csv"
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["file", "trace", "rate", *SETTINGS, *CSV_METRICS])
+        for r in sorted(runs, key=lambda r: (r.trace, repr(r.get("policy")), repr(r.get("max_bs")), r.rate)):
+            w.writerow([r.path.name, r.trace, _rate_text(r.rate), *(_fmt(k, r.get(k)) for k in SETTINGS),
+                        *(r.summary.get(k) for k in CSV_METRICS)])
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("files", nargs="+", metavar="RESULTS.json")
+    p.add_argument("--out", required=True, metavar="DIR")
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    runs = load(args.files)
+    if not runs:
+        print("plot: no usable result files", file=sys.stderr)
+        return 1
+    written = [write_csv(runs, out)]
+    by_trace: dict[str, list[Run]] = defaultdict(list)
+    for r in runs:
+        by_trace[r.trace].append(r)
+    for trace, rs in sorted(by_trace.items()):
+        written.append(fig10(rs, trace, out))
+        written.append(fig9(rs, trace, out, "rate"))
+        if trace == "fastserve":
+            written.append(fig9(rs, trace, out, "zipf"))
+    for path in written:
+        if path is not None:
+            print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
