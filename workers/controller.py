@@ -48,10 +48,12 @@ class Controller:
             self.push.connect(control_address(run_dir, stage + 1))
         self.link = BrokerLink(self.ctx, cfg.server.backend_address, self.name)
         self.executor: StageExecutor | None = None
+        self.runner: ModelRunner | None = None
         self._failed: asyncio.Future[None] | None = None
 
     async def run(self, runner: ModelRunner, data_plane: DataPlane) -> int:
         loop = asyncio.get_running_loop()
+        self.runner = runner
         self._failed = loop.create_future()
         # the compute thread reports through the event loop: the ZMQ sockets belong to this thread
         self.executor = StageExecutor(
@@ -75,7 +77,7 @@ class Controller:
         await self._failed
 
     async def _control_loop(self) -> None:
-        assert self.executor is not None
+        assert self.executor is not None and self.runner is not None
         while True:
             frame = await self.pull.recv(copy=True)
             if self.push is not None:
@@ -87,6 +89,7 @@ class Controller:
                 await self.link.to_peer("scheduler", Error(f"{self.name}: {e}"))
                 continue
             self.log.debug("iteration received", iteration=msg.plan.iteration, batch=len(msg.plan.seqs))
+            self.runner.prepare(msg.plan)  # FastServe: start its KV copies now, beside earlier computations
             self.executor.submit(msg.plan, msg.t_sent)
 
     async def _broker_loop(self) -> None:
