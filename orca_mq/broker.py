@@ -87,10 +87,12 @@ class Broker:
                 pending.add(msg.request_id)
             try:
                 await self.backend.send_multipart([FRONTEND, CLIENT, client, parts[0]])
-            except zmq.ZMQError:
-                self._settle(client, getattr(msg, "request_id", None))
-                await self._to_client(client, encode(_failed(getattr(msg, "request_id", ""), "frontend unavailable"))
-                                      if isinstance(msg, Generate) else encode(Error("frontend unavailable")))
+            except zmq.ZMQError:  # the frontend is not connected (still starting, or gone)
+                if isinstance(msg, Generate):
+                    self._settle(client, msg.request_id)
+                    await self._to_client(client, encode(_failed(msg.request_id, "frontend unavailable")))
+                else:
+                    await self._to_client(client, encode(Error("frontend unavailable")))
 
     async def _backend_loop(self) -> None:
         while True:
