@@ -34,7 +34,7 @@ from orca_mq.sampling_params import SamplingParams
 from orca_mq.scheduler import TokenEvent, make_scheduler
 from orca_mq.sequence import Request
 from orca_mq.weights import read_model_info
-from orca_mq.zmq_queue import BrokerLink, control_address, serve
+from orca_mq.zmq_queue import BrokerLink, Envelope, control_address, serve
 
 ACCEPTED = channel(AddRequest, AbortRequest, StatsQuery, IterationDone, WorkerStats, Error)
 WINDOW = 10_000          # timing samples kept for the stats
@@ -53,7 +53,8 @@ class SchedulerProcess:
     def __init__(self, cfg: Config, run_dir: str) -> None:
         self.cfg = cfg
         self.log = setup_logging("scheduler", cfg.log)
-        self.sched = make_scheduler(cfg, read_model_info(cfg.model.path))
+        self.info = read_model_info(cfg.model.path)
+        self.sched = make_scheduler(cfg, self.info)
         self.ctx = zmq.asyncio.Context()
         self.link = BrokerLink(self.ctx, cfg.server.backend_address, "scheduler")
         self.control = self.ctx.socket(zmq.PUSH)
@@ -64,8 +65,11 @@ class SchedulerProcess:
         self.turnaround: deque[float] = deque(maxlen=WINDOW)  # result received -> next plan sent
         self.result_latency: deque[float] = deque(maxlen=WINDOW)  # last stage done -> result received
         self.queries: dict[str, _StatsQuery] = {}
+        self.backlog: list[Envelope] = []   # frames that arrived while profiling
 
     async def run(self) -> int:
+        if self.cfg.scheduler.policy == "fastserve":
+            await self._profile()
         await self.link.to_peer("launcher", Ready("scheduler", os.getpid()))
         code = await serve([self._loop()], self.log)
         self.link.close()
@@ -73,44 +77,74 @@ class SchedulerProcess:
         self.ctx.term()
         return code
 
-    async def _loop(self) -> None:
-        async for env in self.link.envelopes(self.log):
-            received = time.time()
-            try:
-                msg = decode(env.payload, ACCEPTED)
-            except ProtocolError as e:
-                await self.link.reject(env, e, self.log)
-                continue
-            if isinstance(msg, IterationDone):
-                if msg.result.iteration not in self.sched.in_flight:  # a stray frame: nothing to apply it to
-                    await self.link.to_peer(env.source, Error(f"scheduler: iteration {msg.result.iteration} is not in flight"))
-                    continue
-                self.result_latency.append(received - msg.t_end)
-                events = self.sched.process_result(msg.result, time.monotonic())
-                if await self._pump():  # the engine first, then the stream: tokens wait microseconds, stages do not
-                    self.turnaround.append(time.time() - received)
-                await self._emit(msg.result.iteration, events)
-                continue
-            if isinstance(msg, AddRequest):
+    async def _profile(self) -> None:
+        """FastServe's iteration profile, timed through the whole pipeline (control frame out ->
+        tokens back), one probe at a time, before any request: frames arriving meanwhile wait."""
+        from orca_mq.profiler import Profiler  # FastServe only
+
+        bm = self.sched.block_manager
+        profiler = Profiler(bm.block_size, bm.num_blocks, self.info.max_model_len(self.cfg), self.cfg.scheduler.max_bs)
+        start = time.perf_counter()
+        for plan in profiler.plans:
+            sent = time.perf_counter()
+            await self.control.send(encode(ControlFrame(plan, time.time())), copy=False)
+            while True:
+                env = await self.link.recv()
                 try:
-                    params = SamplingParams.from_dict(msg.params)
-                    self.sched.add(Request(msg.req_id, msg.prompt_token_ids, params, time.monotonic()))
-                except Exception:  # the frontend validated it: a refusal here is a bug, fail only this request
-                    self.log.exception("request refused by the scheduler", request_id=msg.req_id)
-                    await self.link.to_peer("frontend", TokenBatch(-1, [(msg.req_id, None, "error")]))
-                    continue
-                self.arrivals.append(msg.req_id)
-            elif isinstance(msg, AbortRequest):
-                ev = self.sched.abort(msg.req_id)
-                if ev is not None:
-                    await self._emit(-1, [ev])
-            elif isinstance(msg, StatsQuery):
-                await self._start_stats(env.source, msg)
-            elif isinstance(msg, WorkerStats):
-                await self._worker_stats(msg)
-            elif isinstance(msg, Error):
-                self.log.warning("error from a process", source=env.source.decode(errors="replace"), error=msg.error)
-            await self._pump()
+                    msg = decode(env.payload, ACCEPTED)
+                except ProtocolError:
+                    msg = None
+                if isinstance(msg, IterationDone) and msg.result.iteration == plan.iteration:
+                    break
+                self.backlog.append(env)
+            profiler.record(plan, time.perf_counter() - sent)
+        self.sched.use_profile(profiler.profile())  # type: ignore[attr-defined]
+        self.log.info("iteration profile measured", probes=len(profiler.plans), seconds=round(time.perf_counter() - start, 2))
+
+    async def _loop(self) -> None:
+        for env in self.backlog:
+            await self._handle(env)
+        self.backlog.clear()
+        async for env in self.link.envelopes(self.log):
+            await self._handle(env)
+
+    async def _handle(self, env: Envelope) -> None:
+        received = time.time()
+        try:
+            msg = decode(env.payload, ACCEPTED)
+        except ProtocolError as e:
+            await self.link.reject(env, e, self.log)
+            return
+        if isinstance(msg, IterationDone):
+            if msg.result.iteration not in self.sched.in_flight:  # a stray frame: nothing to apply it to
+                await self.link.to_peer(env.source, Error(f"scheduler: iteration {msg.result.iteration} is not in flight"))
+                return
+            self.result_latency.append(received - msg.t_end)
+            events = self.sched.process_result(msg.result, time.monotonic())
+            if await self._pump():  # the engine first, then the stream: tokens wait microseconds, stages do not
+                self.turnaround.append(time.time() - received)
+            await self._emit(msg.result.iteration, events)
+            return
+        if isinstance(msg, AddRequest):
+            try:
+                params = SamplingParams.from_dict(msg.params)
+                self.sched.add(Request(msg.req_id, msg.prompt_token_ids, params, time.monotonic()))
+            except Exception:  # the frontend validated it: a refusal here is a bug, fail only this request
+                self.log.exception("request refused by the scheduler", request_id=msg.req_id)
+                await self.link.to_peer("frontend", TokenBatch(-1, [(msg.req_id, None, "error")]))
+                return
+            self.arrivals.append(msg.req_id)
+        elif isinstance(msg, AbortRequest):
+            ev = self.sched.abort(msg.req_id)
+            if ev is not None:
+                await self._emit(-1, [ev])
+        elif isinstance(msg, StatsQuery):
+            await self._start_stats(env.source, msg)
+        elif isinstance(msg, WorkerStats):
+            await self._worker_stats(msg)
+        elif isinstance(msg, Error):
+            self.log.warning("error from a process", source=env.source.decode(errors="replace"), error=msg.error)
+        await self._pump()
 
     async def _pump(self) -> bool:
         """Fill the pipeline: one plan per free stage. Returns whether a plan was sent."""
