@@ -15,7 +15,7 @@ import json
 import statistics
 import time
 from bisect import bisect_left
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -69,12 +69,12 @@ class IterationProfile:
     @classmethod
     def estimate(cls, info: "ModelInfo", dtype: str) -> "IterationProfile":
         """A stand-in until a measured profile is set: a roofline of a modest CPU (weights read once
-        per iteration at 10 GB/s, 2 FLOPs per weight per token at 50 GFLOP/s)."""
+        per iteration at 10 GB/s, 2 FLOPs per weight per token at 100 GFLOP/s)."""
         h, d = info.hidden_size, info.head_dim
         params = info.n_layers * (2 * h * info.n_heads * d + 2 * h * info.n_kv_heads * d + 3 * h * info.intermediate_size)
         params += info.vocab_size * h
         read = params * (4 if dtype == "float32" else 2) / 10e9
-        per_token = 2 * params / 50e9
+        per_token = 2 * params / 100e9
         return cls([(1, read + per_token), (4096, read + 4096 * per_token)], [(1, read + per_token), (256, read + 256 * per_token)])
 
     def to_dict(self) -> dict[str, Any]:
@@ -92,36 +92,51 @@ class IterationProfile:
         return cls.from_dict(json.loads(Path(path).read_text()))
 
 
-def probe_plans(block_size: int, num_blocks: int, max_len: int, max_bs: int) -> Iterator[tuple[str, int, IterationPlan]]:
-    """Synthetic iterations to time: ("initiation", input length, plan) for lengths 1, 16, 32, 64, ...
-    up to max_len, and ("increment", batch size, plan) for 1, 2, 4, ... max_bs requests, all within
-    a KV pool of num_blocks blocks. They write garbage into blocks that no request owns yet, so they
-    must run before any request. Iteration numbers are negative: they never collide with a scheduler's."""
-    max_len = min(max_len, num_blocks * block_size)
-    lengths = sorted({1, max_len, *(n for n in (16 << i for i in range(16)) if n < max_len)})
-    per_req = -(-(INCREMENT_CONTEXT + 1) // block_size)
-    sizes = sorted({min(max_bs, num_blocks // per_req), *(b for b in (1 << i for i in range(16)) if b < max_bs)})
-    n = 0
-    for length in lengths:
-        n -= 1
-        yield "initiation", length, IterationPlan(n, [SeqWork("probe", [PROBE_TOKEN] * length, 0, list(range(-(-length // block_size))))])
-    for b in (s for s in sizes if s >= 1):
-        n -= 1
-        seqs = [SeqWork(f"probe{i}", [PROBE_TOKEN], INCREMENT_CONTEXT, list(range(i * per_req, (i + 1) * per_req)))
-                for i in range(b)]
-        yield "increment", b, IterationPlan(n, seqs)
+class Profiler:
+    """The synthetic iterations to time and the profile fitted from their timings:
+    initiation of one request of 1, 16, 32, 64, ... up to max_len tokens, and increments of
+    1, 2, 4, ... max_bs requests, all inside a KV pool of num_blocks blocks. The probes write
+    garbage into blocks no request owns yet, so they must run before any request. Their iteration
+    numbers are negative: they never collide with a scheduler's. The first pass is a warm-up."""
+
+    def __init__(self, block_size: int, num_blocks: int, max_len: int, max_bs: int, repeats: int = 3) -> None:
+        max_len = min(max_len, num_blocks * block_size)
+        per_req = -(-(INCREMENT_CONTEXT + 1) // block_size)
+        probes: list[tuple[str, int, list[SeqWork]]] = [
+            ("initiation", n, [SeqWork("probe", [PROBE_TOKEN] * n, 0, list(range(-(-n // block_size))))])
+            for n in sorted({1, max_len, *(n for n in (16 << i for i in range(16)) if n < max_len)})
+        ]
+        most = min(max_bs, num_blocks // per_req)
+        for b in sorted({most, *(b for b in (1 << i for i in range(16)) if b < most)} - {0}):
+            seqs = [SeqWork(f"probe{i}", [PROBE_TOKEN], INCREMENT_CONTEXT, list(range(i * per_req, (i + 1) * per_req)))
+                    for i in range(b)]
+            probes.append(("increment", b, seqs))
+        self.plans: list[IterationPlan] = []
+        self._what: dict[int, tuple[str, int]] = {}
+        for rep in range(repeats + 1):
+            for kind, x, seqs in probes:
+                self.plans.append(IterationPlan(-1 - len(self.plans), seqs))
+                if rep:
+                    self._what[self.plans[-1].iteration] = (kind, x)
+        self._samples: dict[str, dict[int, list[float]]] = {"initiation": {}, "increment": {}}
+
+    def record(self, plan: IterationPlan, seconds: float) -> None:
+        if plan.iteration in self._what:
+            kind, x = self._what[plan.iteration]
+            self._samples[kind].setdefault(x, []).append(seconds)
+
+    def profile(self) -> IterationProfile:
+        return IterationProfile.fit(self._samples["initiation"], self._samples["increment"])
 
 
 def profile_engine(run: Callable[[IterationPlan], Any], block_size: int, num_blocks: int, max_len: int, max_bs: int,
                    repeats: int = 3) -> IterationProfile:
-    """Time every probe plan `repeats` times (after one untimed warm-up pass) through `run`, which
-    must return once the iteration is done (e.g. `ModelRunner.execute`)."""
-    samples: dict[str, dict[int, list[float]]] = {"initiation": {}, "increment": {}}
-    probes = list(probe_plans(block_size, num_blocks, max_len, max_bs))
-    for rep in range(repeats + 1):
-        for kind, x, plan in probes:
-            t0 = time.perf_counter()
-            run(plan)
-            if rep:
-                samples[kind].setdefault(x, []).append(time.perf_counter() - t0)
-    return IterationProfile.fit(samples["initiation"], samples["increment"])
+    """Time every probe through `run`, which returns once the iteration is done (offline:
+    `ModelRunner.execute`). An asyncio caller (the scheduler process, timing the whole pipeline)
+    runs the same loop over `Profiler.plans` with `await`."""
+    profiler = Profiler(block_size, num_blocks, max_len, max_bs, repeats)
+    for plan in profiler.plans:
+        t0 = time.perf_counter()
+        run(plan)
+        profiler.record(plan, time.perf_counter() - t0)
+    return profiler.profile()
