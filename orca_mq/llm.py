@@ -72,7 +72,7 @@ class LLM:
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return self.tokenizer.encode(text)
+        return self.tokenizer.encode(text, add_special_tokens=False)  # the template already holds any BOS
 
     def run_until_done(self) -> None:
         sched = self.scheduler

@@ -46,12 +46,19 @@ class ModelInfo:
         return min(cfg.model.max_model_len, self.context_length)
 
     def stage_layers(self, stage: int, n_stages: int) -> range:
-        """Contiguous inter-layer partition; earlier stages take the remainder (they also embed)."""
+        """Contiguous inter-layer partition balancing work per stage. The last stage also runs the LM
+        head (vocab x hidden per request and iteration), counted as layers' worth of parameters at
+        half weight: a middle ground between decode-heavy iterations (head ~ every token) and
+        prefill-heavy ones (head on one token of many)."""
         if not 1 <= n_stages <= self.n_layers:
             raise ValueError(f"n_workers={n_stages} must be between 1 and the model's {self.n_layers} layers")
-        base, extra = divmod(self.n_layers, n_stages)
-        start = stage * base + min(stage, extra)
-        return range(start, start + base + (1 if stage < extra else 0))
+        h = self.hidden_size
+        layer_params = h * self.head_dim * (self.n_heads + 2 * self.n_kv_heads) + h * h + 3 * h * self.intermediate_size
+        head = 0.5 * self.vocab_size * h / layer_params
+        per_stage = (self.n_layers + head) / n_stages
+        bounds = [min(self.n_layers - (n_stages - s), max(s, round(s * per_stage))) for s in range(n_stages)]
+        bounds.append(self.n_layers)
+        return range(bounds[stage], bounds[stage + 1])
 
 
 # ---------------------------------------------------------------- metadata
