@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 @dataclass(slots=True)
 class JobState:
     queue: int
-    arrival: float                  # FCFS order inside a queue
+    entered: float                  # when it entered its queue: FCFS order inside the queue
     ready_since: float              # when it last became runnable (arrival or its iteration's return)
     attained: float = 0.0           # service received in the current queue
     budget: float = 0.0             # quantum of the current queue, + extra after a starvation promotion
@@ -51,28 +51,29 @@ class SkipJoinMLFQ:
         if job.attained < job.budget:
             return
         q = self.skip_join_queue(next_iteration_time, min(job.queue + 1, len(self.quanta) - 1))
-        if q != job.queue:
+        if q != job.queue:  # to the tail of the lower queue; the lowest queue keeps its FCFS order
+            job.entered = now
             job.history.append((now, "demote", q))
         job.queue, job.attained, job.budget = q, 0.0, self.quanta[q]
 
     def promote_starved(self, waiting: list[str], next_iteration_time: dict[str, float], now: float) -> list[str]:
-        """Jobs below Q1 runnable for longer than starve_limit go to Q1, where their early arrival puts
-        them first, so starve_limit bounds how long any job waits (plus an iteration). One
+        """Jobs below Q1 runnable for longer than starve_limit go to the tail of Q1, where every job
+        gets one quantum and drops out: so the wait after a promotion is bounded too. One
         whose next iteration exceeds Q1's quantum gets that much quantum instead, so that iteration
         runs without demotion (FastServe's extra quantum)."""
         promoted = []
         for job_id in waiting:
             job = self.jobs[job_id]
             if job.queue and now - job.ready_since > self.starve_limit:
-                job.queue, job.attained = 0, 0.0
+                job.queue, job.entered, job.attained = 0, now, 0.0
                 job.budget = max(self.quanta[0], next_iteration_time[job_id])
                 job.history.append((now, "promote", 0))
                 promoted.append(job_id)
         return promoted
 
     def order(self, job_ids: list[str]) -> list[str]:
-        """Priority order: highest queue first, FCFS (arrival order) inside a queue."""
-        return sorted(job_ids, key=lambda j: (self.jobs[j].queue, self.jobs[j].arrival))
+        """Priority order: highest queue first, FCFS inside a queue (ids come in arrival order)."""
+        return sorted(job_ids, key=lambda j: (self.jobs[j].queue, self.jobs[j].entered))
 
     def enst(self, job_ids: list[str], max_bs: int, now: float) -> dict[str, float]:
         """Estimated next scheduled time of each job (seconds from now), FastServe §4.2:

@@ -153,23 +153,21 @@ def test_starvation_promotion_with_extra_quantum():
 
 
 def test_no_starvation_of_a_long_job_under_a_stream_of_short_ones():
-    def stream(starve_limit: float) -> tuple[list[IterationPlan], FastServeScheduler]:
+    def long_runs(starve_limit: float) -> tuple[list[float], FastServeScheduler]:
+        """End times of the long job's iterations while 3 s of short Q1 jobs keep arriving."""
         sched = make(**{"scheduler.max_bs": 1, "fastserve.starve_limit": starve_limit})
-        shorts = [req(f"s{i}", 5, 2, arrival=0.015 * i) for i in range(200)]   # 3 s of Q1 work arriving faster than served
-        return run(sched, [req("long", 60, 30), *shorts]), sched
-
-    def long_runs_before(plans: list[IterationPlan], t_end: float) -> int:
-        t, n = 0.0, 0
-        for p in plans:
+        shorts = [req(f"s{i}", 5, 2, arrival=0.022 * i) for i in range(140)]   # 25 ms of work every 22 ms
+        t, ends = 0.0, []
+        for p in run(sched, [req("long", 60, 30), *shorts]):
             t += duration(p)
-            n += t <= t_end and p.seqs[0].req_id == "long"
-        return n
+            if p.seqs[0].req_id == "long":
+                ends.append(t)
+        return [e for e in ends if e < 3.0], sched
 
-    plans, sched = stream(starve_limit=0.5)
-    metrics = sched.request_metrics("long")
-    assert metrics["promotions"] >= 2 and long_runs_before(plans, 3.0) >= 4
-    plans, _ = stream(starve_limit=100.0)   # without promotion the stream starves it
-    assert long_runs_before(plans, 3.0) <= 2
+    ends, sched = long_runs(starve_limit=0.5)
+    assert len(ends) >= 3 and sched.request_metrics("long")["promotions"] >= 3
+    assert all(b - a < 0.5 + 0.5 for a, b in zip([0.0, *ends], ends))   # starve_limit + draining Q1 ahead of it
+    assert long_runs(starve_limit=100.0)[0] == []   # without promotion the stream starves it
 
 
 def test_enst_is_min_of_promotion_and_execution_time():
