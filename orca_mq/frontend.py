@@ -170,7 +170,8 @@ class Frontend:
                 await self.link.to_client(req.client, Output(rid, new, text))
                 continue
             text += req.detok.finish()
-            await self.link.to_client(req.client, Output(rid, new, text, True, reason, None, self._metrics(req, now)))
+            metrics = {**self._metrics(req, now), **({"scheduler": batch.metrics[rid]} if rid in batch.metrics else {})}
+            await self.link.to_client(req.client, Output(rid, new, text, True, reason, None, metrics))
             self._forget(rid)
             self.log.info("request finished", request_id=rid, finish_reason=reason,
                           completion_tokens=len(req.token_ids), iteration=batch.iteration)

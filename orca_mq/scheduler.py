@@ -7,7 +7,7 @@ same objects, so what is tested here is what serves.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from orca_mq.block_manager import BlockManager
 from orca_mq.iteration import IterationPlan, IterationResult, SeqWork
@@ -142,6 +142,10 @@ class Scheduler:
 
     def emit(self, events: list[TokenEvent]) -> list[TokenEvent]:
         return events
+
+    def request_metrics(self, req_id: str) -> dict[str, Any] | None:
+        """Policy-specific metrics of a request for its final message (FastServe: queues, swaps)."""
+        return None
 
 
 class OrcaScheduler(Scheduler):

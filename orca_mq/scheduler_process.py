@@ -160,7 +160,8 @@ class SchedulerProcess:
 
     async def _emit(self, iteration: int, events: list[TokenEvent]) -> None:
         if events:
-            await self.link.to_peer("frontend", TokenBatch(iteration, [(e.req_id, e.token_id, e.finish_reason) for e in events]))
+            metrics = {e.req_id: m for e in events if e.finish_reason and (m := self.sched.request_metrics(e.req_id))}
+            await self.link.to_peer("frontend", TokenBatch(iteration, [(e.req_id, e.token_id, e.finish_reason) for e in events], metrics))
 
     async def _start_stats(self, source: bytes, query: StatsQuery) -> None:
         qid = uuid.uuid4().hex

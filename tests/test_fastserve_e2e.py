@@ -97,6 +97,8 @@ def test_served_fastserve_pipeline_matches_orca(tmp_path, orca_tokens):
     finally:
         assert srv.stop() == 0, srv.stderr()[-3000:]
     assert [o.token_ids for o in outs] == orca_tokens
+    assert all(o.metrics["scheduler"]["queue_history"] for o in outs)  # FastServe metrics in the final message
+    assert sum(o.metrics["scheduler"]["offloads"] for o in outs) > 0
     sched = stats["scheduler"]
     assert sched["free_slots"] == sched["n_slots"] and sched["host_free_slots"] == sched["host_slots"]
     lines = [json.loads(line) for line in (srv.log_dir / "scheduler.log").read_text().splitlines()]

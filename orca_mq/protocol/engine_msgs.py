@@ -6,7 +6,7 @@ only for the overhead statistics.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from orca_mq.iteration import IterationPlan, IterationResult
@@ -34,6 +34,7 @@ class TokenBatch:
 
     iteration: int
     events: list[tuple[str, int | None, str | None]]
+    metrics: dict[str, dict[str, Any]] = field(default_factory=dict)  # per finished request, from the policy
 
 
 @message("stats_query")
