@@ -30,6 +30,7 @@ class StageModel:
         if self.triton:  # CUDA: the fused kernels of kernels/ (checked on CPU under TRITON_INTERPRET=1)
             import kernels
 
+            self.kernels = kernels
             self._write_kv, self._attention = kernels.write_kv_for_engine, kernels.attention_for_engine
         else:
             self._write_kv, self._attention = write_kv_torch, attention_torch
@@ -66,9 +67,7 @@ class StageModel:
         if self.info.arch == "gpt2":
             return F.layer_norm(x, (x.shape[-1],), w, b, self.info.norm_eps)
         if self.triton:
-            import kernels
-
-            return kernels.rms_norm(x, w, self.info.norm_eps)
+            return self.kernels.rms_norm(x, w, self.info.norm_eps)
         xf = x.float()  # F.rms_norm is not fused on CPU and is far slower than these three ops
         return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.info.norm_eps)).to(x.dtype)
 
@@ -84,9 +83,7 @@ class StageModel:
             qk = _rotary(qkv[:, : self.split[0] + self.split[1]].reshape(t, -1, d), *rope)
             q, k = qk[:, : self.info.n_heads], qk[:, self.info.n_heads:]
         elif self.triton and not gpt2:
-            import kernels
-
-            q, k = kernels.rotary(q, k, meta.positions, self.cos, self.sin)
+            q, k = self.kernels.rotary(q, k, meta.positions, self.cos, self.sin)
         self._write_kv(k, v, k_cache, v_cache, meta)
         o = self._attention(q, k, v, k_cache, v_cache, meta, self.scale).reshape(t, -1)
         h = h + F.linear(o, w["o"], w.get("o_b"))

@@ -81,15 +81,14 @@ def _gguf_fields(path: Path) -> tuple[object, dict[str, object]]:
 
 
 def _gguf_info(path: Path) -> ModelInfo:
-    _, f = _gguf_fields(path)
+    reader, f = _gguf_fields(path)
     arch = f["general.architecture"]
     if arch != "llama":
         raise ValueError(f"{path}: GGUF architecture {arch!r} not supported (llama only)")
     n_heads = int(f["llama.attention.head_count"])
     eos = f.get("tokenizer.ggml.eos_token_id")
-    from gguf import GGUFReader  # vocab size from the embedding tensor, whatever the metadata says
-
-    emb = next(t for t in GGUFReader(path).tensors if t.name == "token_embd.weight")
+    # vocab size from the embedding tensor, whatever the metadata says
+    emb = next(t for t in reader.tensors if t.name == "token_embd.weight")
     return ModelInfo(
         path=str(path), arch="llama",
         vocab_size=int(emb.shape[-1]),
