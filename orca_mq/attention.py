@@ -2,17 +2,23 @@
 
 Every other operation sees the iteration as one flattened [T, H] tensor. `AttentionMetadata` is
 built once per iteration and shared by all layers of a stage. The torch path (CPU) writes the
-new K/V into the paged cache, then runs all increment requests as one padded batch and each
-initiation request on its own; the Triton path (CUDA) covers the whole iteration in one launch.
+new K/V into the paged cache, then runs all increment requests together (the C++ kernel reading
+blocks in place, or one padded SDPA batch) and each initiation request on its own; the Triton path
+(CUDA) covers the whole iteration in one launch.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 
 from orca_mq.iteration import IterationPlan
+
+if TYPE_CHECKING:
+    from kernels.cpu_decode import PagedDecode
 
 Tensor = torch.Tensor
 
@@ -27,7 +33,8 @@ class AttentionMetadata:
     last_token_idx: Tensor   # [B] int64 each request's last new token (the LM head's rows)
     # torch path: increment requests batched, initiation requests one by one
     decode_tokens: Tensor    # [Bd] int64 token rows of the increment requests
-    decode_blocks: Tensor    # [Bd * nb] int64 block ids each increment request attends to (0-padded)
+    decode_blocks: Tensor    # [Bd, nb] int64 block ids each increment request attends to (0-padded)
+    decode_lens: Tensor      # [Bd] int32 KV length of each increment request
     decode_mask: Tensor      # [Bd, 1, 1, nb * block_size] bool, False past the request's length
     prefills: list[tuple[int, int, int]]  # (first token row, q_len, start_pos) of each initiation request
     prefill_slots: list[Tensor | None]    # cached slots before start_pos (None when start_pos == 0)
@@ -75,8 +82,8 @@ def build_metadata(plan: IterationPlan, block_size: int, device: torch.device) -
     return AttentionMetadata(
         positions=dev(positions), slot_mapping=dev(slots), cu_q_lens=dev(cu, torch.int32),
         seq_lens=dev([s.seq_len for s in plan.seqs], torch.int32), block_tables=tables.to(device),
-        last_token_idx=dev(last), decode_tokens=dev(decode_tokens), decode_blocks=decode_blocks.view(-1).to(device),
-        decode_mask=decode_mask.to(device), prefills=prefills, prefill_slots=prefill_slots,
+        last_token_idx=dev(last), decode_tokens=dev(decode_tokens), decode_blocks=decode_blocks.to(device),
+        decode_lens=dev([n for _, n in decode_seqs], torch.int32), decode_mask=decode_mask.to(device), prefills=prefills, prefill_slots=prefill_slots,
     )
 
 
@@ -87,22 +94,29 @@ def write_kv_torch(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, meta:
 
 
 def attention_torch(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
-                    meta: AttentionMetadata, scale: float) -> Tensor:
-    """q [T, H, d], k/v [T, kvh, d] (this iteration's, already written to the cache) -> [T, H, d]."""
+                    meta: AttentionMetadata, scale: float, decode_kernel: PagedDecode | None = None) -> Tensor:
+    """q [T, H, d], k/v [T, kvh, d] (this iteration's, already written to the cache) -> [T, H, d].
+    `decode_kernel` (kernels/cpu_decode.py) reads the increment requests' blocks in place; without it
+    they are gathered into a padded batch for SDPA."""
     n_heads, d = q.shape[1:]
     kvh = k.shape[1]
     group = n_heads // kvh
     out = torch.empty_like(q)
     k_flat, v_flat = k_cache.view(-1, kvh, d), v_cache.view(-1, kvh, d)
     if meta.decode_tokens.numel():
-        bd, l_max = meta.decode_tokens.numel(), meta.decode_mask.shape[-1]
-        # queries of one KV head's group share its keys: [Bd, kvh, group, d] needs no K/V repeat
-        qd = q.index_select(0, meta.decode_tokens).view(bd, kvh, group, d)
-        # gather whole blocks (one row copy per block, not per token), padded to the longest request
-        kd = k_cache.index_select(0, meta.decode_blocks).view(bd, l_max, kvh, d).transpose(1, 2)
-        vd = v_cache.index_select(0, meta.decode_blocks).view(bd, l_max, kvh, d).transpose(1, 2)
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale)
-        out.index_copy_(0, meta.decode_tokens, od.reshape(bd, n_heads, d))
+        qd = q.index_select(0, meta.decode_tokens)
+        if decode_kernel is not None:
+            od = decode_kernel(qd, k_cache, v_cache, meta.decode_blocks, meta.decode_lens, scale)
+        else:
+            bd, l_max = meta.decode_tokens.numel(), meta.decode_mask.shape[-1]
+            # gather whole blocks (one row copy per block, not per token), padded to the longest request;
+            # queries of one KV head's group share its keys: [Bd, kvh, group, d] needs no K/V repeat
+            blocks = meta.decode_blocks.view(-1)
+            kd = k_cache.index_select(0, blocks).view(bd, l_max, kvh, d).transpose(1, 2)
+            vd = v_cache.index_select(0, blocks).view(bd, l_max, kvh, d).transpose(1, 2)
+            od = F.scaled_dot_product_attention(qd.view(bd, kvh, group, d), kd, vd, attn_mask=meta.decode_mask,
+                                                scale=scale).reshape(bd, n_heads, d)
+        out.index_copy_(0, meta.decode_tokens, od)
     for (row, q_len, start), cached in zip(meta.prefills, meta.prefill_slots):
         qp = q[row: row + q_len].transpose(0, 1).unsqueeze(0)           # [1, H, L, d]
         kp, vp = k[row: row + q_len], v[row: row + q_len]

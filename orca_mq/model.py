@@ -6,6 +6,7 @@ head runs on each request's last token only.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -26,12 +27,18 @@ class StageModel:
         self.first, self.last = weights.embed is not None and layers.start == 0, weights.final_norm is not None
         self.scale = 1.0 / math.sqrt(info.head_dim)
         self.split = [info.n_heads * info.head_dim, info.n_kv_heads * info.head_dim, info.n_kv_heads * info.head_dim]
+        self.attention_backend = attention_backend
         self.triton = attention_backend == "triton"
         if self.triton:  # CUDA: the fused kernels of kernels/ (checked on CPU under TRITON_INTERPRET=1)
             import kernels
 
             self.kernels = kernels
             self._write_kv, self._attention = kernels.write_kv_for_engine, kernels.attention_for_engine
+        elif attention_backend == "cpu":  # the torch path with increments on the C++ paged decode kernel
+            from kernels import cpu_decode
+
+            self._write_kv = write_kv_torch
+            self._attention = functools.partial(attention_torch, decode_kernel=cpu_decode.load())
         else:
             self._write_kv, self._attention = write_kv_torch, attention_torch
         if info.arch == "llama":  # rotary tables in the rotate-half layout, as Hugging Face computes them

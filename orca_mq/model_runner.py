@@ -35,11 +35,23 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_attention_backend(name: str, device: torch.device) -> str:
-    if name == "auto":
-        return "triton" if device.type == "cuda" else "torch"
-    if name not in ("torch", "triton"):
-        raise ValueError(f"engine.attention_backend must be auto | torch | triton, got {name!r}")
+def resolve_attention_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
+    """auto: the Triton kernels on CUDA; on the CPU the C++ decode kernel (float32) when it builds, else torch."""
+    if name not in ("auto", "torch", "cpu", "triton"):
+        raise ValueError(f"engine.attention_backend must be auto | torch | cpu | triton, got {name!r}")
+    auto = name == "auto"
+    if auto:
+        if device.type == "cuda":
+            return "triton"
+        name = "cpu" if dtype == torch.float32 else "torch"
+    if name == "cpu":
+        if device.type != "cpu" or dtype != torch.float32:
+            raise ValueError("engine.attention_backend = cpu needs engine.device = cpu and model.dtype = float32")
+        from kernels import cpu_decode
+
+        if cpu_decode.load() is None and not auto:
+            raise RuntimeError("engine.attention_backend = cpu but the CPU decode kernel cannot be built (see the log)")
+        return "cpu" if cpu_decode.load() is not None else "torch"
     return name
 
 
@@ -66,7 +78,7 @@ class ModelRunner:
             weights.lm_head = weights.embed  # one copy of a tied head
         self.block_size = cfg.engine.block_size
         self.model = StageModel(self.info, weights, layers, self.info.max_model_len(cfg), self.device,
-                                resolve_attention_backend(cfg.engine.attention_backend, self.device))
+                                resolve_attention_backend(cfg.engine.attention_backend, self.device, self.dtype))
         self.kv = KVCache.allocate(len(layers), cfg.engine.n_slots // self.block_size, self.block_size,
                                    self.info.n_kv_heads, self.info.head_dim, self.dtype, self.device)
         self.host_blocks = cfg.engine.host_slots // self.block_size

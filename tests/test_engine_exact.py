@@ -13,9 +13,10 @@ from orca_mq.iteration import IterationPlan, SeqWork
 from orca_mq.model_runner import ModelRunner
 
 
-def _runner(model_dir, block_size: int = 8, n_slots: int = 2048) -> ModelRunner:
+def _runner(model_dir, block_size: int = 8, n_slots: int = 2048, backend: str = "auto") -> ModelRunner:
     cfg = load_config(overrides={"model.path": str(model_dir), "engine.block_size": block_size,
-                                 "engine.n_slots": n_slots, "engine.threads_per_worker": 1})
+                                 "engine.n_slots": n_slots, "engine.threads_per_worker": 1,
+                                 "engine.attention_backend": backend})
     return ModelRunner(cfg)
 
 
@@ -39,11 +40,13 @@ def _mixed_iteration_logits(runner: ModelRunner, prefills: list[list[int]], deco
     return logits[[order[n] for n in names]]
 
 
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
-def test_mixed_batch_matches_transformers(arch, tiny_llama_dir, tiny_gpt2_dir):
+def test_mixed_batch_matches_transformers(arch, backend, tiny_llama_dir, tiny_gpt2_dir):
     model_dir = tiny_llama_dir if arch == "llama" else tiny_gpt2_dir
     rng = random.Random(1234)
-    runner = _runner(model_dir)
+    runner = _runner(model_dir, backend=backend)
+    assert runner.model.attention_backend == backend
     ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     vocab = runner.info.vocab_size
     prefills = [[rng.randrange(vocab) for _ in range(n)] for n in (1, 7, 33, 70)]
@@ -55,12 +58,13 @@ def test_mixed_batch_matches_transformers(arch, tiny_llama_dir, tiny_gpt2_dir):
     assert (ours - expected).abs().max().item() <= 1e-4
 
 
-def test_block_size_does_not_change_logits(tiny_llama_dir):
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_block_size_does_not_change_logits(backend, tiny_llama_dir):
     rng = random.Random(7)
     seqs = [[rng.randrange(512) for _ in range(n)] for n in (5, 31, 64)]
     results = []
     for bs in (1, 8, 16):
-        runner = _runner(tiny_llama_dir, block_size=bs)
+        runner = _runner(tiny_llama_dir, block_size=bs, backend=backend)
         results.append(_mixed_iteration_logits(runner, seqs[:1], seqs[1:], random.Random(bs)))
     assert torch.allclose(results[0], results[1], atol=1e-5) and torch.allclose(results[0], results[2], atol=1e-5)
 

@@ -1,0 +1,37 @@
+"""The CPU paged decode-attention kernel (csrc/paged_decode_cpu.cpp), built on first use.
+
+torch.utils.cpp_extension compiles it once per machine (about 40 s, with the machine's own vector
+width) into torch's extension cache; later processes load the cached build, and concurrent
+builders wait on its lock. `load()` returns None when it cannot be built (no compiler), so the
+engine falls back to the torch path (gather + SDPA) and says so.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_decode_cpu.cpp"
+# -ffast-math lets gcc vectorize exp and the dot-product reductions; the kernel keeps its
+# arithmetic finite (no inf sentinel) so that flag is safe
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
+
+PagedDecode = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+
+@functools.cache
+def load() -> PagedDecode | None:
+    """paged_decode_attention(q [B,H,d], k_cache, v_cache [NB,bs,kvh,d], block_tables [B,nb], seq_lens [B] int32,
+    scale) -> [B,H,d], all float32 on the CPU; None if the kernel cannot be built here."""
+    from torch.utils.cpp_extension import load as build
+
+    try:
+        module = build(name="orca_mq_paged_decode", sources=[str(SOURCE)], extra_cflags=CFLAGS,
+                       extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as e:  # noqa: BLE001 - any build failure means: use the torch path
+        logging.getLogger(__name__).warning("CPU decode kernel unavailable, using gather + SDPA: %s", e)
+        return None
+    return module.paged_decode_attention
