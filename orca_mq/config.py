@@ -43,6 +43,7 @@ class FastServeConfig:
     kv_policy: str = "proactive"
     min_free_blocks: int = 8
     burst_queues: int = 2
+    profile_max_len: int = 512
 
 
 @dataclass(slots=True)

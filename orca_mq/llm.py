@@ -9,6 +9,7 @@ from typing import Any, Sequence
 
 from orca_mq.config import load_config
 from orca_mq.model_runner import ModelRunner
+from orca_mq.profiler import profile_engine, profile_max_len
 from orca_mq.sampling_params import InvalidRequest, SamplingParams
 from orca_mq.scheduler import make_scheduler
 from orca_mq.sequence import Request
@@ -41,6 +42,10 @@ class LLM:
         self.tokenizer = load_tokenizer(self.cfg.model.path)
         self.runner = ModelRunner(self.cfg, info=self.info)
         self.scheduler = make_scheduler(self.cfg, self.info)
+        if self.cfg.scheduler.policy == "fastserve":  # skip-join needs this engine's own iteration times
+            bm = self.scheduler.block_manager
+            self.scheduler.use_profile(profile_engine(  # type: ignore[attr-defined]
+                self.runner.execute, bm.block_size, bm.num_blocks, profile_max_len(self.cfg, self.info), self.cfg.scheduler.max_bs))
         self._ids = itertools.count()
 
     def generate(self, prompts: Prompt | Sequence[Prompt],

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from orca_mq.iteration import IterationPlan, SeqWork
 
 if TYPE_CHECKING:
+    from orca_mq.config import Config
     from orca_mq.weights import ModelInfo
 
 Points = list[tuple[int, float]]   # (x, seconds), x increasing
@@ -127,6 +128,11 @@ class Profiler:
 
     def profile(self) -> IterationProfile:
         return IterationProfile.fit(self._samples["initiation"], self._samples["increment"])
+
+
+def profile_max_len(cfg: "Config", info: "ModelInfo") -> int:
+    """Longest initiation probe: longer inputs are extrapolated along the last measured segment."""
+    return min(info.max_model_len(cfg), cfg.fastserve.profile_max_len)
 
 
 def profile_engine(run: Callable[[IterationPlan], Any], block_size: int, num_blocks: int, max_len: int, max_bs: int,

@@ -80,10 +80,10 @@ class SchedulerProcess:
     async def _profile(self) -> None:
         """FastServe's iteration profile, timed through the whole pipeline (control frame out ->
         tokens back), one probe at a time, before any request: frames arriving meanwhile wait."""
-        from orca_mq.profiler import Profiler  # FastServe only
+        from orca_mq.profiler import Profiler, profile_max_len  # FastServe only
 
         bm = self.sched.block_manager
-        profiler = Profiler(bm.block_size, bm.num_blocks, self.info.max_model_len(self.cfg), self.cfg.scheduler.max_bs)
+        profiler = Profiler(bm.block_size, bm.num_blocks, profile_max_len(self.cfg, self.info), self.cfg.scheduler.max_bs)
         start = time.perf_counter()
         for plan in profiler.plans:
             sent = time.perf_counter()
