@@ -98,8 +98,10 @@ class SchedulerProcess:
                     break
                 self.backlog.append(env)
             profiler.record(plan, time.perf_counter() - sent)
-        self.sched.use_profile(profiler.profile())  # type: ignore[attr-defined]
-        self.log.info("iteration profile measured", probes=len(profiler.plans), seconds=round(time.perf_counter() - start, 2))
+        profile = profiler.profile()
+        self.sched.use_profile(profile)  # type: ignore[attr-defined]
+        self.log.info("iteration profile measured", probes=len(profiler.plans), seconds=round(time.perf_counter() - start, 2),
+                      **profile.to_dict())
 
     async def _loop(self) -> None:
         for env in self.backlog:
