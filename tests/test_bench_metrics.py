@@ -107,3 +107,25 @@ def test_required_keys_and_table():
         assert key in s
     table = format_table(s)
     assert "JCT" in table and "3000.0" in table  # p50 JCT in ms
+
+
+def test_orca_throughput_at_equal_latency():
+    """tools/plot.py's ORCA headline: orca's throughput interpolated at the baseline's latency."""
+    import math
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+    from plot import Run, orca_throughput_at
+
+    def run(latency_s: float, tok_s: float) -> Run:
+        return Run(Path("x.json"), {"config": {"rate": 1.0, "trace": "orca"},
+                                    "summary": {"norm_latency_p50_s": latency_s, "throughput_tok_s": tok_s}})
+
+    orca = [run(0.2, 10.0), run(0.4, 30.0), run(1.0, 40.0)]
+    value, how = orca_throughput_at(orca, 0.3)                 # halfway between the first two points
+    assert math.isclose(value, 20.0) and how == "="
+    assert orca_throughput_at(orca, 1.0) == (40.0, "=")
+    assert orca_throughput_at(orca, 2.0) == (40.0, ">=")       # slower than any orca point: a lower bound
+    value, how = orca_throughput_at(orca, 0.1)
+    assert math.isnan(value) and how == "n/a"

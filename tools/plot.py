@@ -13,6 +13,9 @@ Writes, for each trace kind found in the files:
                              per CV (fastserve trace).
   fig9_zipf_<trace>.png      the same vs Zipf θ, one panel per (CV, rate), when the files vary θ.
   summary.csv                one row per file: its settings and the main metrics.
+  equal_latency.csv          ORCA's headline: for each `request` point, the throughput `orca` (same
+                             max_bs) reaches at the same median normalized latency, interpolated
+                             along orca's curve, and the ratio of the two.
 
 Files are grouped by their "config" block; files whose runs all failed (n_ok = 0) are skipped.
 """
@@ -195,6 +198,44 @@ def write_csv(runs: list[Run], out: Path) -> Path:
     return path
 
 
+def orca_throughput_at(orca: list[Run], latency: float) -> tuple[float, str]:
+    """orca's throughput at a median normalized latency, linear along its points sorted by latency:
+    (value, "="); beyond its slowest point its highest throughput is a lower bound (value, ">=");
+    below its fastest point it is unknown (nan, "n/a")."""
+    pts = sorted((r.m("norm_latency_p50_s"), r.m("throughput_tok_s")) for r in orca)
+    if latency > pts[-1][0]:
+        return max(t for _, t in pts), ">="
+    if latency < pts[0][0]:
+        return math.nan, "n/a"
+    for (l0, t0), (l1, t1) in zip(pts, pts[1:] or pts):
+        if l0 <= latency <= l1:
+            return t0 if l1 == l0 else t0 + (t1 - t0) * (latency - l0) / (l1 - l0), "="
+    raise AssertionError("unreachable: the latency lies within the points")
+
+
+def equal_latency(runs: list[Run], out: Path) -> Path | None:
+    rows = []
+    for bs in sorted({r.get("max_bs") for r in runs}, key=repr):
+        orca = [r for r in runs if r.get("policy") == "orca" and r.get("max_bs") == bs]
+        base = [r for r in runs if r.get("policy") == "request" and r.get("max_bs") == bs]
+        for r in sorted(base, key=lambda r: r.rate):
+            if not orca:
+                continue
+            lat, thr = r.m("norm_latency_p50_s"), r.m("throughput_tok_s")
+            orca_thr, how = orca_throughput_at(orca, lat)
+            ratio = "n/a" if how == "n/a" else ("" if how == "=" else how) + f"{orca_thr / thr:.2f}"
+            rows.append([bs, _rate_text(r.rate), f"{lat * 1000:.1f}", f"{thr:.2f}", f"{orca_thr:.2f}", ratio])
+    if not rows:
+        return None
+    path = out / "equal_latency.csv"
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["max_bs", "request_rate", "norm_latency_p50_ms", "request_tok_s", "orca_tok_s_at_that_latency",
+                    "orca_over_request"])
+        w.writerows(rows)
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("files", nargs="+", metavar="RESULTS.json")
@@ -212,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
         by_trace[r.trace].append(r)
     for trace, rs in sorted(by_trace.items()):
         written.append(fig10(rs, trace, out))
+        if trace == "orca":
+            written.append(equal_latency(rs, out))
         written.append(fig9(rs, trace, out, "rate"))
         if trace == "fastserve":
             written.append(fig9(rs, trace, out, "zipf"))
