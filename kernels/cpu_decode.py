@@ -8,7 +8,9 @@ engine falls back to the torch path (gather + SDPA) and says so.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
+import platform
 from collections.abc import Callable
 from pathlib import Path
 
@@ -22,6 +24,16 @@ CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
 PagedDecode = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 
+def _build_name() -> str:
+    """-march=native code must not load on another CPU sharing the cache (a network home, an image):
+    the name, hence the cache directory, carries the CPU's instruction-set flags."""
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        flags = platform.processor()
+    return f"orca_mq_paged_decode_{platform.machine()}_{hashlib.sha1(flags.encode()).hexdigest()[:10]}"
+
+
 @functools.cache
 def load() -> PagedDecode | None:
     """paged_decode_attention(q [B,H,d], k_cache, v_cache [NB,bs,kvh,d], block_tables [B,nb], seq_lens [B] int32,
@@ -29,7 +41,7 @@ def load() -> PagedDecode | None:
     from torch.utils.cpp_extension import load as build
 
     try:
-        module = build(name="orca_mq_paged_decode", sources=[str(SOURCE)], extra_cflags=CFLAGS,
+        module = build(name=_build_name(), sources=[str(SOURCE)], extra_cflags=CFLAGS,
                        extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # noqa: BLE001 - any build failure means: use the torch path
         logging.getLogger(__name__).warning("CPU decode kernel unavailable, using gather + SDPA: %s", e)

@@ -9,7 +9,6 @@ blocks in place, or one padded SDPA batch) and each initiation request on its ow
 from __future__ import annotations
 
 from dataclasses import dataclass
-
 from typing import TYPE_CHECKING
 
 import torch
@@ -83,7 +82,8 @@ def build_metadata(plan: IterationPlan, block_size: int, device: torch.device) -
         positions=dev(positions), slot_mapping=dev(slots), cu_q_lens=dev(cu, torch.int32),
         seq_lens=dev([s.seq_len for s in plan.seqs], torch.int32), block_tables=tables.to(device),
         last_token_idx=dev(last), decode_tokens=dev(decode_tokens), decode_blocks=decode_blocks.to(device),
-        decode_lens=dev([n for _, n in decode_seqs], torch.int32), decode_mask=decode_mask.to(device), prefills=prefills, prefill_slots=prefill_slots,
+        decode_lens=dev([n for _, n in decode_seqs], torch.int32), decode_mask=decode_mask.to(device),
+        prefills=prefills, prefill_slots=prefill_slots,
     )
 
 
