@@ -102,6 +102,8 @@ class Scheduler:
         events = []
         for req, token in zip(batch, result.token_ids):
             req.running = False
+            if req.phase is Phase.FINISHED:  # the request-level baseline's inactive request: compute wasted
+                continue
             req.n_iterations += 1
             if req.aborted:
                 self._finish(req, "abort")
@@ -125,6 +127,10 @@ class Scheduler:
 
     def _finish(self, req: Request, reason: str, now: float | None = None) -> None:
         req.phase, req.finish_reason, req.finish_time = Phase.FINISHED, reason, now
+        self._retire(req)
+
+    def _retire(self, req: Request) -> None:
+        """A finished request leaves the pool and frees its KV."""
         del self.pool[req.req_id]
         self.block_manager.free(req.req_id)
         self.release(req)
@@ -182,24 +188,42 @@ class OrcaScheduler(Scheduler):
 
 class RequestLevelScheduler(OrcaScheduler):
     """The baseline (Triton dynamic batcher + FasterTransformer): a batch runs until every request
-    in it finishes; nothing joins meanwhile and nothing returns early. Finished requests spend no
-    compute while they wait for the batch, which flatters the baseline slightly."""
+    in it finishes; nothing joins meanwhile and nothing returns early. As the ORCA paper describes
+    (§2.2, Fig. 3), the engine keeps computing the batch's *inactive* (finished) requests until
+    the batch ends: each reruns its last position, so its KV stays within its reservation, and
+    the tokens are dropped. An aborted request leaves at once."""
 
     def __init__(self, cfg: "Config", info: "ModelInfo") -> None:
         super().__init__(cfg, info)
         self.batch: list[Request] = []
+        self.inactive: list[Request] = []     # finished, still computed, KV held until the batch ends
         self.held: list[TokenEvent] = []
 
     def select(self, now: float) -> list[Request]:
         if not self.batch:
             self.batch = super().select(now)
-        return [r for r in self.batch if not r.running and r.phase is not Phase.FINISHED]
+        live = {r.req_id for r in self.inactive}
+        return [r for r in self.batch if not r.running and (r.phase is not Phase.FINISHED or r.req_id in live)]
+
+    def abort(self, req_id: str) -> TokenEvent | None:
+        if any(r.req_id == req_id for r in self.inactive):
+            return None  # already finished: its final message is held for the batch's end
+        return super().abort(req_id)
+
+    def _finish(self, req: Request, reason: str, now: float | None = None) -> None:
+        if reason == "abort" or req not in self.batch:
+            super()._finish(req, reason, now)
+            return
+        req.phase, req.finish_reason, req.finish_time = Phase.FINISHED, reason, now
+        self.inactive.append(req)
 
     def emit(self, events: list[TokenEvent]) -> list[TokenEvent]:
         self.held.extend(events)
         if any(r.phase is not Phase.FINISHED for r in self.batch):
             return []
-        self.batch, out, self.held = [], self.held, []
+        for req in self.inactive:
+            self._retire(req)
+        self.batch, self.inactive, out, self.held = [], [], self.held, []
         return out
 
 

@@ -147,15 +147,23 @@ def test_request_level_baseline_runs_batches_to_completion():
     sched.add(req(1, max_tokens=4))
     plan = sched.schedule(0.0)
     assert sched.process_result(finish(plan), 0.0) == []    # r0 finished but does not return early
+    held_slots = sched.block_manager.num_used_slots
+    assert sched.abort("r0") is None                        # finished already: no second final message
     sched.add(req(2, max_tokens=1))
     seen = []
     while sched.has_work():
         plan = sched.schedule(0.0)
-        seen.append([s.req_id for s in plan.seqs])
+        seen.append([(s.req_id, s.start_pos) for s in plan.seqs])
         events = sched.process_result(finish(plan), 0.0)
-        if "r1" in seen[-1] and events:
+        if ("r1", 7) in seen[-1]:
             assert {e.req_id for e in events if e.finish_reason} == {"r0", "r1"}
-    assert seen == [["r1"], ["r1"], ["r1"], ["r2"]]          # r2 never joins r1's batch
+            assert [e.token_id for e in events if e.req_id == "r0"] == [101]   # its wasted iterations add nothing
+        elif len(seen) < 4:
+            assert events == [] and sched.block_manager.num_used_slots == held_slots  # r0's KV held meanwhile
+    # r0 stays in the batch, inactive, rerunning its last position (5) until r1 finishes;
+    # r2 never joins r1's batch; every slot is free at the end
+    assert seen == [[("r0", 5), ("r1", 5)], [("r0", 5), ("r1", 6)], [("r0", 5), ("r1", 7)], [("r2", 0)]]
+    assert sched.block_manager.num_used_slots == 0
 
 
 def test_unknown_policy_and_bad_results_are_errors():
