@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import os
 import platform
 from collections.abc import Callable
 from pathlib import Path
@@ -40,6 +41,12 @@ def load() -> PagedDecode | None:
     scale) -> [B,H,d], all float32 on the CPU; None if the kernel cannot be built here."""
     from torch.utils.cpp_extension import load as build
 
+    try:
+        import ninja  # the PyPI build tool: its binary may not be on PATH (no shim, a venv not activated)
+
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    except ImportError:
+        pass  # a system ninja may still be on PATH
     try:
         module = build(name=_build_name(), sources=[str(SOURCE)], extra_cflags=CFLAGS,
                        extra_ldflags=["-fopenmp"], verbose=False)
