@@ -196,34 +196,33 @@ class RequestLevelScheduler(OrcaScheduler):
     def __init__(self, cfg: "Config", info: "ModelInfo") -> None:
         super().__init__(cfg, info)
         self.batch: list[Request] = []
-        self.inactive: list[Request] = []     # finished, still computed, KV held until the batch ends
+        self.inactive: dict[str, Request] = {}  # finished, still computed, KV held until the batch ends
         self.held: list[TokenEvent] = []
 
     def select(self, now: float) -> list[Request]:
         if not self.batch:
             self.batch = super().select(now)
-        live = {r.req_id for r in self.inactive}
-        return [r for r in self.batch if not r.running and (r.phase is not Phase.FINISHED or r.req_id in live)]
+        return [r for r in self.batch if not r.running and (r.phase is not Phase.FINISHED or r.req_id in self.inactive)]
 
     def abort(self, req_id: str) -> TokenEvent | None:
-        if any(r.req_id == req_id for r in self.inactive):
+        if req_id in self.inactive:
             return None  # already finished: its final message is held for the batch's end
         return super().abort(req_id)
 
-    def _finish(self, req: Request, reason: str, now: float | None = None) -> None:
-        if reason == "abort" or req not in self.batch:
-            super()._finish(req, reason, now)
-            return
-        req.phase, req.finish_reason, req.finish_time = Phase.FINISHED, reason, now
-        self.inactive.append(req)
+    def _retire(self, req: Request) -> None:
+        """A batch member that finished (not aborted) stays in the pool, inactive, until the batch ends."""
+        if req.finish_reason != "abort" and any(r is req for r in self.batch):
+            self.inactive[req.req_id] = req
+        else:
+            super()._retire(req)
 
     def emit(self, events: list[TokenEvent]) -> list[TokenEvent]:
         self.held.extend(events)
         if any(r.phase is not Phase.FINISHED for r in self.batch):
             return []
-        for req in self.inactive:
-            self._retire(req)
-        self.batch, self.inactive, out, self.held = [], [], self.held, []
+        for req in self.inactive.values():
+            super()._retire(req)
+        self.batch, self.inactive, out, self.held = [], {}, self.held, []
         return out
 
 
