@@ -84,7 +84,9 @@ class Scheduler:
             return None
         seqs = []
         for req in batch:
-            tokens, start = req.next_tokens()
+            tokens, start = req.next_tokens(self.prompt_chunk(req))
+            if req.phase is Phase.INITIATION:
+                req.n_prompt_fed = start + len(tokens)
             table = self.block_manager.ensure(req.req_id, start + len(tokens))
             p = req.params
             seqs.append(SeqWork(req.req_id, tokens, start, list(table), p.temperature, p.top_k, p.top_p, p.seed))
@@ -108,6 +110,8 @@ class Scheduler:
             if req.aborted:
                 self._finish(req, "abort")
                 events.append(TokenEvent(req.req_id, None, "abort"))
+                continue
+            if req.prompt_pending:  # part of its prompt still to feed: what the engine sampled is dropped
                 continue
             req.output_token_ids.append(token)
             req.phase = Phase.INCREMENT
@@ -139,6 +143,10 @@ class Scheduler:
 
     def select(self, now: float) -> list[Request]:
         raise NotImplementedError
+
+    def prompt_chunk(self, req: Request) -> int | None:
+        """How many prompt tokens a request in INITIATION feeds this iteration (None: all, as ORCA does)."""
+        return None
 
     def release(self, req: Request) -> None:
         """A request left the pool: return whatever the policy holds for it."""
@@ -191,18 +199,25 @@ class RequestLevelScheduler(OrcaScheduler):
     in it finishes; nothing joins meanwhile and nothing returns early. As the ORCA paper describes
     (§2.2, Fig. 3), the engine keeps computing the batch's *inactive* (finished) requests until
     the batch ends: each reruns its last position, so its KV stays within its reservation, and
-    the tokens are dropped. An aborted request leaves at once."""
+    the tokens are dropped. An aborted request leaves at once. And as §6.2 describes, the batch's
+    first iteration processes every prompt as if it were as long as the shortest one; the rest of
+    a longer prompt goes in one token an iteration, its samples dropped, before it generates."""
 
     def __init__(self, cfg: "Config", info: "ModelInfo") -> None:
         super().__init__(cfg, info)
         self.batch: list[Request] = []
+        self.batch_input_len = 0                # the batch's shortest prompt
         self.inactive: dict[str, Request] = {}  # finished, still computed, KV held until the batch ends
         self.held: list[TokenEvent] = []
 
     def select(self, now: float) -> list[Request]:
         if not self.batch:
             self.batch = super().select(now)
+            self.batch_input_len = min((len(r.prompt_token_ids) for r in self.batch), default=0)
         return [r for r in self.batch if not r.running and (r.phase is not Phase.FINISHED or r.req_id in self.inactive)]
+
+    def prompt_chunk(self, req: Request) -> int | None:
+        return self.batch_input_len if req.n_prompt_fed == 0 else 1
 
     def abort(self, req_id: str) -> TokenEvent | None:
         if req_id in self.inactive:

@@ -25,6 +25,7 @@ class Request:
     running: bool = False          # part of an iteration in flight
     aborted: bool = False          # abort asked while running: finish when its iteration returns
     n_iterations: int = 0
+    n_prompt_fed: int = 0          # prompt tokens given to the engine so far (all of them after one ORCA initiation)
     first_token_time: float | None = None
     finish_time: float | None = None
     finish_reason: str | None = None
@@ -38,8 +39,14 @@ class Request:
         """ORCA's max_tokens: input tokens + max generated tokens, what the KV reservation covers."""
         return len(self.prompt_token_ids) + self.params.max_tokens
 
-    def next_tokens(self) -> tuple[list[int], int]:
-        """(tokens to feed, their start position): the whole prompt first, then the last token."""
+    @property
+    def prompt_pending(self) -> bool:
+        return self.n_prompt_fed < len(self.prompt_token_ids)
+
+    def next_tokens(self, max_prompt_tokens: int | None = None) -> tuple[list[int], int]:
+        """(tokens to feed, their start position): the rest of the prompt (or its next
+        `max_prompt_tokens`) first, then the last token."""
         if self.phase is Phase.INITIATION:
-            return list(self.prompt_token_ids), 0
+            end = len(self.prompt_token_ids) if max_prompt_tokens is None else self.n_prompt_fed + max_prompt_tokens
+            return self.prompt_token_ids[self.n_prompt_fed:end], self.n_prompt_fed
         return [self.output_token_ids[-1]], self.num_tokens - 1

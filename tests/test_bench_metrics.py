@@ -129,3 +129,23 @@ def test_orca_throughput_at_equal_latency():
     assert orca_throughput_at(orca, 2.0) == (40.0, ">=")       # slower than any orca point: a lower bound
     value, how = orca_throughput_at(orca, 0.1)
     assert math.isnan(value) and how == "n/a"
+
+
+def test_equal_latency_table_compares_each_request_point_with_every_orca_curve(tmp_path):
+    import csv
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+    from plot import Run, equal_latency
+
+    def run(policy: str, bs: int, latency_s: float, tok_s: float) -> Run:
+        return Run(Path("x.json"), {"config": {"rate": 1.0, "trace": "orca", "policy": policy, "max_bs": bs},
+                                    "summary": {"norm_latency_p50_s": latency_s, "throughput_tok_s": tok_s}})
+
+    runs = [run("orca", 4, 0.2, 10.0), run("orca", 4, 0.4, 20.0), run("orca", 16, 0.2, 10.0), run("orca", 16, 0.6, 50.0),
+            run("request", 1, 0.3, 5.0)]
+    with open(equal_latency(runs, tmp_path)) as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["request_max_bs"], r["orca_max_bs"], r["orca_tok_s_at_that_latency"], r["orca_over_request"]) for r in rows] == [
+        ("1", "4", "15.00", "3.00"), ("1", "16", "20.00", "4.00")]

@@ -47,6 +47,20 @@ def test_greedy_matches_transformers_with_joins_and_leaves(embedded_llm, hf_refe
     assert stats["free_slots"] == stats["n_slots"] and stats["used_slots"] == 0 and stats["reserved_slots"] == 0
 
 
+def test_request_level_baseline_gives_the_same_greedy_tokens(embedded_llm):
+    """FasterTransformer-style batches (every prompt cut to the batch's shortest in the first
+    iteration, the rest fed a token an iteration; finished requests computed until the batch ends)
+    change when tokens arrive, not which: the same KV, position by position."""
+    from orca_mq import LLM
+
+    baseline = LLM(policy="request", max_bs=3, n_slots=4096)
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in MAX_TOKENS]
+    outs = baseline.generate(PROMPTS, params)
+    assert len({len(o.prompt_token_ids) for o in outs[:3]}) == 3   # the first batch's prompts differ in length
+    assert [o.token_ids for o in outs] == [o.token_ids for o in embedded_llm.generate(PROMPTS, params)]
+    assert baseline.scheduler.block_manager.num_used_slots == 0
+
+
 def test_eos_stops_and_chat_template(embedded_llm):
     out = embedded_llm.chat([{"role": "user", "content": "Say hi."}], SamplingParams(max_tokens=64, temperature=0))[0]
     assert out.finish_reason in ("stop", "length")

@@ -166,6 +166,27 @@ def test_request_level_baseline_runs_batches_to_completion():
     assert sched.block_manager.num_used_slots == 0
 
 
+def test_request_level_baseline_feeds_longer_prompts_one_token_an_iteration():
+    """ORCA §6.2: FasterTransformer's first iteration treats every prompt as the batch's shortest; the
+    rest of a longer prompt goes in one token an iteration (samples dropped) before it generates."""
+    sched = make("request", max_bs=2)
+    sched.add(req(0, prompt_len=3, max_tokens=2))
+    sched.add(req(1, prompt_len=6, max_tokens=2))
+    seen, tokens = [], {"r0": [], "r1": []}
+    while sched.has_work():
+        plan = sched.schedule(0.0)
+        seen.append([(s.req_id, s.start_pos, len(s.token_ids)) for s in plan.seqs])
+        for e in sched.process_result(finish(plan), 0.0):
+            tokens[e.req_id].append(e.token_id)
+    assert seen == [[("r0", 0, 3), ("r1", 0, 3)],            # both as long as r0's 3 prompt tokens
+                    [("r0", 3, 1), ("r1", 3, 1)],            # r0 generates, r1 feeds its 4th prompt token
+                    [("r0", 4, 1), ("r1", 4, 1)],            # r0 done (now inactive), r1 feeds its 5th
+                    [("r0", 4, 1), ("r1", 5, 1)],            # r1's last prompt token: its first sample
+                    [("r0", 4, 1), ("r1", 6, 1)]]
+    assert tokens == {"r0": [101, 102], "r1": [104, 105]}    # r1's samples of iterations 1-3 were dropped
+    assert sched.block_manager.num_used_slots == 0
+
+
 def test_unknown_policy_and_bad_results_are_errors():
     with pytest.raises(ValueError, match="unknown scheduler.policy"):
         make("lifo")

@@ -13,9 +13,9 @@ Writes, for each trace kind found in the files:
                              per CV (fastserve trace).
   fig9_zipf_<trace>.png      the same vs Zipf θ, one panel per (CV, rate), when the files vary θ.
   summary.csv                one row per file: its settings and the main metrics.
-  equal_latency.csv          ORCA's headline: for each `request` point, the throughput `orca` (same
-                             max_bs) reaches at the same median normalized latency, interpolated
-                             along orca's curve, and the ratio of the two.
+  equal_latency.csv          ORCA's headline: for each `request` point and each `orca` max_bs, the
+                             throughput orca reaches at the same median normalized latency,
+                             interpolated along its curve, and the ratio of the two.
 
 Files are grouped by their "config" block; files whose runs all failed (n_ok = 0) are skipped.
 """
@@ -214,24 +214,24 @@ def orca_throughput_at(orca: list[Run], latency: float) -> tuple[float, str]:
 
 
 def equal_latency(runs: list[Run], out: Path) -> Path | None:
+    """Every `request` point against every `orca` curve: the same max_bs, and the others, as the
+    ORCA paper compares each system's configurations at one latency (its 36.9x is across them)."""
     rows = []
-    for bs in sorted({r.get("max_bs") for r in runs}, key=repr):
-        orca = [r for r in runs if r.get("policy") == "orca" and r.get("max_bs") == bs]
-        base = [r for r in runs if r.get("policy") == "request" and r.get("max_bs") == bs]
-        for r in sorted(base, key=lambda r: r.rate):
-            if not orca:
-                continue
-            lat, thr = r.m("norm_latency_p50_s"), r.m("throughput_tok_s")
-            orca_thr, how = orca_throughput_at(orca, lat)
+    orca_bs = sorted({r.get("max_bs") for r in runs if r.get("policy") == "orca"}, key=float)
+    base = [r for r in runs if r.get("policy") == "request"]
+    for r in sorted(base, key=lambda r: (float(r.get("max_bs")), r.rate)):
+        lat, thr = r.m("norm_latency_p50_s"), r.m("throughput_tok_s")
+        for bs in orca_bs:
+            orca_thr, how = orca_throughput_at([o for o in runs if o.get("policy") == "orca" and o.get("max_bs") == bs], lat)
             ratio = "n/a" if how == "n/a" else ("" if how == "=" else how) + f"{orca_thr / thr:.2f}"
-            rows.append([bs, _rate_text(r.rate), f"{lat * 1000:.1f}", f"{thr:.2f}", f"{orca_thr:.2f}", ratio])
+            rows.append([r.get("max_bs"), _rate_text(r.rate), f"{lat * 1000:.1f}", f"{thr:.2f}", bs, f"{orca_thr:.2f}", ratio])
     if not rows:
         return None
     path = out / "equal_latency.csv"
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["max_bs", "request_rate", "norm_latency_p50_ms", "request_tok_s", "orca_tok_s_at_that_latency",
-                    "orca_over_request"])
+        w.writerow(["request_max_bs", "request_rate", "norm_latency_p50_ms", "request_tok_s", "orca_max_bs",
+                    "orca_tok_s_at_that_latency", "orca_over_request"])
         w.writerows(rows)
     return path
 
