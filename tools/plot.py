@@ -217,12 +217,12 @@ def equal_latency(runs: list[Run], out: Path) -> Path | None:
     """Every `request` point against every `orca` curve: the same max_bs, and the others, as the
     ORCA paper compares each system's configurations at one latency (its 36.9x is across them)."""
     rows = []
-    orca_bs = sorted({r.get("max_bs") for r in runs if r.get("policy") == "orca"}, key=float)
+    curves = group([r for r in runs if r.get("policy") == "orca"], ["max_bs"])
     base = [r for r in runs if r.get("policy") == "request"]
     for r in sorted(base, key=lambda r: (float(r.get("max_bs")), r.rate)):
         lat, thr = r.m("norm_latency_p50_s"), r.m("throughput_tok_s")
-        for bs in orca_bs:
-            orca_thr, how = orca_throughput_at([o for o in runs if o.get("policy") == "orca" and o.get("max_bs") == bs], lat)
+        for (bs,), orca in sorted(curves.items(), key=lambda kv: float(kv[0][0])):
+            orca_thr, how = orca_throughput_at(orca, lat)
             ratio = "n/a" if how == "n/a" else ("" if how == "=" else how) + f"{orca_thr / thr:.2f}"
             rows.append([r.get("max_bs"), _rate_text(r.rate), f"{lat * 1000:.1f}", f"{thr:.2f}", bs, f"{orca_thr:.2f}", ratio])
     if not rows:
