@@ -36,7 +36,7 @@ class SchedulerConfig:
 
 @dataclass(slots=True)
 class FastServeConfig:
-    n_queues: int = 6
+    n_queues: int = 11
     quantum: float = 0.0
     quantum_ratio: float = 2.0
     starve_limit: float = 10.0

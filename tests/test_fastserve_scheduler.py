@@ -112,7 +112,7 @@ def assert_clean(sched: FastServeScheduler) -> None:
 
 
 def test_skip_join_places_jobs_by_predicted_first_iteration():
-    sched = make(**{"engine.n_slots": 1024 * BS})
+    sched = make(**{"engine.n_slots": 1024 * BS, "fastserve.n_queues": 6})   # 900 tokens fit no quantum: lowest queue
     q1 = PROFILE.increment_time(4)  # quantum of Q1 = one increment iteration at max_bs
     assert sched.mlfq.quanta == pytest.approx([q1 * 2**i for i in range(6)])
     for i, prompt in enumerate([5, 15, 30, 60, 150, 300, 900]):
