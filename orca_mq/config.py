@@ -39,7 +39,7 @@ class FastServeConfig:
     n_queues: int = 11
     quantum: float = 0.0
     quantum_ratio: float = 2.0
-    starve_limit: float = 10.0
+    starve_limit: float = 60.0
     kv_policy: str = "proactive"
     min_free_blocks: int = 8
     burst_queues: int = 2
