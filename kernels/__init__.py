@@ -68,7 +68,7 @@ def triton_usable(device) -> bool:
 
 
 # Adapters with the engine's calling convention (orca_mq/model.py, attention_backend="triton"):
-# same signatures as orca_mq.attention.write_kv_torch / attention_torch. ``meta`` is the
+# same signatures as orca_mq.engine.attention.write_kv_torch / attention_torch. ``meta`` is the
 # iteration's AttentionMetadata (slot_mapping, block_tables, cu_q_lens, seq_lens on the device).
 
 

@@ -5,15 +5,23 @@ import dataclasses
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 DEFAULT_CONFIG_PATH = Path(__file__).resolve().parent.parent / "config.toml"
+
+# the config's choices, checked once when a value is set
+DType = Literal["float32", "bfloat16", "float16"]
+Device = Literal["auto", "cpu", "cuda"]
+AttentionBackend = Literal["auto", "torch", "cpu", "triton"]
+Policy = Literal["orca", "request", "fastserve"]
+KVPolicy = Literal["proactive", "defer", "reactive"]
+LogLevel = Literal["debug", "info", "warning", "error"]
 
 
 @dataclass(slots=True)
 class ModelConfig:
     path: str = ""
-    dtype: str = "float32"
+    dtype: DType = "float32"
     max_model_len: int = 2048
 
 
@@ -21,8 +29,8 @@ class ModelConfig:
 class EngineConfig:
     n_workers: int = 1
     threads_per_worker: int = 2
-    device: str = "auto"
-    attention_backend: str = "auto"
+    device: Device = "auto"
+    attention_backend: AttentionBackend = "auto"
     n_slots: int = 16384
     block_size: int = 16
     host_slots: int = 65536
@@ -30,7 +38,7 @@ class EngineConfig:
 
 @dataclass(slots=True)
 class SchedulerConfig:
-    policy: str = "orca"
+    policy: Policy = "orca"
     max_bs: int = 16
 
 
@@ -40,7 +48,7 @@ class FastServeConfig:
     quantum: float = 0.0
     quantum_ratio: float = 2.0
     starve_limit: float = 60.0
-    kv_policy: str = "proactive"
+    kv_policy: KVPolicy = "proactive"
     min_free_blocks: int = 8
     burst_queues: int = 2
     profile_max_len: int = 512
@@ -58,7 +66,7 @@ class ServerConfig:
 @dataclass(slots=True)
 class LogConfig:
     dir: str = "logs"
-    level: str = "info"
+    level: LogLevel = "info"
 
 
 @dataclass(slots=True)
@@ -74,8 +82,7 @@ class Config:
         """Set `section.key` (or a bare key when it is unique across sections), coercing strings."""
         section, key = self._locate(dotted)
         sub = getattr(self, section)
-        current = getattr(sub, key)
-        setattr(sub, key, _coerce(value, type(current), dotted))
+        setattr(sub, key, _coerce(value, _HINTS[section][key], dotted))
 
     def _locate(self, dotted: str) -> tuple[str, str]:
         if "." in dotted:
@@ -105,11 +112,18 @@ class Config:
 _SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(Config)}  # type: ignore[misc]
 
 
+_HINTS: dict[str, dict[str, Any]] = {name: get_type_hints(cls) for name, cls in _SECTIONS.items()}
+
+
 def _fields(cls: type) -> set[str]:
     return {f.name for f in dataclasses.fields(cls)}
 
 
-def _coerce(value: Any, kind: type, name: str) -> Any:
+def _coerce(value: Any, kind: Any, name: str) -> Any:
+    if get_origin(kind) is Literal:
+        if value not in get_args(kind):
+            raise ValueError(f"{name}: expected one of {' | '.join(get_args(kind))}, got {value!r}")
+        return value
     if isinstance(value, str) and kind is not str:
         if kind is bool:
             if value.lower() not in ("true", "false", "1", "0"):

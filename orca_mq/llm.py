@@ -8,14 +8,14 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from orca_mq.config import load_config
-from orca_mq.model_runner import ModelRunner
-from orca_mq.profiler import profile_engine, profile_max_len
+from orca_mq.engine.model_runner import ModelRunner
+from orca_mq.sched.profiler import measure
 from orca_mq.sampling_params import InvalidRequest, SamplingParams
-from orca_mq.scheduler import make_scheduler
-from orca_mq.sequence import Request
+from orca_mq.sched import make_scheduler
+from orca_mq.sched.request import Request
 from orca_mq.tokenizer import load_tokenizer
 from orca_mq.validation import validate_request
-from orca_mq.weights import read_model_info
+from orca_mq.engine.weights import read_model_info
 
 Prompt = str | list[int]
 
@@ -42,10 +42,8 @@ class LLM:
         self.tokenizer = load_tokenizer(self.cfg.model.path)
         self.runner = ModelRunner(self.cfg, info=self.info)
         self.scheduler = make_scheduler(self.cfg, self.info)
-        if self.cfg.scheduler.policy == "fastserve":  # skip-join needs this engine's own iteration times
-            bm = self.scheduler.block_manager
-            self.scheduler.use_profile(profile_engine(  # type: ignore[attr-defined]
-                self.runner.execute, bm.block_size, bm.num_blocks, profile_max_len(self.cfg, self.info), self.cfg.scheduler.max_bs))
+        if (profiler := self.scheduler.profiler()) is not None:
+            self.scheduler.use_profile(measure(profiler, self.runner.execute))
         self._ids = itertools.count()
 
     def generate(self, prompts: Prompt | Sequence[Prompt],

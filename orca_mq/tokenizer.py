@@ -11,7 +11,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from orca_mq.model_files import resolve_model_path
+from orca_mq.engine.model_files import resolve_model_path
 
 
 def _cache_dir(gguf: Path) -> Path:

@@ -7,10 +7,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from orca_mq.block_manager import BlockManager
+from orca_mq.sched.block_manager import BlockManager
 from orca_mq.config import load_config
-from orca_mq.iteration import IterationPlan, SeqWork
-from orca_mq.model_runner import ModelRunner
+from orca_mq.protocol.iteration import IterationPlan, SeqWork
+from orca_mq.engine.model_runner import ModelRunner
 
 
 def _runner(model_dir, block_size: int = 8, n_slots: int = 2048, backend: str = "auto") -> ModelRunner:

@@ -9,10 +9,10 @@ import textwrap
 
 CHILD = textwrap.dedent("""
     import random, sys, torch
-    from orca_mq.block_manager import BlockManager
+    from orca_mq.sched.block_manager import BlockManager
     from orca_mq.config import load_config
-    from orca_mq.iteration import IterationPlan, SeqWork
-    from orca_mq.model_runner import ModelRunner
+    from orca_mq.protocol.iteration import IterationPlan, SeqWork
+    from orca_mq.engine.model_runner import ModelRunner
 
     def logits(backend):
         cfg = load_config(overrides={"model.path": sys.argv[1], "engine.block_size": 4, "engine.n_slots": 256,

@@ -14,10 +14,10 @@ from serving_harness import start_server
 
 from orca_mq import LLM, SamplingParams
 from orca_mq.client import AsyncClient
-from orca_mq.fastserve import FastServeScheduler
-from orca_mq.iteration import IterationPlan, SeqWork
-from orca_mq.kv_cache import KVCache
-from orca_mq.profiler import profile_engine
+from orca_mq.sched.fastserve import FastServeScheduler
+from orca_mq.protocol.iteration import IterationPlan, SeqWork
+from orca_mq.engine.kv_cache import KVCache
+from orca_mq.sched.profiler import profile_engine
 from workers.kv_swap import KVSwapper
 
 PROMPTS = [

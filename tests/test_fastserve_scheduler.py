@@ -12,16 +12,16 @@ from collections import deque
 
 import pytest
 
-from orca_mq.block_manager import BlockManager
+from orca_mq.sched.block_manager import BlockManager
 from orca_mq.config import Config
-from orca_mq.fastserve import FastServeScheduler
-from orca_mq.iteration import IterationPlan, IterationResult
-from orca_mq.kv_policy import ProactiveKV, ReactiveKV
-from orca_mq.mlfq import SkipJoinMLFQ
-from orca_mq.profiler import IterationProfile, profile_engine
+from orca_mq.sched.fastserve import FastServeScheduler
+from orca_mq.protocol.iteration import IterationPlan, IterationResult
+from orca_mq.sched.kv_policy import ProactiveKV, ReactiveKV
+from orca_mq.sched.mlfq import SkipJoinMLFQ
+from orca_mq.sched.profiler import IterationProfile, profile_engine
 from orca_mq.sampling_params import SamplingParams
-from orca_mq.sequence import Request
-from orca_mq.weights import ModelInfo
+from orca_mq.sched.request import Request
+from orca_mq.engine.weights import ModelInfo
 
 INFO = ModelInfo("fake", "llama", 512, 64, 2, 4, 2, 128, 1e-5, 4096, eos_token_ids=[2])
 # initiation: 1 ms per input token; increment: 10 ms at batch 1 .. 20 ms at batch 64

@@ -4,11 +4,13 @@ from __future__ import annotations
 import pytest
 
 from orca_mq.config import load_config
-from orca_mq.iteration import IterationPlan, IterationResult
+from orca_mq.protocol.iteration import IterationPlan, IterationResult
 from orca_mq.sampling_params import SamplingParams
-from orca_mq.scheduler import OrcaScheduler, RequestLevelScheduler, Scheduler, make_scheduler
-from orca_mq.sequence import Phase, Request
-from orca_mq.weights import ModelInfo
+from orca_mq.sched import Scheduler, make_scheduler
+from orca_mq.sched.orca import OrcaScheduler
+from orca_mq.sched.request_level import RequestLevelScheduler
+from orca_mq.sched.request import Phase, Request
+from orca_mq.engine.weights import ModelInfo
 
 INFO = ModelInfo(path="", arch="llama", vocab_size=1000, hidden_size=8, n_layers=2, n_heads=2, n_kv_heads=1,
                  intermediate_size=16, norm_eps=1e-5, context_length=4096, eos_token_ids=[2])
@@ -188,7 +190,7 @@ def test_request_level_baseline_feeds_longer_prompts_one_token_an_iteration():
 
 
 def test_unknown_policy_and_bad_results_are_errors():
-    with pytest.raises(ValueError, match="unknown scheduler.policy"):
+    with pytest.raises(ValueError, match="scheduler.policy: expected one of orca"):
         make("lifo")
     sched = make()
     sched.add(req(0))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from orca_mq.iteration import IterationPlan, IterationResult, SeqWork
+from orca_mq.protocol.iteration import IterationPlan, IterationResult, SeqWork
 from orca_mq.protocol import PROTOCOL_VERSION, ProtocolError, decode, encode, unpack
 from orca_mq.protocol.client_msgs import TO_CLIENT, TO_SERVER, Abort, Error, Generate, Output, Ping, Pong, Stats, StatsReply
 from orca_mq.protocol.codec import channel

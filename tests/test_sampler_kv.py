@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from orca_mq.block_manager import BlockManager, KVAllocationError
-from orca_mq.iteration import SeqWork
-from orca_mq.sampler import sample
+from orca_mq.sched.block_manager import BlockManager, KVAllocationError
+from orca_mq.protocol.iteration import SeqWork
+from orca_mq.engine.sampler import sample
 
 
 def seq(**kw) -> SeqWork:

@@ -16,7 +16,7 @@ from orca_mq.protocol import decode, encode
 from orca_mq.protocol.client_msgs import TO_CLIENT, Error, Generate, Output, Ping, Pong
 from orca_mq.protocol.codec import channel
 from orca_mq.protocol.control_msgs import ClientGone, Fatal
-from orca_mq.zmq_queue import BROKER, CLIENT, PEER
+from orca_mq.server.zmq_queue import BROKER, CLIENT, PEER
 from serving_harness import ROOT, free_port
 
 TIMEOUT_MS = 5000
@@ -28,7 +28,7 @@ def broker(tmp_path):
     cfg.server.frontend_address = f"tcp://127.0.0.1:{free_port()}"
     cfg.server.backend_address = f"ipc://{tmp_path}/backend"
     cfg.log.dir = str(tmp_path / "logs")
-    proc = subprocess.Popen([sys.executable, "-m", "orca_mq.broker", "--config-json", json.dumps(cfg.to_dict())], cwd=ROOT)
+    proc = subprocess.Popen([sys.executable, "-m", "orca_mq.server.broker", "--config-json", json.dumps(cfg.to_dict())], cwd=ROOT)
     ctx = zmq.Context()
     frontend = ctx.socket(zmq.DEALER)
     frontend.setsockopt(zmq.ROUTING_ID, b"frontend")

@@ -22,7 +22,7 @@ import zmq
 from orca_mq.client import AsyncClient, Client
 from orca_mq.protocol import decode, encode
 from orca_mq.protocol.client_msgs import TO_CLIENT, Error, Generate, Output, Ping
-from orca_mq.zmq_queue import PEER
+from orca_mq.server.zmq_queue import PEER
 from serving_harness import alive, start_server
 
 pytestmark = pytest.mark.e2e

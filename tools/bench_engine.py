@@ -20,9 +20,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from orca_mq.config import load_config  # noqa: E402
-from orca_mq.iteration import IterationPlan, SeqWork  # noqa: E402
-from orca_mq.model_runner import ModelRunner  # noqa: E402
-from orca_mq.weights import ModelInfo  # noqa: E402
+from orca_mq.protocol.iteration import IterationPlan, SeqWork  # noqa: E402
+from orca_mq.engine.model_runner import ModelRunner  # noqa: E402
+from orca_mq.engine.weights import ModelInfo  # noqa: E402
 
 # (name, [(prompt tokens this iteration, cached tokens before)] per request)
 CASES: list[tuple[str, list[tuple[int, int]]]] = [
@@ -131,7 +131,7 @@ def main() -> None:
     if not args.no_transformers:
         from transformers import AutoModelForCausalLM
 
-        from orca_mq.model_files import resolve_model_path
+        from orca_mq.engine.model_files import resolve_model_path
 
         p = resolve_model_path(cfg.model.path)
         ref = (AutoModelForCausalLM.from_pretrained(p.parent, gguf_file=p.name, dtype=torch.float32) if p.is_file()

@@ -38,7 +38,7 @@ from orca_mq.protocol import ProtocolError, decode  # noqa: E402
 from orca_mq.protocol.client_msgs import Error, Ping, Pong  # noqa: E402
 from orca_mq.protocol.codec import channel  # noqa: E402
 from orca_mq.protocol.control_msgs import AbortAll, Drain, Drained, Fatal, Ready  # noqa: E402
-from orca_mq.zmq_queue import SyncBrokerLink  # noqa: E402
+from orca_mq.server.zmq_queue import SyncBrokerLink  # noqa: E402
 
 ACCEPTED = channel(Ready, Drained, Pong, Error)
 STOP_GRACE = 10.0     # seconds a child gets after SIGTERM before SIGKILL
@@ -98,7 +98,7 @@ class Launcher:
 
     def _start(self) -> bool:
         n = self.cfg.engine.n_workers
-        self._spawn("broker", "orca_mq.broker")
+        self._spawn("broker", "orca_mq.server.broker")
         self.link = SyncBrokerLink(self.ctx, self.cfg.server.backend_address, "launcher")
         deadline = time.monotonic() + self.cfg.server.ready_timeout
         while not self._ping(timeout=1.0):
@@ -107,8 +107,8 @@ class Launcher:
                 return False
         for stage in range(n):
             self._spawn(f"worker{stage}", "workers.main", "--stage", str(stage), "--run-dir", self.run_dir)
-        self._spawn("scheduler", "orca_mq.scheduler_process", "--run-dir", self.run_dir)
-        self._spawn("frontend", "orca_mq.frontend")
+        self._spawn("scheduler", "orca_mq.server.scheduler_process", "--run-dir", self.run_dir)
+        self._spawn("frontend", "orca_mq.server.frontend")
         waiting = {"frontend", "scheduler", *(f"worker{i}" for i in range(n))}
         while waiting:
             if dead := self._dead():

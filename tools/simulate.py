@@ -31,12 +31,13 @@ if str(ROOT) not in sys.path:
 
 from orca_mq.bench.trace import DEFAULT_INPUT_LEN, DEFAULT_OUTPUT_LEN, TraceSpec, make_trace, parse_range  # noqa: E402
 from orca_mq.config import Config, load_config  # noqa: E402
-from orca_mq.iteration import IterationPlan, IterationResult  # noqa: E402
-from orca_mq.profiler import IterationProfile, profile_engine, profile_max_len  # noqa: E402
+from orca_mq.protocol.iteration import IterationPlan, IterationResult  # noqa: E402
+from orca_mq.sched.profiler import IterationProfile, profile_engine, profile_max_len  # noqa: E402
 from orca_mq.sampling_params import SamplingParams  # noqa: E402
-from orca_mq.scheduler import OrcaScheduler, Scheduler, make_scheduler  # noqa: E402
-from orca_mq.sequence import Request  # noqa: E402
-from orca_mq.weights import ModelInfo, read_model_info  # noqa: E402
+from orca_mq.sched import Scheduler, make_scheduler  # noqa: E402
+from orca_mq.sched.orca import OrcaScheduler  # noqa: E402
+from orca_mq.sched.request import Request  # noqa: E402
+from orca_mq.engine.weights import ModelInfo, read_model_info  # noqa: E402
 
 DUMMY_CORPUS = list(range(100, 5000))   # ids do not matter here, only lengths (the trace draws the same numbers)
 
@@ -88,7 +89,7 @@ def simulate(sched: Scheduler, requests: list[Request], profile: IterationProfil
 
 
 def measured_profile(cfg: Config, info: ModelInfo) -> IterationProfile:
-    from orca_mq.model_runner import ModelRunner
+    from orca_mq.engine.model_runner import ModelRunner
 
     runner = ModelRunner(cfg, info=info)
     return profile_engine(runner.execute, runner.block_size, runner.kv.num_blocks, profile_max_len(cfg, info),
@@ -130,8 +131,7 @@ def main(argv: list[str] | None = None) -> int:
                 pcfg = load_config(None, [*sets, f"scheduler.policy={'orca' if policy == 'srpt' else policy}",
                                           "engine.n_slots=1048576"])  # KV never binds: scheduling alone is compared
                 sched = SrptOracle(pcfg, info, profile) if policy == "srpt" else make_scheduler(pcfg, info)
-                if policy == "fastserve":
-                    sched.use_profile(profile)  # type: ignore[attr-defined]
+                sched.use_profile(profile)
                 reqs = [Request(f"r{t.index}", t.prompt_token_ids, SamplingParams(max_tokens=t.max_tokens, ignore_eos=True),
                                 t.arrival_s) for t in make_trace(spec, DUMMY_CORPUS)]
                 row[policy] = simulate(sched, reqs, profile)

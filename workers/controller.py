@@ -16,14 +16,14 @@ import zmq
 import zmq.asyncio
 
 from orca_mq.config import Config
-from orca_mq.iteration import IterationResult
-from orca_mq.model_runner import ModelRunner
+from orca_mq.protocol.iteration import IterationResult
+from orca_mq.engine.model_runner import ModelRunner
 from orca_mq.protocol import ProtocolError, decode
 from orca_mq.protocol.client_msgs import Error
 from orca_mq.protocol.codec import channel
 from orca_mq.protocol.control_msgs import Ready
 from orca_mq.protocol.engine_msgs import ControlFrame, IterationDone, WorkerStats, WorkerStatsQuery
-from orca_mq.zmq_queue import BrokerLink, control_address, serve
+from orca_mq.server.zmq_queue import BrokerLink, control_address, serve
 from workers.data_plane import DataPlane
 from workers.stage_executor import StageExecutor
 

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from orca_mq.iteration import IterationPlan
-from orca_mq.kv_cache import KVCache
+from orca_mq.protocol.iteration import IterationPlan
+from orca_mq.engine.kv_cache import KVCache
 
 
 @dataclass(slots=True)

@@ -10,7 +10,8 @@ import uvloop
 
 from orca_mq.config import Config
 from orca_mq.logs import setup_logging
-from orca_mq.model_runner import ModelRunner
+from orca_mq.sched import policy_class
+from orca_mq.engine.model_runner import ModelRunner
 from workers.controller import Controller
 from workers.data_plane import DataPlane
 from workers.kv_swap import KVSwapper
@@ -27,7 +28,7 @@ def main(argv: list[str] | None = None) -> None:
     log = setup_logging(f"worker{args.stage}", cfg.log, stage=args.stage)
     torch.set_num_threads(cfg.engine.threads_per_worker)
     runner = ModelRunner(cfg, stage=args.stage, n_stages=n)
-    if cfg.scheduler.policy == "fastserve":  # plans carry KV offloads/uploads: copy them on their own thread
+    if policy_class(cfg.scheduler.policy).swaps_kv:  # copy the plans' KV offloads/uploads on their own thread
         runner.swapper = KVSwapper(runner.kv, runner.host_blocks)
     data_plane = DataPlane(args.stage, n, cfg.server.worker_base_port, runner.device)
     log.info("stage loaded", n_stages=n, threads=torch.get_num_threads(), device=str(runner.device))

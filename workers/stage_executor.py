@@ -13,9 +13,9 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from orca_mq.iteration import IterationPlan, IterationResult
+from orca_mq.protocol.iteration import IterationPlan, IterationResult
 from orca_mq.logs import summarize_ms
-from orca_mq.model_runner import ModelRunner
+from orca_mq.engine.model_runner import ModelRunner
 from workers.data_plane import DataPlane
 
 WINDOW = 10_000

@@ -1,6 +1,6 @@
 """Internal channel: frontend <-> scheduler <-> workers.
 
-The control frame carries an `IterationPlan` (orca_mq.iteration) as-is; the last worker answers
+The control frame carries an `IterationPlan` (orca_mq.protocol.iteration) as-is; the last worker answers
 with the `IterationResult`. Timestamps are `time.time()` of the sending process (one host), used
 only for the overhead statistics.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from orca_mq.iteration import IterationPlan, IterationResult
+from orca_mq.protocol.iteration import IterationPlan, IterationResult
 from orca_mq.protocol.codec import message
 
 

@@ -7,15 +7,16 @@ same objects, so what is tested here is what serves.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from orca_mq.block_manager import BlockManager
-from orca_mq.iteration import IterationPlan, IterationResult, SeqWork
-from orca_mq.sequence import Phase, Request
+from orca_mq.protocol.iteration import IterationPlan, IterationResult, SeqWork
+from orca_mq.sched.block_manager import BlockManager
+from orca_mq.sched.request import Phase, Request
 
 if TYPE_CHECKING:
     from orca_mq.config import Config
-    from orca_mq.weights import ModelInfo
+    from orca_mq.engine.model_info import ModelInfo
+    from orca_mq.sched.profiler import IterationProfile, Profiler
 
 
 @dataclass(slots=True)
@@ -27,6 +28,8 @@ class TokenEvent:
 
 class Scheduler:
     """What every policy shares: the pool, KV blocks, iterations in flight, finishing."""
+
+    swaps_kv: ClassVar[bool] = False  # plans carry KV offloads/uploads: workers copy them on their own thread
 
     def __init__(self, cfg: "Config", info: "ModelInfo") -> None:
         self.max_bs = cfg.scheduler.max_bs
@@ -141,6 +144,13 @@ class Scheduler:
 
     # ------------------------------------------------------------ policy hooks
 
+    def profiler(self) -> "Profiler | None":
+        """Iterations to time on the real engine before any request (FastServe's skip-join profile)."""
+        return None
+
+    def use_profile(self, profile: "IterationProfile") -> None:
+        """The timings of `profiler()`'s plans, fitted."""
+
     def select(self, now: float) -> list[Request]:
         raise NotImplementedError
 
@@ -160,95 +170,3 @@ class Scheduler:
     def request_metrics(self, req_id: str) -> dict[str, Any] | None:
         """Policy-specific metrics of a request for its final message (FastServe: queues, swaps)."""
         return None
-
-
-class OrcaScheduler(Scheduler):
-    """ORCA Algorithm 1: iteration-level FCFS, reserving max_tokens KV slots at a request's first schedule."""
-
-    def __init__(self, cfg: "Config", info: "ModelInfo") -> None:
-        super().__init__(cfg, info)
-        self.n_slots = self.block_manager.num_blocks * self.block_manager.block_size
-        self.n_rsrv = 0
-        self.reserved: dict[str, int] = {}
-
-    def select(self, now: float) -> list[Request]:
-        batch: list[Request] = []
-        for req in self.pool.values():  # arrival order
-            if req.running:
-                continue
-            if len(batch) == self.max_bs:
-                break
-            if req.phase is Phase.INITIATION and req.req_id not in self.reserved:
-                need = self.block_manager.blocks_for(req.max_total_tokens) * self.block_manager.block_size
-                if self.n_rsrv + need > self.n_slots:
-                    break  # strict FCFS: a later request may not pass one that does not fit
-                self.n_rsrv += need
-                self.reserved[req.req_id] = need
-            batch.append(req)
-        return batch
-
-    def release(self, req: Request) -> None:
-        self.n_rsrv -= self.reserved.pop(req.req_id, 0)
-
-    def stats(self) -> dict[str, int]:
-        return {**super().stats(), "reserved_slots": self.n_rsrv}
-
-
-class RequestLevelScheduler(OrcaScheduler):
-    """The baseline (Triton dynamic batcher + FasterTransformer): a batch runs until every request
-    in it finishes; nothing joins meanwhile and nothing returns early. As the ORCA paper describes
-    (§2.2, Fig. 3), the engine keeps computing the batch's *inactive* (finished) requests until
-    the batch ends: each reruns its last position, so its KV stays within its reservation, and
-    the tokens are dropped. An aborted request leaves at once. And as §6.2 describes, the batch's
-    first iteration processes every prompt as if it were as long as the shortest one; the rest of
-    a longer prompt goes in one token an iteration, its samples dropped, before it generates."""
-
-    def __init__(self, cfg: "Config", info: "ModelInfo") -> None:
-        super().__init__(cfg, info)
-        self.batch: list[Request] = []
-        self.batch_input_len = 0                # the batch's shortest prompt
-        self.inactive: dict[str, Request] = {}  # finished, still computed, KV held until the batch ends
-        self.held: list[TokenEvent] = []
-
-    def select(self, now: float) -> list[Request]:
-        if not self.batch:
-            self.batch = super().select(now)
-            self.batch_input_len = min((len(r.prompt_token_ids) for r in self.batch), default=0)
-        return [r for r in self.batch if not r.running and (r.phase is not Phase.FINISHED or r.req_id in self.inactive)]
-
-    def prompt_chunk(self, req: Request) -> int | None:
-        return self.batch_input_len if req.n_prompt_fed == 0 else 1
-
-    def abort(self, req_id: str) -> TokenEvent | None:
-        if req_id in self.inactive:
-            return None  # already finished: its final message is held for the batch's end
-        return super().abort(req_id)
-
-    def _retire(self, req: Request) -> None:
-        """A batch member that finished (not aborted) stays in the pool, inactive, until the batch ends."""
-        if req.finish_reason != "abort" and any(r is req for r in self.batch):
-            self.inactive[req.req_id] = req
-        else:
-            super()._retire(req)
-
-    def emit(self, events: list[TokenEvent]) -> list[TokenEvent]:
-        self.held.extend(events)
-        if any(r.phase is not Phase.FINISHED for r in self.batch):
-            return []
-        for req in self.inactive.values():
-            super()._retire(req)
-        self.batch, self.inactive, out, self.held = [], {}, self.held, []
-        return out
-
-
-def make_scheduler(cfg: "Config", info: "ModelInfo") -> Scheduler:
-    policy = cfg.scheduler.policy
-    if policy == "orca":
-        return OrcaScheduler(cfg, info)
-    if policy == "request":
-        return RequestLevelScheduler(cfg, info)
-    if policy == "fastserve":
-        from orca_mq.fastserve import FastServeScheduler
-
-        return FastServeScheduler(cfg, info)
-    raise ValueError(f"unknown scheduler.policy {policy!r} (orca | request | fastserve)")

@@ -32,8 +32,8 @@ from orca_mq.protocol.engine_msgs import AbortRequest, AddRequest, StatsQuery, S
 from orca_mq.sampling_params import InvalidRequest, SamplingParams
 from orca_mq.tokenizer import load_tokenizer
 from orca_mq.validation import validate_request
-from orca_mq.weights import read_model_info
-from orca_mq.zmq_queue import CLIENT, BrokerLink, Envelope, serve
+from orca_mq.engine.weights import read_model_info
+from orca_mq.server.zmq_queue import CLIENT, BrokerLink, Envelope, serve
 
 FROM_PROCESSES = channel(TokenBatch, StatsResult, Drain, AbortAll, ClientGone, Error)
 

@@ -20,11 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from orca_mq.iteration import IterationPlan, SeqWork
+from orca_mq.protocol.iteration import IterationPlan, SeqWork
 
 if TYPE_CHECKING:
     from orca_mq.config import Config
-    from orca_mq.weights import ModelInfo
+    from orca_mq.engine.weights import ModelInfo
 
 Points = list[tuple[int, float]]   # (x, seconds), x increasing
 INCREMENT_CONTEXT = 64             # KV length of each request in the increment probes
@@ -140,7 +140,10 @@ def profile_engine(run: Callable[[IterationPlan], Any], block_size: int, num_blo
     """Time every probe through `run`, which returns once the iteration is done (offline:
     `ModelRunner.execute`). An asyncio caller (the scheduler process, timing the whole pipeline)
     runs the same loop over `Profiler.plans` with `await`."""
-    profiler = Profiler(block_size, num_blocks, max_len, max_bs, repeats)
+    return measure(Profiler(block_size, num_blocks, max_len, max_bs, repeats), run)
+
+
+def measure(profiler: Profiler, run: Callable[[IterationPlan], Any]) -> IterationProfile:
     for plan in profiler.plans:
         t0 = time.perf_counter()
         run(plan)

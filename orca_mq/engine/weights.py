@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from orca_mq.model_files import resolve_model_path
+from orca_mq.engine.model_files import resolve_model_path
 
 if TYPE_CHECKING:
     from orca_mq.config import Config

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from orca_mq.iteration import SeqWork
+from orca_mq.protocol.iteration import SeqWork
 
 Tensor = torch.Tensor
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from orca_mq.iteration import IterationPlan
+from orca_mq.protocol.iteration import IterationPlan
 
 if TYPE_CHECKING:
     from kernels.cpu_decode import PagedDecode

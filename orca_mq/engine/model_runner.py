@@ -5,12 +5,12 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from orca_mq.attention import build_metadata
-from orca_mq.iteration import IterationPlan, IterationResult
-from orca_mq.kv_cache import KVCache
-from orca_mq.model import StageModel
-from orca_mq.sampler import sample
-from orca_mq.weights import ModelInfo, load_stage_weights, read_model_info
+from orca_mq.engine.attention import build_metadata
+from orca_mq.protocol.iteration import IterationPlan, IterationResult
+from orca_mq.engine.kv_cache import KVCache
+from orca_mq.engine.model import StageModel
+from orca_mq.engine.sampler import sample
+from orca_mq.engine.weights import ModelInfo, load_stage_weights, read_model_info
 
 if TYPE_CHECKING:
     from orca_mq.config import Config

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from orca_mq.block_manager import BlockManager
-from orca_mq.sequence import Request
+from orca_mq.sched.block_manager import BlockManager
+from orca_mq.sched.request import Request
 
 
 @dataclass(slots=True)

@@ -12,9 +12,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-from orca_mq.attention import AttentionMetadata, attention_torch, write_kv_torch
-from orca_mq.kv_cache import KVCache
-from orca_mq.weights import ModelInfo, StageWeights
+from orca_mq.engine.attention import AttentionMetadata, attention_torch, write_kv_torch
+from orca_mq.engine.kv_cache import KVCache
+from orca_mq.engine.weights import ModelInfo, StageWeights
 
 Tensor = torch.Tensor
 

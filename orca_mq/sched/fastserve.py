@@ -20,17 +20,18 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from orca_mq.block_manager import BlockManager
-from orca_mq.iteration import IterationPlan
-from orca_mq.kv_policy import KV_POLICIES, SwapCounts
-from orca_mq.mlfq import JobState, SkipJoinMLFQ
-from orca_mq.profiler import IterationProfile
-from orca_mq.scheduler import Scheduler
-from orca_mq.sequence import Request
+from orca_mq.sched.block_manager import BlockManager
+from orca_mq.protocol.iteration import IterationPlan
+from orca_mq.sched.kv_policy import KV_POLICIES, SwapCounts
+from orca_mq.sched.mlfq import JobState, SkipJoinMLFQ
+from orca_mq.sched.profiler import IterationProfile, Profiler, profile_max_len
+from orca_mq.sched.registry import register
+from orca_mq.sched.base import Scheduler
+from orca_mq.sched.request import Request
 
 if TYPE_CHECKING:
     from orca_mq.config import Config
-    from orca_mq.weights import ModelInfo
+    from orca_mq.engine.weights import ModelInfo
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 KEPT_METRICS = 10_000   # finished requests whose metrics stay available
@@ -49,7 +50,10 @@ def _logger() -> Any:
     return structlog.wrap_logger(structlog.PrintLogger(), wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
 
 
+@register("fastserve")
 class FastServeScheduler(Scheduler):
+    swaps_kv = True
+
     def __init__(self, cfg: "Config", info: "ModelInfo", profile: IterationProfile | None = None) -> None:
         super().__init__(cfg, info)
         fs, eng = cfg.fastserve, cfg.engine
@@ -58,6 +62,7 @@ class FastServeScheduler(Scheduler):
         if fs.min_free_blocks < 0 or fs.burst_queues < 0:
             raise ValueError("fastserve.min_free_blocks and fastserve.burst_queues must be >= 0")
         self.fs = fs
+        self.profile_max_len = profile_max_len(cfg, info)
         self.host_block_manager = BlockManager(max(1, eng.host_slots // eng.block_size), eng.block_size)
         self.kv = KV_POLICIES[fs.kv_policy](self.block_manager, self.host_block_manager, self.max_bs)
         self.block_bytes = 2 * info.n_layers * eng.block_size * info.n_kv_heads * info.head_dim * DTYPE_BYTES[cfg.model.dtype]
@@ -65,6 +70,11 @@ class FastServeScheduler(Scheduler):
         self.finished: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self.log = _logger()
         self.use_profile(profile or IterationProfile.estimate(info, cfg.model.dtype))
+
+    def profiler(self) -> Profiler:
+        """Skip-join needs this engine's own iteration times, measured before any request."""
+        bm = self.block_manager
+        return Profiler(bm.block_size, bm.num_blocks, self.profile_max_len, self.max_bs)
 
     def use_profile(self, profile: IterationProfile) -> None:
         """Predict iteration times from `profile` (measured at start-up by profiler.profile_engine);

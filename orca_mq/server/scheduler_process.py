@@ -1,5 +1,5 @@
 """The iteration scheduler process: owns the request pool (the scheduler object of
-orca_mq.scheduler, policy from `scheduler.policy`) and drives the worker pipeline.
+orca_mq.sched.base, policy from `scheduler.policy`) and drives the worker pipeline.
 
 Each step: schedule plans while fewer than `engine.n_workers` are in flight (one per pipeline
 stage, ORCA §4.2), push them on the control chain to worker 0, and when the last worker returns
@@ -31,10 +31,11 @@ from orca_mq.protocol.control_msgs import Ready
 from orca_mq.protocol.engine_msgs import (AbortRequest, AddRequest, ControlFrame, IterationDone, StatsQuery,
                                           StatsResult, TokenBatch, WorkerStats, WorkerStatsQuery)
 from orca_mq.sampling_params import SamplingParams
-from orca_mq.scheduler import TokenEvent, make_scheduler
-from orca_mq.sequence import Request
-from orca_mq.weights import read_model_info
-from orca_mq.zmq_queue import BrokerLink, Envelope, control_address, serve
+from orca_mq.sched import TokenEvent, make_scheduler
+from orca_mq.sched.profiler import Profiler
+from orca_mq.sched.request import Request
+from orca_mq.engine.weights import read_model_info
+from orca_mq.server.zmq_queue import BrokerLink, Envelope, control_address, serve
 
 ACCEPTED = channel(AddRequest, AbortRequest, StatsQuery, IterationDone, WorkerStats, Error)
 WINDOW = 10_000          # timing samples kept for the stats
@@ -68,8 +69,8 @@ class SchedulerProcess:
         self.backlog: list[Envelope] = []   # frames that arrived while profiling
 
     async def run(self) -> int:
-        if self.cfg.scheduler.policy == "fastserve":
-            await self._profile()
+        if (profiler := self.sched.profiler()) is not None:
+            await self._profile(profiler)
         await self.link.to_peer("launcher", Ready("scheduler", os.getpid()))
         code = await serve([self._loop()], self.log)
         self.link.close()
@@ -77,13 +78,9 @@ class SchedulerProcess:
         self.ctx.term()
         return code
 
-    async def _profile(self) -> None:
+    async def _profile(self, profiler: Profiler) -> None:
         """FastServe's iteration profile, timed through the whole pipeline (control frame out ->
         tokens back), one probe at a time, before any request: frames arriving meanwhile wait."""
-        from orca_mq.profiler import Profiler, profile_max_len  # FastServe only
-
-        bm = self.sched.block_manager
-        profiler = Profiler(bm.block_size, bm.num_blocks, profile_max_len(self.cfg, self.info), self.cfg.scheduler.max_bs)
         start = time.perf_counter()
         for plan in profiler.plans:
             sent = time.perf_counter()
@@ -99,7 +96,7 @@ class SchedulerProcess:
                 self.backlog.append(env)
             profiler.record(plan, time.perf_counter() - sent)
         profile = profiler.profile()
-        self.sched.use_profile(profile)  # type: ignore[attr-defined]
+        self.sched.use_profile(profile)
         self.log.info("iteration profile measured", probes=len(profiler.plans), seconds=round(time.perf_counter() - start, 2),
                       **profile.to_dict())
 

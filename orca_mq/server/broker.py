@@ -2,7 +2,7 @@
 
 - clients (DEALER) -> `server.frontend_address` ROUTER -> forwarded to the frontend;
 - frontend / scheduler / workers / launcher (DEALER, named) -> `server.backend_address` ROUTER,
-  addressed with the envelope of orca_mq.zmq_queue.
+  addressed with the envelope of orca_mq.server.zmq_queue.
 
 Both ROUTERs set ZMQ_ROUTER_MANDATORY: a send to a vanished client raises EHOSTUNREACH, and the
 broker tells the frontend (`client_gone`), which aborts that client's requests. The broker also
@@ -26,7 +26,7 @@ from orca_mq.protocol import ProtocolError, decode, encode, unpack
 from orca_mq.protocol.client_msgs import TO_CLIENT, TO_SERVER, Error, Generate, Output, Ping, Pong
 from orca_mq.protocol.codec import channel, from_dict
 from orca_mq.protocol.control_msgs import ClientGone, Fatal
-from orca_mq.zmq_queue import BROKER, CLIENT, PEER, serve
+from orca_mq.server.zmq_queue import BROKER, CLIENT, PEER, serve
 
 FRONTEND = b"frontend"
 _GONE_MEMORY = 4096   # vanished clients remembered, so the frontend hears of each once

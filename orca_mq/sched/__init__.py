@@ -1,0 +1,29 @@
+"""Iteration-level scheduling: the policies over one request pool and the KV block tables.
+
+No code outside this package names a policy: it asks the chosen class through its hooks
+(`profiler()`, `use_profile()`, `swaps_kv`) what the policy needs.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from orca_mq.sched import fastserve, orca, request_level  # noqa: F401  (each registers its policy)
+from orca_mq.sched.base import Scheduler, TokenEvent
+from orca_mq.sched.registry import POLICIES
+
+if TYPE_CHECKING:
+    from orca_mq.config import Config
+    from orca_mq.engine.model_info import ModelInfo
+
+__all__ = ["POLICIES", "Scheduler", "TokenEvent", "make_scheduler", "policy_class"]
+
+
+def policy_class(name: str) -> type[Scheduler]:
+    try:
+        return POLICIES[name]
+    except KeyError:
+        raise ValueError(f"unknown scheduler.policy {name!r} ({' | '.join(POLICIES)})") from None
+
+
+def make_scheduler(cfg: "Config", info: "ModelInfo") -> Scheduler:
+    return policy_class(cfg.scheduler.policy)(cfg, info)

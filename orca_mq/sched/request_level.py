@@ -1,0 +1,61 @@
+"""The request-level baseline the ORCA paper compares against (Triton dynamic batcher + FasterTransformer)."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from orca_mq.sched.base import TokenEvent
+from orca_mq.sched.orca import OrcaScheduler
+from orca_mq.sched.registry import register
+from orca_mq.sched.request import Phase, Request
+
+if TYPE_CHECKING:
+    from orca_mq.config import Config
+    from orca_mq.engine.model_info import ModelInfo
+
+
+@register("request")
+class RequestLevelScheduler(OrcaScheduler):
+    """The baseline (Triton dynamic batcher + FasterTransformer): a batch runs until every request
+    in it finishes; nothing joins meanwhile and nothing returns early. As the ORCA paper describes
+    (§2.2, Fig. 3), the engine keeps computing the batch's *inactive* (finished) requests until
+    the batch ends: each reruns its last position, so its KV stays within its reservation, and
+    the tokens are dropped. An aborted request leaves at once. And as §6.2 describes, the batch's
+    first iteration processes every prompt as if it were as long as the shortest one; the rest of
+    a longer prompt goes in one token an iteration, its samples dropped, before it generates."""
+
+    def __init__(self, cfg: "Config", info: "ModelInfo") -> None:
+        super().__init__(cfg, info)
+        self.batch: list[Request] = []
+        self.batch_input_len = 0                # the batch's shortest prompt
+        self.inactive: dict[str, Request] = {}  # finished, still computed, KV held until the batch ends
+        self.held: list[TokenEvent] = []
+
+    def select(self, now: float) -> list[Request]:
+        if not self.batch:
+            self.batch = super().select(now)
+            self.batch_input_len = min((len(r.prompt_token_ids) for r in self.batch), default=0)
+        return [r for r in self.batch if not r.running and (r.phase is not Phase.FINISHED or r.req_id in self.inactive)]
+
+    def prompt_chunk(self, req: Request) -> int | None:
+        return self.batch_input_len if req.n_prompt_fed == 0 else 1
+
+    def abort(self, req_id: str) -> TokenEvent | None:
+        if req_id in self.inactive:
+            return None  # already finished: its final message is held for the batch's end
+        return super().abort(req_id)
+
+    def _retire(self, req: Request) -> None:
+        """A batch member that finished (not aborted) stays in the pool, inactive, until the batch ends."""
+        if req.finish_reason != "abort" and any(r is req for r in self.batch):
+            self.inactive[req.req_id] = req
+        else:
+            super()._retire(req)
+
+    def emit(self, events: list[TokenEvent]) -> list[TokenEvent]:
+        self.held.extend(events)
+        if any(r.phase is not Phase.FINISHED for r in self.batch):
+            return []
+        for req in self.inactive.values():
+            super()._retire(req)
+        self.batch, self.inactive, out, self.held = [], {}, self.held, []
+        return out
