@@ -23,7 +23,7 @@ import zmq
 import zmq.asyncio
 
 from orca_mq.protocol import ProtocolError, decode, encode
-from orca_mq.protocol.client_msgs import TO_CLIENT, Abort, Error, Generate, Output, Ping, Stats, StatsReply
+from orca_mq.protocol.client_msgs import TO_CLIENT, Abort, Error, Generate, Output, Ping, Pong, Stats, StatsReply
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:5555"
 T = TypeVar("T")
@@ -65,6 +65,7 @@ class AsyncClient:
         self._streams: dict[str, asyncio.Queue[StreamEvent]] = {}
         self._stats: dict[str, asyncio.Future[dict[str, Any]]] = {}
         self._last_heard = 0.0
+        self._server = ""     # the broker instance first heard from; another one means it restarted
 
     async def __aenter__(self) -> AsyncClient:
         await self.connect()
@@ -81,6 +82,7 @@ class AsyncClient:
         self._sock.connect(self.address)
         self._last_heard = time.monotonic()
         self._reader = asyncio.create_task(self._read())
+        await self._send(Ping(0))  # learn the broker's identity before any request
 
     async def close(self) -> None:
         if self._reader is not None:
@@ -165,7 +167,10 @@ class AsyncClient:
                 for fut in self._stats.values():  # a rejected stats query is the only request without an id
                     if not fut.done():
                         fut.set_exception(RuntimeError(msg.error))
-            # Pong: only refreshes _last_heard
+            elif isinstance(msg, Pong) and msg.server:
+                if self._server and msg.server != self._server:
+                    self._fail_all("server restarted: the request was lost, retry it")
+                self._server = msg.server
 
     async def _check_liveness(self) -> None:
         if not self._streams and not self._stats:

@@ -23,6 +23,7 @@ class ModelConfig:
     path: str = ""
     dtype: DType = "float32"
     max_model_len: int = 2048
+    cache_dir: str = "~/.cache/orca_mq"
 
 
 @dataclass(slots=True)
@@ -57,16 +58,20 @@ class FastServeConfig:
 @dataclass(slots=True)
 class ServerConfig:
     frontend_address: str = "tcp://127.0.0.1:5555"
-    backend_address: str = "ipc:///tmp/orca_mq_backend"
-    worker_base_port: int = 29500
+    backend_address: str = ""
+    worker_base_port: int = 0
     drain_timeout: float = 30.0
     ready_timeout: float = 300.0
+    stop_grace: float = 10.0
+    max_restarts: int = 5
+    restart_window: float = 300.0
 
 
 @dataclass(slots=True)
 class LogConfig:
     dir: str = "logs"
     level: LogLevel = "info"
+    stderr: bool = False
 
 
 @dataclass(slots=True)
@@ -142,8 +147,11 @@ def _coerce(value: Any, kind: Any, name: str) -> Any:
 
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | list[str] | None = None) -> Config:
     """Read config.toml (default: the repo's) and apply overrides ({"a.b": v} or ["a.b=v", ...])."""
-    with open(path or DEFAULT_CONFIG_PATH, "rb") as f:
+    path = Path(path or DEFAULT_CONFIG_PATH)
+    with open(path, "rb") as f:
         cfg = Config.from_dict(tomllib.load(f))
+    if cfg.log.dir:  # the config's own directory, wherever the server is started from
+        cfg.log.dir = str((path.resolve().parent / cfg.log.dir).resolve())
     if isinstance(overrides, list):
         pairs = []
         for item in overrides:
@@ -153,4 +161,6 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | list
         overrides = dict(pairs)
     for key, value in (overrides or {}).items():
         cfg.set(key, value)
+        if key in ("log.dir", "dir") and cfg.log.dir:  # a path the user gives: relative to where they are
+            cfg.log.dir = str(Path(cfg.log.dir).resolve())
     return cfg

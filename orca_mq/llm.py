@@ -15,7 +15,7 @@ from orca_mq.sched import make_scheduler
 from orca_mq.sched.request import Request
 from orca_mq.tokenizer import load_tokenizer
 from orca_mq.validation import validate_request
-from orca_mq.engine.weights import read_model_info
+from orca_mq.engine.model_info import read_model_info
 
 Prompt = str | list[int]
 
@@ -38,8 +38,8 @@ class LLM:
         if model is not None:
             self.cfg.model.path = model
         self.cfg.engine.n_workers = 1
-        self.info = read_model_info(self.cfg.model.path)
-        self.tokenizer = load_tokenizer(self.cfg.model.path)
+        self.info = read_model_info(self.cfg.model.path, self.cfg.model.cache_dir)
+        self.tokenizer = load_tokenizer(self.cfg.model.path, self.cfg.model.cache_dir)
         self.runner = ModelRunner(self.cfg, info=self.info)
         self.scheduler = make_scheduler(self.cfg, self.info)
         if (profiler := self.scheduler.profiler()) is not None:

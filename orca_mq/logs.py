@@ -1,4 +1,4 @@
-"""Structured JSON-lines logs: one file per process under `log.dir`, plus stderr.
+"""Structured JSON-lines logs: one file per process under `log.dir` (stderr too with `log.stderr`).
 
 Every line carries `role` and `pid`; callers bind `request_id` / `iteration` where they have one
 (`log.bind(request_id=...)`). `tools/launch.py logs` merges the files by timestamp.
@@ -37,7 +37,7 @@ class _TeeLogger:
 
 def setup_logging(role: str, cfg: LogConfig, **context: Any) -> structlog.typing.FilteringBoundLogger:
     """Configure structlog for this process and return a logger bound to role, pid and context."""
-    streams: list[TextIO] = [sys.stderr]
+    streams: list[TextIO] = [sys.stderr] if cfg.stderr or not cfg.dir else []
     if cfg.dir:
         Path(cfg.dir).mkdir(parents=True, exist_ok=True)
         streams.append(open(Path(cfg.dir) / f"{role}.log", "a", buffering=1, encoding="utf-8"))
@@ -65,3 +65,37 @@ def summarize_ms(samples: Iterable[float]) -> dict[str, Any]:
     if not ms:
         return {"n": 0, "median_ms": None, "p90_ms": None}
     return {"n": len(ms), "median_ms": statistics.median(ms), "p90_ms": ms[int(0.9 * (len(ms) - 1))]}
+
+
+def show_logs(log_dir: str, follow: bool, lines: int, raw: bool) -> None:
+    """Print the last `lines` lines of every process's log merged by timestamp; `follow` keeps going."""
+    import json
+    import time
+
+    def ts(line: str) -> str:
+        try:
+            return str(json.loads(line).get("ts", ""))
+        except ValueError:
+            return ""
+
+    def pretty(line: str) -> str:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            return line
+        head = f"{rec.pop('ts', '')} {rec.pop('role', '?'):<10} {rec.pop('level', ''):<7} {rec.pop('event', '')}"
+        rec.pop("pid", None)
+        return head + "".join(f" {k}={v}" for k, v in rec.items())
+
+    files = {p: p.open(encoding="utf-8") for p in sorted(Path(log_dir).glob("*.log"))}
+    if not files:
+        sys.exit(f"no logs in {log_dir!r}")
+    backlog = sorted((ts(line), line) for f in files.values() for line in f.read().splitlines())
+    for _, line in backlog[-lines:] if lines > 0 else backlog:
+        print(line if raw else pretty(line))
+    while follow:
+        for p in Path(log_dir).glob("*.log"):
+            files.setdefault(p, p.open(encoding="utf-8"))
+        for _, line in sorted((ts(line), line) for f in files.values() for line in f.read().splitlines()):
+            print(line if raw else pretty(line), flush=True)
+        time.sleep(0.5)

@@ -7,7 +7,7 @@ from orca_mq.sampling_params import InvalidRequest, SamplingParams
 
 if TYPE_CHECKING:
     from orca_mq.config import Config
-    from orca_mq.engine.weights import ModelInfo
+    from orca_mq.engine.model_info import ModelInfo
 
 
 def validate_request(prompt_token_ids: list[int], params: SamplingParams, info: "ModelInfo", cfg: "Config") -> None:

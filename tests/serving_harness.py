@@ -1,28 +1,19 @@
-"""Start and stop a real orca-mq server (tools/launch.py) for the serving tests.
+"""Start and stop a real orca-mq server (tools/launch.py through `spawn`) for the serving tests.
 
-Every server gets its own free TCP ports, ipc path and log dir, so tests never collide; stop()
-ends the launcher and then, by pid, any child it left behind.
+Every server gets its own free TCP port, log dir and (the launcher's own) private backend socket,
+so tests never collide; stop() ends the launcher and then, by pid, any child it left behind.
 """
 from __future__ import annotations
 
 import os
-import select
 import signal
-import socket
 import subprocess
-import sys
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from orca_mq.server.process import ROOT, ServerHandle, free_port, spawn
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = ["ROOT", "Server", "alive", "children_of", "free_port", "start_server"]
 
 
 def children_of(pid: int) -> dict[int, str]:
@@ -54,65 +45,46 @@ def alive(pid: int) -> bool:
 
 @dataclass
 class Server:
-    proc: subprocess.Popen[str]
-    address: str
+    """A server from `orca_mq.server.process.spawn`, with what the tests look at: its processes by
+    command line (the launcher's children, read afresh: supervision replaces them) and its logs."""
+
+    handle: ServerHandle
     log_dir: Path
-    stderr_path: Path
-    children: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def proc(self) -> subprocess.Popen[str]:
+        return self.handle.proc
+
+    @property
+    def address(self) -> str:
+        return self.handle.address
+
+    @property
+    def children(self) -> dict[int, str]:
+        return children_of(self.proc.pid)
 
     def pid_of(self, needle: str) -> int:
         return next(pid for pid, cmd in self.children.items() if needle in cmd)
 
     def stop(self, timeout: float = 30.0) -> int | None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        for pid, cmd in self.children.items():
-            if alive(pid) and self.address in _cmdline(pid):
+        children = self.children
+        code = self.handle.stop(timeout)
+        for pid in children:  # whatever the launcher left behind
+            if alive(pid):
                 os.kill(pid, signal.SIGKILL)
-        return self.proc.returncode
+        return code
 
     def stderr(self) -> str:
-        return self.stderr_path.read_text(errors="replace")
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except OSError:
-        return ""
+        return self.handle.stderr()
 
 
 def start_server(tmp: Path, n_workers: int = 1, ready_timeout: float = 240.0, **overrides: object) -> Server:
     tmp.mkdir(parents=True, exist_ok=True)
-    address = f"tcp://127.0.0.1:{free_port()}"
     sets = {
-        "server.frontend_address": address,
-        "server.backend_address": f"ipc://{tmp}/backend",
-        "server.worker_base_port": free_port(),
+        "server.frontend_address": f"tcp://127.0.0.1:{free_port()}",
         "engine.n_workers": n_workers,
         "engine.threads_per_worker": max(1, 2 // n_workers),
         "log.dir": str(tmp / "logs"),
         **overrides,
     }
-    cmd = [sys.executable, str(ROOT / "tools" / "launch.py")]
-    for k, v in sets.items():
-        cmd += ["--set", f"{k}={v}"]
-    stderr_path = tmp / "launcher.stderr"
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr_path.open("w"), text=True, cwd=tmp)
-    server = Server(proc, address, tmp / "logs", stderr_path)
-    deadline = time.monotonic() + ready_timeout
-    assert proc.stdout is not None
-    while time.monotonic() < deadline and proc.poll() is None:
-        if select.select([proc.stdout], [], [], 0.5)[0]:
-            line = proc.stdout.readline()
-            if "ready" in line:
-                server.children = children_of(proc.pid)
-                return server
-    server.children = children_of(proc.pid)
-    server.stop()
-    raise RuntimeError(f"server did not become ready:\n{server.stderr()[-4000:]}")
+    return Server(spawn(sets, tmp / "launcher.stderr", ready_timeout=ready_timeout, cwd=tmp), tmp / "logs")

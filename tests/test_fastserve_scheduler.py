@@ -21,7 +21,7 @@ from orca_mq.sched.mlfq import SkipJoinMLFQ
 from orca_mq.sched.profiler import IterationProfile, profile_engine
 from orca_mq.sampling_params import SamplingParams
 from orca_mq.sched.request import Request
-from orca_mq.engine.weights import ModelInfo
+from orca_mq.engine.model_info import ModelInfo
 
 INFO = ModelInfo("fake", "llama", 512, 64, 2, 4, 2, 128, 1e-5, 4096, eos_token_ids=[2])
 # initiation: 1 ms per input token; increment: 10 ms at batch 1 .. 20 ms at batch 64

@@ -5,7 +5,10 @@ slot is leaked afterwards.
 - invalid requests (too long, empty, bad sampling values or token ids, unknown fields): an
   `error` final message to that client only
 - abort mid-stream: final `abort`; a vanished client: its requests are aborted (ROUTER_MANDATORY)
-- SIGKILL of a worker: every in-flight request gets an `error` final, the launcher exits 1
+- SIGKILL of a worker: every in-flight request gets an `error` final, new ones `unavailable` at
+  once, and the launcher restarts the engine side, which serves again
+- SIGKILL of the broker: everything restarts; an open stream ends with an error
+- a crash loop (more than server.max_restarts restarts): the launcher stops and exits 1
 - SIGTERM of the launcher: drain, then every process is gone (exit 0) within 30 s
 """
 from __future__ import annotations
@@ -73,8 +76,8 @@ def test_malformed_frames_are_answered_and_logged(server):
             assert isinstance(decode(client.recv(), TO_CLIENT), Error)
         # inside the system too: a rogue peer on the backend socket, garbage to the scheduler, the frontend
         # and the first worker's control socket
-        backend = next(a.split("=", 1)[1] for a in server.proc.args if a.startswith("server.backend_address="))
-        rogue = _dealer(ctx, backend, b"rogue")
+        run_dir = server.children[server.pid_of("workers.main")].split("--run-dir ")[1].split()[0]
+        rogue = _dealer(ctx, f"ipc://{run_dir}/backend", b"rogue")  # the server's private backend socket
         rogue.send_multipart([PEER, b"scheduler", msgpack.packb({"v": 1, "type": "add", "req_id": "x"})])
         assert rogue.poll(10_000) and "missing field" in decode(rogue.recv_multipart()[2], frozenset({"error"})).error
         rogue.send_multipart([PEER, b"frontend", b"\xc1"])
@@ -82,7 +85,6 @@ def test_malformed_frames_are_answered_and_logged(server):
         for peer in (b"frontend", b"worker0"):  # well-formed, but not a type that process accepts
             rogue.send_multipart([PEER, peer, encode(Ping(3))])
             assert rogue.poll(10_000) and "not accepted" in decode(rogue.recv_multipart()[2], frozenset({"error"})).error
-        run_dir = server.children[server.pid_of("workers.main")].split("--run-dir ")[1].split()[0]
         control = ctx.socket(zmq.PUSH)
         control.setsockopt(zmq.LINGER, 1000)
         control.connect(f"ipc://{run_dir}/ctl0")
@@ -176,36 +178,83 @@ def test_sigterm_drains_then_stops_every_process(server):
                     server.proc.send_signal(signal.SIGTERM)
             return events
 
+    children = server.children
+    run_dir = children[server.pid_of("workers.main")].split("--run-dir ")[1].split()[0]
     start = time.monotonic()
     events = asyncio.run(asyncio.wait_for(run(), 60))
     assert events[-1].finish_reason == "abort"  # did not finish within drain_timeout = 3 s
     assert server.proc.wait(30) == 0
-    deadline = start + 30
-    while any(alive(pid) for pid in server.children) and time.monotonic() < deadline:
+    _all_gone(children, start + 30)
+    assert not os.path.exists(run_dir)  # the private sockets are removed on exit
+
+
+def _all_gone(children: dict[int, str], deadline: float) -> None:
+    while any(alive(pid) for pid in children) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not [cmd for pid, cmd in server.children.items() if alive(pid)]
+    assert not [cmd for pid, cmd in children.items() if alive(pid)]
 
 
-def test_killed_worker_fails_in_flight_requests(tmp_path):
+async def _stream_until_killed(address: str, kill) -> list:
+    """Stream a long request; kill a process after two events; return every event."""
+    async with AsyncClient(address, ping_interval=0.5) as client:
+        events = []
+        async for ev in client.stream(prompt="Once upon a time", max_tokens=1500, temperature=0.0, ignore_eos=True):
+            events.append(ev)
+            if len(events) == 2:
+                kill()
+        return events
+
+
+def _serves_again(address: str, timeout: float) -> float:
+    """Seconds until a request succeeds; every failure meanwhile must be an immediate, clear error."""
+    start = time.monotonic()
+    with Client(address) as client:
+        while True:
+            t0 = time.monotonic()
+            out = client.generate("Hello", max_tokens=2, temperature=0.0)
+            if out.finish_reason == "length":
+                return time.monotonic() - start
+            assert out.finish_reason == "error" and "unavailable" in out.error, out
+            assert time.monotonic() - t0 < 5, "a request during the restart waited instead of failing fast"
+            assert time.monotonic() - start < timeout, f"not serving {timeout} s after the kill"
+            time.sleep(0.5)
+
+
+def test_killed_worker_is_restarted(tmp_path):
     srv = start_server(tmp_path, n_workers=2, **{"engine.n_slots": 4096})
     try:
-        async def run():
-            async with AsyncClient(srv.address) as client:
-                events = []
-                async for ev in client.stream(prompt="Once upon a time", max_tokens=1500, temperature=0.0, ignore_eos=True):
-                    events.append(ev)
-                    if len(events) == 2:
-                        os.kill(srv.pid_of("--stage 1"), signal.SIGKILL)
-                        killed = time.monotonic()
-                return events, time.monotonic() - killed
-
-        events, took = asyncio.run(asyncio.wait_for(run(), 60))
-        assert events[-1].finish_reason == "error" and "worker1" in events[-1].error
-        assert took < 10, f"the error came {took:.1f} s after the kill"
-        assert srv.proc.wait(30) == 1
-        deadline = time.monotonic() + 15
-        while any(alive(pid) for pid in srv.children) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not [cmd for pid, cmd in srv.children.items() if alive(pid)]
+        old = srv.pid_of("--stage 1")
+        events = asyncio.run(asyncio.wait_for(_stream_until_killed(srv.address, lambda: os.kill(old, signal.SIGKILL)), 60))
+        final = events[-1]
+        assert final.finish_reason == "error" and "unavailable" in final.error
+        assert "worker" not in final.error and "exit" not in final.error  # no internals to clients
+        assert sum(e.finished for e in events) == 1
+        _serves_again(srv.address, timeout=180)
+        assert srv.proc.poll() is None and srv.pid_of("--stage 1") != old
+        assert "serving again (restart 1)" in srv.stderr()
+        assert "restarting" in _logs(srv, "launcher")
+        _stats_settled(srv.address)
     finally:
         srv.stop()
+
+
+def test_killed_broker_restarts_everything(tmp_path):
+    srv = start_server(tmp_path, n_workers=1, **{"engine.n_slots": 4096})
+    try:
+        broker = srv.pid_of("orca_mq.server.broker")
+        events = asyncio.run(asyncio.wait_for(_stream_until_killed(srv.address, lambda: os.kill(broker, signal.SIGKILL)), 120))
+        assert events[-1].finished and events[-1].finish_reason == "error"
+        assert sum(e.finished for e in events) == 1
+        _serves_again(srv.address, timeout=180)
+        assert srv.pid_of("orca_mq.server.broker") != broker
+    finally:
+        srv.stop()
+
+
+def test_crash_loop_stops_the_server(tmp_path):
+    srv = start_server(tmp_path, n_workers=1, **{"engine.n_slots": 4096, "server.max_restarts": 0})
+    children = srv.children
+    os.kill(srv.pid_of("workers.main"), signal.SIGKILL)
+    assert srv.proc.wait(60) == 1
+    _all_gone(children, time.monotonic() + 30)
+    assert "crash loop" in srv.stderr()

@@ -13,7 +13,7 @@ from orca_mq.sched.profiler import IterationProfile  # noqa: E402
 from orca_mq.sampling_params import SamplingParams  # noqa: E402
 from orca_mq.sched.orca import OrcaScheduler  # noqa: E402
 from orca_mq.sched.request import Request  # noqa: E402
-from orca_mq.engine.weights import ModelInfo  # noqa: E402
+from orca_mq.engine.model_info import ModelInfo  # noqa: E402
 
 INFO = ModelInfo("fake", "llama", 64, 16, 2, 4, 2, 128, 1e-5, 4096, eos_token_ids=[2])
 ONE_SECOND = IterationProfile([(1, 1.0), (100, 1.0)], [(1, 1.0), (64, 1.0)])   # every iteration takes 1 s

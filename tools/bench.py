@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
               f"the longest requests will be rejected", file=sys.stderr)
 
     t_prep = time.perf_counter()
-    tok = load_tokenizer(cfg.model.path)
+    tok = load_tokenizer(cfg.model.path, cfg.model.cache_dir)
     corpus = load_corpus(tok)
     trace = make_trace(spec, corpus)
     print(f"bench: trace {args.trace}: {len(trace)} requests over {trace[-1].arrival_s:.1f} s "

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from orca_mq.config import load_config  # noqa: E402
 from orca_mq.protocol.iteration import IterationPlan, SeqWork  # noqa: E402
 from orca_mq.engine.model_runner import ModelRunner  # noqa: E402
-from orca_mq.engine.weights import ModelInfo  # noqa: E402
+from orca_mq.engine.model_info import ModelInfo  # noqa: E402
 
 # (name, [(prompt tokens this iteration, cached tokens before)] per request)
 CASES: list[tuple[str, list[tuple[int, int]]]] = [

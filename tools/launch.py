@@ -1,7 +1,7 @@
 #!/usr/bin/env python
-"""Start (or inspect) an orca-mq server: the same as the `orca-mq serve` / `orca-mq logs` commands.
+"""Start (or inspect) an orca-mq server: `orca-mq serve` / `orca-mq logs` from a source checkout.
 
-    python tools/launch.py [--config config.toml] [--set section.key=value ...]
+    python tools/launch.py [--model PATH] [--port N] [--config FILE] [--set section.key=value ...]
     python tools/launch.py logs [-f] [-n N] [--json]      # merged structured logs of log.dir
 """
 import sys
@@ -9,7 +9,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from orca_mq.server.launcher import main  # noqa: E402
+from orca_mq.cli import COMMANDS, main  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main())
+    args = sys.argv[1:]
+    sys.exit(main(args if args[:1] and args[0] in COMMANDS else ["serve", *args]))

@@ -37,7 +37,7 @@ from orca_mq.sampling_params import SamplingParams  # noqa: E402
 from orca_mq.sched import Scheduler, make_scheduler  # noqa: E402
 from orca_mq.sched.orca import OrcaScheduler  # noqa: E402
 from orca_mq.sched.request import Request  # noqa: E402
-from orca_mq.engine.weights import ModelInfo, read_model_info  # noqa: E402
+from orca_mq.engine.model_info import ModelInfo, read_model_info  # noqa: E402
 
 DUMMY_CORPUS = list(range(100, 5000))   # ids do not matter here, only lengths (the trace draws the same numbers)
 
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     sets = [*args.sets] + ([f"scheduler.max_bs={args.max_bs}"] if args.max_bs else [])
     cfg = load_config(None, sets)
-    info = read_model_info(cfg.model.path)
+    info = read_model_info(cfg.model.path, cfg.model.cache_dir)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     if args.profile:

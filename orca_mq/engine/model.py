@@ -14,7 +14,8 @@ import torch.nn.functional as F
 
 from orca_mq.engine.attention import AttentionMetadata, attention_torch, write_kv_torch
 from orca_mq.engine.kv_cache import KVCache
-from orca_mq.engine.weights import ModelInfo, StageWeights
+from orca_mq.engine.model_info import ModelInfo
+from orca_mq.engine.weights import StageWeights
 
 Tensor = torch.Tensor
 

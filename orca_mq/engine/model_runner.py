@@ -10,7 +10,8 @@ from orca_mq.protocol.iteration import IterationPlan, IterationResult
 from orca_mq.engine.kv_cache import KVCache
 from orca_mq.engine.model import StageModel
 from orca_mq.engine.sampler import sample
-from orca_mq.engine.weights import ModelInfo, load_stage_weights, read_model_info
+from orca_mq.engine.model_info import ModelInfo, read_model_info
+from orca_mq.engine.weights import load_stage_weights
 
 if TYPE_CHECKING:
     from orca_mq.config import Config
@@ -62,11 +63,11 @@ class ModelRunner:
         self.device = resolve_device(cfg.engine.device)
         self.dtype = DTYPES[cfg.model.dtype]
         torch.set_num_threads(cfg.engine.threads_per_worker)
-        self.info = info or read_model_info(cfg.model.path)
+        self.info = info or read_model_info(cfg.model.path, cfg.model.cache_dir)
         self.stage, self.n_stages = stage, n_stages
         self.first, self.last = stage == 0, stage == n_stages - 1
         layers = self.info.stage_layers(stage, n_stages)
-        weights = load_stage_weights(self.info, layers, self.first, self.last, self.dtype)
+        weights = load_stage_weights(self.info, layers, self.first, self.last, self.dtype, cfg.model.cache_dir)
         for w in [*weights.layers, weights.final_norm or {}]:
             for k, t in w.items():
                 w[k] = t.to(self.device)

@@ -1,139 +1,20 @@
-"""Model metadata and weights from a GGUF file (Llama) or a Hugging Face safetensors dir (Llama, GPT-2).
+"""Weights from a GGUF file (Llama) or a Hugging Face safetensors dir (Llama, GPT-2).
 
 Weights come out in one canonical per-layer layout (fused QKV and gate/up, [out, in] matrices)
 so the model code does not care where they came from. A pipeline stage loads only its layers.
 """
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, field
+import os
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from orca_mq.engine.model_files import resolve_model_path
-
-if TYPE_CHECKING:
-    from orca_mq.config import Config
+from orca_mq.engine.model_info import ModelInfo, cache_key, gguf_reader
 
 Tensor = torch.Tensor
-
-
-@dataclass(slots=True)
-class ModelInfo:
-    path: str
-    arch: str                      # "llama" | "gpt2"
-    vocab_size: int
-    hidden_size: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    intermediate_size: int
-    norm_eps: float
-    context_length: int
-    rope_theta: float = 10000.0
-    tie_embeddings: bool = True
-    bos_token_id: int | None = None
-    eos_token_ids: list[int] = field(default_factory=list)
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.n_heads
-
-    def max_model_len(self, cfg: "Config") -> int:
-        return min(cfg.model.max_model_len, self.context_length)
-
-    def stage_layers(self, stage: int, n_stages: int) -> range:
-        """Contiguous inter-layer partition balancing work per stage. The last stage also runs the LM
-        head (vocab x hidden per request and iteration), counted as layers' worth of parameters at
-        half weight: a middle ground between decode-heavy iterations (head ~ every token) and
-        prefill-heavy ones (head on one token of many)."""
-        if not 1 <= n_stages <= self.n_layers:
-            raise ValueError(f"n_workers={n_stages} must be between 1 and the model's {self.n_layers} layers")
-        h = self.hidden_size
-        layer_params = h * self.head_dim * (self.n_heads + 2 * self.n_kv_heads) + h * h + 3 * h * self.intermediate_size
-        head = 0.5 * self.vocab_size * h / layer_params
-        per_stage = (self.n_layers + head) / n_stages
-        bounds = [min(self.n_layers - (n_stages - s), max(s, round(s * per_stage))) for s in range(n_stages)]
-        bounds.append(self.n_layers)
-        return range(bounds[stage], bounds[stage + 1])
-
-
-# ---------------------------------------------------------------- metadata
-
-def read_model_info(model_path: str = "") -> ModelInfo:
-    path = resolve_model_path(model_path)
-    return _hf_info(path) if path.is_dir() else _gguf_info(path)
-
-
-def _gguf_fields(path: Path) -> tuple[object, dict[str, object]]:
-    from gguf import GGUFReader
-
-    reader = GGUFReader(path)
-    fields = {}
-    for name, f in reader.fields.items():
-        if name.startswith("tokenizer.ggml.") and name not in ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"):
-            continue  # the vocabulary is the tokenizer's business
-        fields[name] = f.contents()
-    return reader, fields
-
-
-def _gguf_info(path: Path) -> ModelInfo:
-    reader, f = _gguf_fields(path)
-    arch = f["general.architecture"]
-    if arch != "llama":
-        raise ValueError(f"{path}: GGUF architecture {arch!r} not supported (llama only)")
-    n_heads = int(f["llama.attention.head_count"])
-    eos = f.get("tokenizer.ggml.eos_token_id")
-    # vocab size from the embedding tensor, whatever the metadata says
-    emb = next(t for t in reader.tensors if t.name == "token_embd.weight")
-    return ModelInfo(
-        path=str(path), arch="llama",
-        vocab_size=int(emb.shape[-1]),
-        hidden_size=int(f["llama.embedding_length"]),
-        n_layers=int(f["llama.block_count"]),
-        n_heads=n_heads,
-        n_kv_heads=int(f.get("llama.attention.head_count_kv", n_heads)),
-        intermediate_size=int(f["llama.feed_forward_length"]),
-        norm_eps=float(f["llama.attention.layer_norm_rms_epsilon"]),
-        context_length=int(f["llama.context_length"]),
-        rope_theta=float(f.get("llama.rope.freq_base", 10000.0)),
-        bos_token_id=f.get("tokenizer.ggml.bos_token_id"),
-        eos_token_ids=[int(eos)] if eos is not None else [],
-    )
-
-
-def _hf_info(path: Path) -> ModelInfo:
-    c = json.loads((path / "config.json").read_text())
-    eos = c.get("eos_token_id")
-    eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-    kind = c.get("model_type")
-    if kind == "llama":
-        if c.get("rope_scaling") or (c.get("rope_parameters") or {}).get("rope_type", "default") != "default":
-            raise ValueError(f"{path}: rope scaling is not supported")
-        n_heads = c["num_attention_heads"]
-        theta = c.get("rope_theta", (c.get("rope_parameters") or {}).get("rope_theta", 10000.0))
-        return ModelInfo(
-            path=str(path), arch="llama", vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
-            n_layers=c["num_hidden_layers"], n_heads=n_heads, n_kv_heads=c.get("num_key_value_heads", n_heads),
-            intermediate_size=c["intermediate_size"], norm_eps=c["rms_norm_eps"],
-            context_length=c.get("max_position_embeddings", 2048), rope_theta=float(theta),
-            tie_embeddings=c.get("tie_word_embeddings", False), bos_token_id=c.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-        )
-    if kind == "gpt2":
-        if c.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
-            raise ValueError(f"{path}: GPT-2 activation {c['activation_function']!r} not supported")
-        return ModelInfo(
-            path=str(path), arch="gpt2", vocab_size=c["vocab_size"], hidden_size=c["n_embd"],
-            n_layers=c["n_layer"], n_heads=c["n_head"], n_kv_heads=c["n_head"],
-            intermediate_size=c.get("n_inner") or 4 * c["n_embd"], norm_eps=c["layer_norm_epsilon"],
-            context_length=c["n_positions"], tie_embeddings=True, bos_token_id=c.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-        )
-    raise ValueError(f"{path}: model_type {kind!r} not supported (llama, gpt2)")
 
 
 # ---------------------------------------------------------------- weights
@@ -149,7 +30,27 @@ class StageWeights:
     lm_head: Tensor | None = None
 
 
-def load_stage_weights(info: ModelInfo, layers: range, first: bool, last: bool, dtype: torch.dtype) -> StageWeights:
+def load_stage_weights(info: ModelInfo, layers: range, first: bool, last: bool, dtype: torch.dtype,
+                       cache_dir: str = "") -> StageWeights:
+    """A stage's weights; with `cache_dir`, a GGUF's dequantized tensors are saved there once and
+    memory-mapped afterwards (seconds instead of a minute of dequantizing when a worker restarts)."""
+    path = Path(info.path)
+    if not cache_dir or not path.is_file():
+        return _load(info, layers, first, last, dtype)
+    cached = Path(cache_dir).expanduser() / f"stage-{cache_key(path, layers.start, layers.stop, first, last, str(dtype))}.pt"
+    try:
+        return StageWeights(**torch.load(cached, mmap=True, weights_only=True))
+    except (OSError, RuntimeError, TypeError, ValueError):
+        pass  # missing, stale or torn: load and save again
+    out = _load(info, layers, first, last, dtype)
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cached.with_name(f".{cached.name}.{os.getpid()}.tmp")
+    torch.save({name: getattr(out, name) for name in StageWeights.__dataclass_fields__}, tmp)
+    os.replace(tmp, cached)
+    return out
+
+
+def _load(info: ModelInfo, layers: range, first: bool, last: bool, dtype: torch.dtype) -> StageWeights:
     path = Path(info.path)
     raw = _GGUFSource(path, info) if path.is_file() else _SafetensorsSource(path)
     canon = _LLAMA_NAMES_GGUF if path.is_file() else (_LLAMA_NAMES_HF if info.arch == "llama" else _GPT2_NAMES)
@@ -222,9 +123,7 @@ _GPT2_NAMES = {
 
 class _GGUFSource:
     def __init__(self, path: Path, info: ModelInfo) -> None:
-        from gguf import GGUFReader
-
-        self.tensors = {t.name: t for t in GGUFReader(path).tensors}
+        self.tensors = {t.name: t for t in gguf_reader(path).tensors}
         self.info = info
 
     def has(self, name: str) -> bool:

@@ -67,6 +67,8 @@ class StatsReply:
 @dataclass(slots=True)
 class Pong:
     nonce: int
+    server: str = ""      # the broker's instance: a new one means the server restarted
+    restarts: int = 0     # restarts of the engine side since the launcher started
 
 
 @message("error")

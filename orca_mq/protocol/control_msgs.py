@@ -45,3 +45,20 @@ class ClientGone:
     """The broker could not deliver to this client (ZMQ_ROUTER_MANDATORY): it disconnected."""
 
     client: bytes
+
+
+@message("resume")
+@dataclass(slots=True)
+class Resume:
+    """The engine side is back after a restart: the broker serves requests again."""
+
+    restarts: int
+
+
+@message("progress")
+@dataclass(slots=True)
+class Progress:
+    """A start-up step worth telling the operator about (e.g. FastServe's profiling)."""
+
+    role: str
+    what: str

@@ -31,7 +31,7 @@ from orca_mq.sched.request import Request
 
 if TYPE_CHECKING:
     from orca_mq.config import Config
-    from orca_mq.engine.weights import ModelInfo
+    from orca_mq.engine.model_info import ModelInfo
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 KEPT_METRICS = 10_000   # finished requests whose metrics stay available

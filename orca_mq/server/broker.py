@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import uuid
 from typing import Any
 
 import uvloop
@@ -25,7 +26,7 @@ from orca_mq.logs import setup_logging
 from orca_mq.protocol import ProtocolError, decode, encode, unpack
 from orca_mq.protocol.client_msgs import TO_CLIENT, TO_SERVER, Error, Generate, Output, Ping, Pong
 from orca_mq.protocol.codec import channel, from_dict
-from orca_mq.protocol.control_msgs import ClientGone, Fatal
+from orca_mq.protocol.control_msgs import ClientGone, Fatal, Resume
 from orca_mq.server.zmq_queue import BROKER, CLIENT, PEER, serve
 
 FRONTEND = b"frontend"
@@ -43,14 +44,16 @@ def _router(ctx: zmq.asyncio.Context, address: str) -> zmq.asyncio.Socket:
 
 
 class Broker:
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, cfg: Config, restarts: int = 0) -> None:
         self.log = setup_logging("broker", cfg.log)
         self.ctx = zmq.asyncio.Context()
         self.clients = _router(self.ctx, cfg.server.frontend_address)
         self.backend = _router(self.ctx, cfg.server.backend_address)
         self.waiting: dict[bytes, set[str]] = {}   # client -> request ids without a final message
         self.gone: dict[bytes, None] = {}
-        self.fatal: str | None = None
+        self.fatal: str | None = None              # why the engine side is down (logged, never sent to clients)
+        self.server_id = uuid.uuid4().hex[:12]
+        self.restarts = restarts
 
     async def run(self) -> int:
         self.log.info("broker listening", clients=self.clients.LAST_ENDPOINT.decode(),
@@ -74,11 +77,11 @@ class Broker:
                 await self._to_client(client, encode(Error(str(e), e.request_id)))
                 continue
             if isinstance(msg, Ping):
-                await self._to_client(client, encode(Pong(msg.nonce)))
+                await self._to_client(client, encode(Pong(msg.nonce, self.server_id, self.restarts)))
                 continue
             if isinstance(msg, Generate):
                 if self.fatal is not None:
-                    await self._to_client(client, encode(_failed(msg.request_id, self.fatal)))
+                    await self._to_client(client, encode(_failed(msg.request_id)))
                     continue
                 pending = self.waiting.setdefault(client, set())
                 if msg.request_id in pending:
@@ -90,7 +93,7 @@ class Broker:
             except zmq.ZMQError:  # the frontend is not connected (still starting, or gone)
                 if isinstance(msg, Generate):
                     self._settle(client, msg.request_id)
-                    await self._to_client(client, encode(_failed(msg.request_id, "frontend unavailable")))
+                    await self._to_client(client, encode(_failed(msg.request_id)))
                 else:
                     await self._to_client(client, encode(Error("frontend unavailable")))
 
@@ -135,16 +138,20 @@ class Broker:
             await self.backend.send_multipart([FRONTEND, BROKER, b"", encode(ClientGone(client))])
 
     async def _handle_control(self, source: bytes, body: dict[str, Any]) -> None:
-        msg = from_dict(body, channel(Fatal, Ping))
+        msg = from_dict(body, channel(Fatal, Ping, Resume))
         if isinstance(msg, Ping):
-            await self.backend.send_multipart([source, BROKER, b"", encode(Pong(msg.nonce))])
+            await self.backend.send_multipart([source, BROKER, b"", encode(Pong(msg.nonce, self.server_id, self.restarts))])
+            return
+        if isinstance(msg, Resume):
+            self.fatal, self.restarts = None, msg.restarts
+            self.log.info("serving again", restarts=msg.restarts)
             return
         self.fatal = msg.reason
         n = sum(len(r) for r in self.waiting.values())
         self.log.error("failing every in-flight request", reason=msg.reason, requests=n)
         for client, rids in list(self.waiting.items()):
             for rid in rids:
-                await self._to_client(client, encode(_failed(rid, msg.reason)))
+                await self._to_client(client, encode(_failed(rid)))
         self.waiting.clear()
 
     async def _to_client(self, client: bytes, payload: bytes) -> bool:
@@ -162,19 +169,21 @@ class Broker:
                 del self.waiting[client]
 
 
-def _failed(request_id: str, reason: str) -> Output:
-    return Output(request_id, [], "", finished=True, finish_reason="error", error=f"server error: {reason}")
+def _failed(request_id: str) -> Output:
+    return Output(request_id, [], "", finished=True, finish_reason="error",
+                  error="server unavailable: restarting after a failure, retry shortly")
 
 
-async def _main(cfg: Config) -> int:
-    return await Broker(cfg).run()
+async def _main(cfg: Config, restarts: int) -> int:
+    return await Broker(cfg, restarts).run()
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="orca-mq broker")
     parser.add_argument("--config-json", required=True)
+    parser.add_argument("--restarts", type=int, default=0)
     args = parser.parse_args(argv)
-    sys.exit(uvloop.run(_main(Config.from_dict(json.loads(args.config_json)))))
+    sys.exit(uvloop.run(_main(Config.from_dict(json.loads(args.config_json)), args.restarts)))
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ from orca_mq.protocol.engine_msgs import AbortRequest, AddRequest, StatsQuery, S
 from orca_mq.sampling_params import InvalidRequest, SamplingParams
 from orca_mq.tokenizer import load_tokenizer
 from orca_mq.validation import validate_request
-from orca_mq.engine.weights import read_model_info
+from orca_mq.engine.model_info import read_model_info
 from orca_mq.server.zmq_queue import CLIENT, BrokerLink, Envelope, serve
 
 FROM_PROCESSES = channel(TokenBatch, StatsResult, Drain, AbortAll, ClientGone, Error)
@@ -52,8 +52,8 @@ class Frontend:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
         self.log = setup_logging("frontend", cfg.log)
-        self.tokenizer = load_tokenizer(cfg.model.path)
-        self.info = read_model_info(cfg.model.path)
+        self.tokenizer = load_tokenizer(cfg.model.path, cfg.model.cache_dir)
+        self.info = read_model_info(cfg.model.path, cfg.model.cache_dir)
         self.ctx = zmq.asyncio.Context()
         self.link = BrokerLink(self.ctx, cfg.server.backend_address, "frontend")
         self.active: dict[str, _Active] = {}

@@ -1,68 +1,62 @@
-"""The launcher: starts every process of a server, watches them, drains and stops them.
+"""The launcher: starts every process of a server, supervises them, drains and stops them.
 
-`tools/launch.py` (and the `orca-mq serve` command) run it. It starts the broker, the workers, the scheduler and the frontend, and prints one line
-`orca-mq ready on <frontend_address>` on stdout once every process has reported ready.
-SIGINT/SIGTERM: drain (new requests are refused; in-flight ones may finish for
-`server.drain_timeout` seconds, then are aborted), stop every child, exit 0.
-If a child dies: the broker sends every in-flight request an `error` final message, the other
-children are stopped, and the launcher exits with status 1.
+Start: the broker, then the workers, the scheduler and the frontend; once every one reports
+`ready` it prints `orca-mq ready on <frontend_address>` on stdout (progress goes to stderr).
+Supervision (systemd's `Restart=on-failure` with a start limit, torchrun's elastic restarts):
+- a worker, the scheduler or the frontend dies: the broker gives every in-flight request an
+  `error` final and answers new ones `unavailable` at once, while the launcher restarts that
+  engine side (frontend, scheduler, workers); then the broker serves again (`resume`);
+- the broker dies: everything restarts on the same addresses; clients see the new broker's
+  identity in its pong and end their open streams with an error;
+- more than `server.max_restarts` restarts within `server.restart_window` seconds: a crash
+  loop, the launcher stops everything and exits with status 1.
+SIGINT/SIGTERM: drain (new requests refused, in-flight ones may finish for `server.drain_timeout`
+seconds, then aborted), stop every child, exit 0. A second signal stops at once.
 """
 from __future__ import annotations
 
-import argparse
-import ctypes
-import json
-import os
+import copy
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
-from pathlib import Path
+from collections import deque
 from typing import Any
 
 import zmq
 
-from orca_mq.config import Config, load_config
-
-ROOT = Path(__file__).resolve().parents[2]   # children import orca_mq, workers and kernels from here
+from orca_mq.config import Config
 from orca_mq.logs import setup_logging
 from orca_mq.protocol import ProtocolError, decode
 from orca_mq.protocol.client_msgs import Error, Ping, Pong
 from orca_mq.protocol.codec import channel
-from orca_mq.protocol.control_msgs import AbortAll, Drain, Drained, Fatal, Ready
+from orca_mq.protocol.control_msgs import AbortAll, Drain, Drained, Fatal, Progress, Ready, Resume
+from orca_mq.server.process import READY_LINE, Child, free_port, start_child, stop_children
 from orca_mq.server.zmq_queue import SyncBrokerLink
 
-ACCEPTED = channel(Ready, Drained, Pong, Error)
-STOP_GRACE = 10.0     # seconds a child gets after SIGTERM before SIGKILL
+ACCEPTED = channel(Ready, Progress, Drained, Pong, Error)
 POLL = 0.2
 
 
-def _die_with_parent() -> None:
-    """Children get SIGTERM if the launcher dies without stopping them (Linux prctl)."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
-@dataclass(slots=True)
-class Child:
-    role: str
-    proc: subprocess.Popen[bytes]
+class StartupError(RuntimeError):
+    """A process died or did not report ready in time while (re)starting."""
 
 
 class Launcher:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
         self.log = setup_logging("launcher", cfg.log)
-        self.run_dir = tempfile.mkdtemp(prefix="orca_mq-")
+        self.run_dir = tempfile.mkdtemp(prefix="orca_mq-")  # private control and backend sockets
+        if not cfg.server.backend_address:
+            cfg.server.backend_address = f"ipc://{self.run_dir}/backend"
         self.children: list[Child] = []
         self.ctx: zmq.Context[Any] = zmq.Context()
         self.link: SyncBrokerLink | None = None
         self.signals = 0
+        self.restarts: deque[float] = deque()
+        self.n_restarts = 0
+        self.t0 = time.monotonic()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
 
@@ -70,63 +64,124 @@ class Launcher:
         self.signals += 1
         self.log.info("signal received", signal=signal.Signals(signum).name)
 
-    def _spawn(self, role: str, module: str, *extra: str) -> None:
-        env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-        cmd = [sys.executable, "-m", module, "--config-json", json.dumps(self.cfg.to_dict()), *extra]
-        # own session: a terminal's Ctrl-C reaches only the launcher, which then drains in order
-        proc = subprocess.Popen(cmd, env=env, stdout=sys.stderr, start_new_session=True, preexec_fn=_die_with_parent)
-        self.children.append(Child(role, proc))
-        self.log.info("started", child=role, child_pid=proc.pid)
+    def say(self, text: str) -> None:
+        """Human-readable progress on the terminal; the JSON logs stay in log.dir."""
+        print(f"orca-mq [{time.monotonic() - self.t0:6.1f}s] {text}", file=sys.stderr, flush=True)
 
     def run(self) -> int:
         try:
-            if not self._start():
-                return 1 if self.signals == 0 else 0
-            print(f"orca-mq ready on {self.cfg.server.frontend_address}", flush=True)
+            self._start("broker")
+            print(f"{READY_LINE}{self.cfg.server.frontend_address}", flush=True)
             return self._supervise()
+        except StartupError as e:
+            self.say(f"error: {e}")
+            return 0 if self.signals else 1
         finally:
-            self._stop_children()
+            stop_children([c for c in self.children if c.role != "broker"], self.cfg.server.stop_grace)
+            stop_children([c for c in self.children if c.role == "broker"], self.cfg.server.stop_grace)
+            self.log.info("stopped", exit_codes={c.role: c.proc.returncode for c in self.children})
             if self.link is not None:
                 self.link.close()
             self.ctx.term()
             shutil.rmtree(self.run_dir, ignore_errors=True)
 
-    def _start(self) -> bool:
-        n = self.cfg.engine.n_workers
-        self._spawn("broker", "orca_mq.server.broker")
-        self.link = SyncBrokerLink(self.ctx, self.cfg.server.backend_address, "launcher")
+    # ------------------------------------------------------------ start
+
+    def _spawn(self, role: str, group: str, module: str, *extra: str) -> None:
+        self.children.append(start_child(role, group, module, self.child_cfg.to_dict(), *extra))
+        self.log.info("started", child=role, child_pid=self.children[-1].proc.pid, restarts=self.n_restarts)
+
+    def _start(self, group: str) -> None:
+        """Start `group` ("broker": everything; "engine": frontend, scheduler, workers) and wait for it."""
+        self.child_cfg = copy.deepcopy(self.cfg)
+        if not self.cfg.server.worker_base_port:  # a fresh rendezvous port: the last one may linger
+            self.child_cfg.server.worker_base_port = free_port()
         deadline = time.monotonic() + self.cfg.server.ready_timeout
-        while not self._ping(timeout=1.0):
-            if self._dead() or self.signals or time.monotonic() > deadline:
-                self.log.error("broker did not come up")
-                return False
+        if group == "broker":
+            self._spawn("broker", "broker", "orca_mq.server.broker", "--restarts", str(self.n_restarts))
+            if self.link is None:
+                self.link = SyncBrokerLink(self.ctx, self.cfg.server.backend_address, "launcher")
+            while not self._ping(timeout=1.0):
+                self._check_startup(deadline, "the broker")
+        n = self.cfg.engine.n_workers
+        self.say(f"loading the model in {n} worker{'s' * (n > 1)}" + (" (restart)" if self.n_restarts else ""))
         for stage in range(n):
-            self._spawn(f"worker{stage}", "workers.main", "--stage", str(stage), "--run-dir", self.run_dir)
-        self._spawn("scheduler", "orca_mq.server.scheduler_process", "--run-dir", self.run_dir)
-        self._spawn("frontend", "orca_mq.server.frontend")
+            self._spawn(f"worker{stage}", "engine", "workers.main", "--stage", str(stage), "--run-dir", self.run_dir)
+        self._spawn("scheduler", "engine", "orca_mq.server.scheduler_process", "--run-dir", self.run_dir)
+        self._spawn("frontend", "engine", "orca_mq.server.frontend")
         waiting = {"frontend", "scheduler", *(f"worker{i}" for i in range(n))}
         while waiting:
-            if dead := self._dead():
-                self.log.error("a process died during startup", processes=dead)
-                return False
-            if self.signals or time.monotonic() > deadline:
-                self.log.error("startup interrupted", waiting=sorted(waiting), signals=self.signals)
-                return False
+            self._check_startup(deadline, ", ".join(sorted(waiting)))
             msg = self._recv(POLL)
-            if isinstance(msg, Ready):
+            if isinstance(msg, Progress):
+                self.say(f"{msg.role}: {msg.what}")
+            elif isinstance(msg, Ready) and msg.role in waiting:
                 waiting.discard(msg.role)
-                self.log.info("ready", child=msg.role, child_pid=msg.pid)
-        return True
+                self.say(f"{msg.role} ready")
+
+    def _check_startup(self, deadline: float, what: str) -> None:
+        if dead := self._dead():
+            raise StartupError(f"{', '.join(c.role for c in dead)} exited during start-up "
+                               f"(exit {', '.join(str(c.proc.returncode) for c in dead)}); see the logs in {self.cfg.log.dir}")
+        if self.signals:
+            raise StartupError("interrupted during start-up")
+        if time.monotonic() > deadline:
+            raise StartupError(f"{what} not ready after server.ready_timeout = {self.cfg.server.ready_timeout:g} s")
+
+    # ------------------------------------------------------------ supervise
 
     def _supervise(self) -> int:
         while not self.signals:
             if dead := self._dead():
-                return self._fail(dead)
+                if not self._restart(dead):
+                    return 1
+                continue
             self._recv(POLL)
         return self._drain()
 
+    def _restart(self, dead: list[Child]) -> bool:
+        """Fail what was in flight, restart what `dead` takes down with it; False on a crash loop."""
+        now = time.monotonic()
+        self.restarts.append(now)
+        while self.restarts and now - self.restarts[0] > self.cfg.server.restart_window:
+            self.restarts.popleft()
+        roles = ", ".join(f"{c.role} (exit {c.proc.returncode})" for c in dead)
+        group = "broker" if any(c.group == "broker" for c in dead) else "engine"
+        if len(self.restarts) > self.cfg.server.max_restarts:
+            self.log.error("crash loop: giving up", died=roles, restarts=len(self.restarts),
+                           window_s=self.cfg.server.restart_window)
+            self.say(f"error: crash loop ({len(self.restarts)} restarts in {self.cfg.server.restart_window:g} s; "
+                     f"last: {roles} died); stopping")
+            if group == "engine":
+                self._fail_in_flight(roles)
+            return False
+        self.n_restarts += 1
+        self.log.error("a process died; restarting", died=roles, group=group, restarts=self.n_restarts)
+        self.say(f"{roles} died: restarting the {'whole server' if group == 'broker' else 'engine'}")
+        if group == "engine":
+            self._fail_in_flight(roles)
+        gone = [c for c in self.children if group == "broker" or c.group == "engine"]
+        stop_children(gone, self.cfg.server.stop_grace)
+        self.children = [c for c in self.children if c not in gone]
+        try:
+            self._start(group)
+        except StartupError as e:
+            self.say(f"restart failed: {e}")
+            return self._restart(self._dead() or gone[:1]) if not self.signals else True
+        assert self.link is not None
+        self.link.to_broker(Resume(self.n_restarts))
+        self.say(f"serving again (restart {self.n_restarts})")
+        return True
+
+    def _fail_in_flight(self, reason: str) -> None:
+        """The broker answers every in-flight request with an error and new ones `unavailable`."""
+        assert self.link is not None
+        self.link.to_broker(Fatal(reason))
+        self._ping(timeout=2.0)  # the broker handles frames in order: the pong means it sent the errors
+
     def _drain(self) -> int:
         assert self.link is not None
+        self.say("draining")
         self.log.info("draining", timeout=self.cfg.server.drain_timeout)
         self.link.to_peer("frontend", Drain())
         if not self._wait_drained(self.cfg.server.drain_timeout):
@@ -141,17 +196,8 @@ class Launcher:
                 return True
         return False
 
-    def _fail(self, dead: list[str]) -> int:
-        assert self.link is not None
-        reason = f"{', '.join(dead)} died"
-        self.log.error("a process died; failing in-flight requests and stopping", processes=dead)
-        if "broker" not in " ".join(dead):
-            self.link.to_broker(Fatal(reason))
-            self._ping(timeout=2.0)  # the broker handles frames in order: the pong means it sent the errors
-        return 1
-
-    def _dead(self) -> list[str]:
-        return [f"{c.role} (pid {c.proc.pid}, exit {c.proc.returncode})" for c in self.children if c.proc.poll() is not None]
+    def _dead(self) -> list[Child]:
+        return [c for c in self.children if c.proc.poll() is not None]
 
     def _ping(self, timeout: float) -> bool:
         assert self.link is not None
@@ -175,76 +221,3 @@ class Launcher:
         if isinstance(msg, Error):
             self.log.warning("error from a process", error=msg.error)
         return msg
-
-    def _stop_children(self) -> None:
-        """Frontend, scheduler and workers first, the broker last, so final messages get out."""
-        for group in ([c for c in self.children if c.role != "broker"], [c for c in self.children if c.role == "broker"]):
-            for c in group:
-                if c.proc.poll() is None:
-                    c.proc.terminate()
-            deadline = time.monotonic() + STOP_GRACE
-            for c in group:
-                try:
-                    c.proc.wait(max(0.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    self.log.warning("killing unresponsive process", child=c.role, child_pid=c.proc.pid)
-                    c.proc.kill()
-                    c.proc.wait()
-        self.log.info("stopped", exit_codes={c.role: c.proc.returncode for c in self.children})
-
-
-def show_logs(cfg: Config, follow: bool, lines: int, raw: bool) -> None:
-    """Print the last `lines` lines of every process's log merged by timestamp; -f keeps following."""
-    files = {p: p.open(encoding="utf-8") for p in sorted(Path(cfg.log.dir).glob("*.log"))}
-    if not files:
-        sys.exit(f"no logs in {cfg.log.dir!r}")
-    backlog = sorted((_ts(line), line) for f in files.values() for line in f.read().splitlines())
-    for _, line in backlog[-lines:] if lines > 0 else backlog:
-        print(line if raw else _pretty(line))
-    while follow:
-        for p in Path(cfg.log.dir).glob("*.log"):
-            files.setdefault(p, p.open(encoding="utf-8"))
-        fresh = sorted((_ts(line), line) for f in files.values() for line in f.read().splitlines())
-        for _, line in fresh:
-            print(line if raw else _pretty(line), flush=True)
-        time.sleep(0.5)
-
-
-def _ts(line: str) -> str:
-    try:
-        return str(json.loads(line).get("ts", ""))
-    except ValueError:
-        return ""
-
-
-def _pretty(line: str) -> str:
-    try:
-        rec = json.loads(line)
-    except ValueError:
-        return line
-    head = f"{rec.pop('ts', '')} {rec.pop('role', '?'):<10} {rec.pop('level', ''):<7} {rec.pop('event', '')}"
-    rec.pop("pid", None)
-    return head + "".join(f" {k}={v}" for k, v in rec.items())
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", nargs="?", choices=["serve", "logs"], default="serve")
-    parser.add_argument("--config", default=None, help="config.toml (default: the repo's)")
-    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config key")
-    parser.add_argument("-f", "--follow", action="store_true", help="logs: keep printing new lines")
-    parser.add_argument("-n", "--lines", type=int, default=200, help="logs: last N lines (0 = all)")
-    parser.add_argument("--json", action="store_true", help="logs: print the raw JSON lines")
-    args = parser.parse_args(argv)
-    cfg = load_config(args.config, args.set)
-    if args.command == "logs":
-        try:
-            show_logs(cfg, args.follow, args.lines, args.json)
-        except KeyboardInterrupt:
-            pass
-        return 0
-    return Launcher(cfg).run()
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -27,14 +27,14 @@ from orca_mq.logs import setup_logging, summarize_ms
 from orca_mq.protocol import ProtocolError, decode, encode
 from orca_mq.protocol.client_msgs import Error
 from orca_mq.protocol.codec import channel
-from orca_mq.protocol.control_msgs import Ready
+from orca_mq.protocol.control_msgs import Progress, Ready
 from orca_mq.protocol.engine_msgs import (AbortRequest, AddRequest, ControlFrame, IterationDone, StatsQuery,
                                           StatsResult, TokenBatch, WorkerStats, WorkerStatsQuery)
 from orca_mq.sampling_params import SamplingParams
 from orca_mq.sched import TokenEvent, make_scheduler
 from orca_mq.sched.profiler import Profiler
 from orca_mq.sched.request import Request
-from orca_mq.engine.weights import read_model_info
+from orca_mq.engine.model_info import read_model_info
 from orca_mq.server.zmq_queue import BrokerLink, Envelope, control_address, serve
 
 ACCEPTED = channel(AddRequest, AbortRequest, StatsQuery, IterationDone, WorkerStats, Error)
@@ -54,7 +54,7 @@ class SchedulerProcess:
     def __init__(self, cfg: Config, run_dir: str) -> None:
         self.cfg = cfg
         self.log = setup_logging("scheduler", cfg.log)
-        self.info = read_model_info(cfg.model.path)
+        self.info = read_model_info(cfg.model.path, cfg.model.cache_dir)
         self.sched = make_scheduler(cfg, self.info)
         self.ctx = zmq.asyncio.Context()
         self.link = BrokerLink(self.ctx, cfg.server.backend_address, "scheduler")
@@ -70,6 +70,7 @@ class SchedulerProcess:
 
     async def run(self) -> int:
         if (profiler := self.sched.profiler()) is not None:
+            await self.link.to_peer("launcher", Progress("scheduler", f"timing {len(profiler.plans)} probe iterations for the policy's profile"))
             await self._profile(profiler)
         await self.link.to_peer("launcher", Ready("scheduler", os.getpid()))
         code = await serve([self._loop()], self.log)

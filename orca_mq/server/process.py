@@ -1,0 +1,134 @@
+"""Processes: the one runner of a server's children, and `spawn()`, a whole server as a child.
+
+The launcher starts every process of a server with `start_child`; tools, benchmarks and tests
+start a whole server with `spawn` (the launcher in a process of its own, waited on until it
+prints its ready line) and stop it with `ServerHandle.stop`.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+ROOT = Path(__file__).resolve().parents[2]   # children import orca_mq, workers and kernels from here
+READY_LINE = "orca-mq ready on "
+
+
+def free_port() -> int:
+    """A TCP port on loopback that nothing listens on now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _env() -> dict[str, str]:
+    return os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+
+
+def _die_with_parent() -> None:
+    """Children get SIGTERM if their parent dies without stopping them (Linux prctl)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+@dataclass(slots=True)
+class Child:
+    role: str
+    group: str                     # what restarts with it: "broker" (everything), "engine", or its own role
+    proc: subprocess.Popen[bytes]
+    started: float = field(default_factory=time.monotonic)
+
+
+def start_child(role: str, group: str, module: str, config: Mapping[str, Any], *extra: str) -> Child:
+    """`python -m module --config-json ...` in its own session: a terminal's Ctrl-C reaches only the
+    launcher, which then drains in order; the child's stdout goes to the launcher's stderr."""
+    cmd = [sys.executable, "-m", module, "--config-json", json.dumps(config), *extra]
+    proc = subprocess.Popen(cmd, env=_env(), stdout=sys.stderr, stdin=subprocess.DEVNULL,
+                            start_new_session=True, preexec_fn=_die_with_parent)
+    return Child(role, group, proc)
+
+
+def stop_children(children: list[Child], grace: float) -> None:
+    """SIGTERM all, then SIGKILL whoever is still alive after `grace` seconds."""
+    for c in children:
+        if c.proc.poll() is None:
+            c.proc.terminate()
+    deadline = time.monotonic() + grace
+    for c in children:
+        try:
+            c.proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            c.proc.kill()
+            c.proc.wait()
+
+
+@dataclass(slots=True)
+class ServerHandle:
+    """A server started by `spawn`: its launcher process, client address and launcher stderr."""
+
+    proc: subprocess.Popen[str]
+    address: str
+    stderr_path: Path
+    ready_line: str = ""
+
+    def stop(self, timeout: float = 60.0) -> int | None:
+        """SIGTERM (drain), wait; SIGKILL the launcher's whole process group past `timeout`."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                self.proc.wait()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        return self.proc.returncode
+
+    def stderr(self) -> str:
+        try:
+            return self.stderr_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+
+def spawn(sets: Mapping[str, Any], stderr_path: Path, *, config: str | None = None, ready_timeout: float = 600.0,
+          cwd: Path | None = None) -> ServerHandle:
+    """Start `tools/launch.py --set k=v ...` and return once it prints its ready line.
+    Raises RuntimeError (with the tail of its stderr) if it exits or is not ready in time."""
+    cmd = [sys.executable, "-u", str(ROOT / "tools" / "launch.py"), *(["--config", config] if config else [])]
+    for k, v in sets.items():
+        cmd += ["--set", f"{k}={v}"]
+    stderr_path.parent.mkdir(parents=True, exist_ok=True)
+    err: IO[str] = stderr_path.open("w")
+    err.write("# " + " ".join(cmd) + "\n")
+    err.flush()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL, text=True,
+                            cwd=cwd or ROOT, env=_env() | {"PYTHONUNBUFFERED": "1"}, start_new_session=True)
+    err.close()
+    handle = ServerHandle(proc, str(sets.get("server.frontend_address", "")), stderr_path)
+    assert proc.stdout is not None
+    deadline = time.monotonic() + ready_timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if select.select([proc.stdout], [], [], 0.5)[0]:
+            line = proc.stdout.readline()
+            if line.startswith(READY_LINE):
+                handle.ready_line = line.strip()
+                handle.address = line[len(READY_LINE):].split()[0]
+                return handle
+    handle.stop()
+    raise RuntimeError(f"server not ready (exit code {proc.returncode}); its stderr ends:\n{handle.stderr()[-4000:]}")
