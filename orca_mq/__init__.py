@@ -15,11 +15,12 @@ except PackageNotFoundError:  # a source checkout that was never installed
     __version__ = "0+unknown"
 
 if TYPE_CHECKING:
-    from orca_mq.llm import LLM, RequestOutput
+    from orca_mq.llm import LLM
+    from orca_mq.outputs import RequestOutput
     from orca_mq.sampling_params import InvalidRequest, SamplingParams
 
 __all__ = ["LLM", "RequestOutput", "SamplingParams", "InvalidRequest", "__version__"]
-_LAZY = {"LLM": "orca_mq.llm", "RequestOutput": "orca_mq.llm",
+_LAZY = {"LLM": "orca_mq.llm", "RequestOutput": "orca_mq.outputs",
          "SamplingParams": "orca_mq.sampling_params", "InvalidRequest": "orca_mq.sampling_params"}
 
 

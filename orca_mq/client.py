@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 import zmq
 import zmq.asyncio
 
+from orca_mq.outputs import RequestOutput
 from orca_mq.protocol import ProtocolError, decode, encode
 from orca_mq.protocol.client_msgs import TO_CLIENT, Abort, Error, Generate, Output, Ping, Pong, Stats, StatsReply
 
@@ -38,16 +39,6 @@ class StreamEvent:
     finish_reason: str | None = None      # "stop" | "length" | "abort" | "error" on the final event
     error: str | None = None
     metrics: dict[str, Any] | None = None  # final event: server-side timings and token counts
-
-
-@dataclass(slots=True)
-class RequestOutput:
-    request_id: str
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
-    error: str | None
-    metrics: dict[str, Any] | None
 
 
 def _final_error(request_id: str, error: str) -> StreamEvent:

@@ -45,7 +45,3 @@ class IncrementalDetokenizer:
         delta = full[len(done):] if full.startswith(done) else ""
         self.emitted.append(delta)
         return delta
-
-    @property
-    def text(self) -> str:
-        return "".join(self.emitted)

@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
 from orca_mq.config import load_config
+from orca_mq.outputs import RequestOutput
 from orca_mq.engine.model_runner import ModelRunner
 from orca_mq.sched.profiler import measure
 from orca_mq.sampling_params import InvalidRequest, SamplingParams
@@ -18,15 +18,6 @@ from orca_mq.validation import validate_request
 from orca_mq.engine.model_info import read_model_info
 
 Prompt = str | list[int]
-
-
-@dataclass(slots=True)
-class RequestOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finish_reason: str
 
 
 class LLM:
@@ -62,8 +53,8 @@ class LLM:
             self.scheduler.add(r)
         self.run_until_done()
         return [
-            RequestOutput(r.req_id, r.prompt_token_ids, r.output_token_ids,
-                          self.tokenizer.decode(r.output_token_ids, skip_special_tokens=True), r.finish_reason or "")
+            RequestOutput(r.req_id, self.tokenizer.decode(r.output_token_ids, skip_special_tokens=True),
+                          r.output_token_ids, r.finish_reason, prompt_token_ids=r.prompt_token_ids)
             for r in reqs
         ]
 

@@ -147,14 +147,14 @@ def test_iteration_level_fcfs_from_scheduler_record(server):
 
 def test_cli_and_sync_client(server, reference):
     cli = subprocess.run([sys.executable, str(ROOT / "tools" / "client.py"), "--prompt", PROMPTS[0], "--max-tokens",
-                          str(MAX_TOKENS[0]), "--ignore-eos", "--json", "--address", server.address],
+                          str(MAX_TOKENS[0]), "--temperature", "0", "--ignore-eos", "--json", "--address", server.address],
                          capture_output=True, text=True, timeout=120)
     assert cli.returncode == 0, cli.stderr
     out = json.loads(cli.stdout.strip().splitlines()[-1])
     assert set(out) == {"request_id", "text", "token_ids", "finish_reason"}
     assert out["token_ids"] == reference["tokens"][0] and out["text"] == reference["texts"][0]
     streamed = subprocess.run([sys.executable, str(ROOT / "tools" / "client.py"), "--prompt", PROMPTS[0], "--max-tokens",
-                               str(MAX_TOKENS[0]), "--ignore-eos", "--address", server.address],
+                               str(MAX_TOKENS[0]), "--temperature", "0", "--ignore-eos", "--address", server.address],
                               capture_output=True, text=True, timeout=120)
     assert streamed.stdout == reference["texts"][0] + "\n"
     with Client(server.address) as client:

@@ -17,10 +17,6 @@ import argparse
 import asyncio
 import json
 import random
-import select
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,45 +27,24 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from orca_mq.client import AsyncClient  # noqa: E402
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from orca_mq.server.process import ServerHandle, free_port, spawn  # noqa: E402
 
 
 class Server:
-    """One launcher subprocess on private ports, stopped with SIGTERM."""
+    """One server (`spawn`) on a free port, stopped with SIGTERM."""
 
     def __init__(self, workers: int, threads: int, max_bs: int, extra: list[str]) -> None:
-        self.tmp = tempfile.mkdtemp(prefix="orca_mq_bench-")
-        self.address = f"tcp://127.0.0.1:{_free_port()}"
-        sets = {"server.frontend_address": self.address, "server.backend_address": f"ipc://{self.tmp}/backend",
-                "server.worker_base_port": _free_port(), "engine.n_workers": workers,
-                "engine.threads_per_worker": threads, "scheduler.max_bs": max_bs, "log.dir": f"{self.tmp}/logs",
-                "log.level": "warning"}
-        cmd = [sys.executable, str(ROOT / "tools" / "launch.py"), *(a for k, v in sets.items() for a in ("--set", f"{k}={v}"))]
-        for item in extra:
-            cmd += ["--set", item]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        self.tmp = Path(tempfile.mkdtemp(prefix="orca_mq_bench-"))
+        self.sets = {"server.frontend_address": f"tcp://127.0.0.1:{free_port()}", "engine.n_workers": workers,
+                     "engine.threads_per_worker": threads, "scheduler.max_bs": max_bs, "log.dir": f"{self.tmp}/logs",
+                     "log.level": "warning", **dict(item.split("=", 1) for item in extra)}
 
-    def __enter__(self) -> "Server":
-        assert self.proc.stdout is not None
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and self.proc.poll() is None:
-            if select.select([self.proc.stdout], [], [], 0.5)[0] and "ready" in self.proc.stdout.readline():
-                return self
-        self.__exit__()
-        raise RuntimeError("server did not start")
+    def __enter__(self) -> ServerHandle:
+        self.handle = spawn(self.sets, self.tmp / "launcher.stderr", ready_timeout=300)
+        return self.handle
 
     def __exit__(self, *exc: object) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        self.handle.stop(60)
 
 
 def _trace(n: int, seed: int, in_range: tuple[int, int], out_range: tuple[int, int]) -> list[tuple[list[int], int]]:

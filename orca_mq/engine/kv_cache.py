@@ -31,10 +31,6 @@ class KVCache:
     def layer(self, i: int) -> tuple[Tensor, Tensor]:
         return self.k[i], self.v[i]
 
-    @property
-    def bytes_per_block(self) -> int:
-        return 2 * self.k[:, 0].numel() * self.k.element_size()
-
     def host_pool(self, num_blocks: int) -> "KVCache":
         """An empty pool shaped like this one in host memory, the target of offloads: pinned when this
         one is on CUDA (asynchronous copies); on CPU its pages are committed only once written."""
