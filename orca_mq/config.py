@@ -61,6 +61,8 @@ class ServerConfig:
     worker_base_port: int = 29500
     drain_timeout: float = 30.0
     ready_timeout: float = 300.0
+    max_waiting: int = 1024
+    max_frame_bytes: int = 64 << 20
 
 
 @dataclass(slots=True)

@@ -21,7 +21,8 @@ import zmq
 
 from orca_mq.client import AsyncClient, Client
 from orca_mq.protocol import decode, encode
-from orca_mq.protocol.client_msgs import TO_CLIENT, Error, Generate, Output, Ping
+from orca_mq.protocol.client_msgs import TO_CLIENT, Generate, Output, Ping
+from orca_mq.protocol.common_msgs import Error
 from orca_mq.server.zmq_queue import PEER
 from serving_harness import alive, start_server
 
