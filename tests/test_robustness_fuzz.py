@@ -69,11 +69,12 @@ def test_any_frame_decodes_or_raises_protocol_error(frame: bytes, accepted: froz
     assert msg.TYPE in accepted
 
 
-SAMPLING = st.dictionaries(
-    st.sampled_from([f.name for f in dataclasses.fields(SamplingParams)] + ["best_of"]),
-    st.one_of(INTS, FLOATS, st.booleans(), st.none(), st.text(max_size=5),
-              st.lists(st.one_of(INTS, st.booleans(), FLOATS), max_size=4)),
-    max_size=7)
+ANY = st.one_of(INTS, FLOATS, st.booleans(), st.none(), st.text(max_size=5), st.lists(st.one_of(INTS, FLOATS), max_size=3))
+TYPED = {"max_tokens": INTS, "temperature": FLOATS, "top_k": INTS, "top_p": FLOATS, "seed": st.one_of(st.none(), INTS),
+         "ignore_eos": st.booleans(), "stop_token_ids": st.lists(st.one_of(st.integers(0, 600), INTS, st.booleans()), max_size=4)}
+SAMPLING = st.one_of(
+    st.fixed_dictionaries({k: TYPED[k] for k in ("temperature", "top_k", "top_p", "seed")}),  # what the sampler reads
+    st.fixed_dictionaries({}, optional={**{k: st.one_of(v, ANY) for k, v in TYPED.items()}, "best_of": INTS}))
 VOCAB = 512
 
 
@@ -92,6 +93,8 @@ def test_what_validation_accepts_the_sampler_runs(data: dict[str, object], seed:
     logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(seed)) * 5
     tokens, failed = sample(logits, wire.seqs)
     assert failed == [] and all(0 <= t < VOCAB for t in tokens)
-    if params.top_k > 0:  # a sampler that overflowed to NaN would not keep to the top k
+    if params.top_k > 0:
         assert tokens[0] in logits[0].topk(min(params.top_k, VOCAB)).indices.tolist()
+    if params.temperature > 0:  # one the requested distribution can draw (a NaN overflow picks any)
+        assert (logits[0].double() / params.temperature).softmax(-1)[tokens[0]] > 0
     assert math.isfinite(params.temperature) and params.max_tokens >= 1
