@@ -138,7 +138,7 @@ def main() -> None:
         for start in range(0, args.frames, 10_000):
             res = asyncio.run(fuzz(server.address, garbage_frames(rng, min(10_000, args.frames - start))))
             totals["frames"] += res.frames
-            totals["protocol"] += res.errors["protocol"]
+            totals["protocol"] += res.errors.get("protocol", 0)
             totals["other"] += res.other_replies + sum(n for c, n in res.errors.items() if c != "protocol")
             totals["unanswered"] += res.unanswered
         report["fuzz"] = {**totals, "frames_per_s": totals["frames"] / (time.perf_counter() - t),

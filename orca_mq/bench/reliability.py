@@ -84,7 +84,7 @@ def _dealer(ctx: zmq.asyncio.Context, address: str) -> zmq.asyncio.Socket:
 @dataclass(slots=True)
 class FuzzResult:
     frames: int = 0
-    errors: Counter[str] = field(default_factory=Counter)   # Error replies by code
+    errors: dict[str, int] = field(default_factory=dict)    # Error replies by code
     other_replies: int = 0                                   # anything but an Error: a frame got through
     unanswered: int = 0
     seconds: float = 0.0
@@ -110,7 +110,7 @@ async def fuzz(address: str, frames: list[bytes], window: int = 64, timeout: flo
             except ProtocolError:
                 msg = None
             if isinstance(msg, Error):
-                result.errors[msg.code] += 1
+                result.errors[msg.code] = result.errors.get(msg.code, 0) + 1
             else:
                 result.other_replies += 1
     finally:
@@ -136,7 +136,7 @@ class SoakConfig:
 @dataclass(slots=True)
 class SoakResult:
     requests: int = 0
-    finals: Counter[str] = field(default_factory=Counter)   # "finish_reason/code" of each final
+    finals: dict[str, int] = field(default_factory=dict)    # "finish_reason/code" of each final
     duplicate_finals: int = 0
     missing_finals: int = 0
     aborts_sent: int = 0
@@ -196,7 +196,8 @@ async def _client(ctx: zmq.asyncio.Context, address: str, name: str, rng: random
                 finals[msg.request_id] += 1  # type: ignore[index]
                 pending.discard(msg.request_id)  # type: ignore[arg-type]
                 reason = "error" if isinstance(msg, Error) else msg.finish_reason
-                result.finals[f"{reason}/{msg.code}"] += 1
+                key = f"{reason}/{msg.code}"
+                result.finals[key] = result.finals.get(key, 0) + 1
             elif isinstance(msg, Output) and msg.request_id in abort_on_token:
                 abort_on_token.discard(msg.request_id)
                 await sock.send(encode(Abort(msg.request_id)))

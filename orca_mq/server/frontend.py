@@ -4,8 +4,9 @@ streams each request's tokens back, detokenized incrementally.
 Every request gets exactly one final `output`: finished with "stop" | "length", "abort" (client
 abort or drain timeout) or "error" with a stable code (common_msgs: invalid request, failed on a
 worker; a process died or the server is full — those sent by the broker).
-Admission is one queue, in arrival order: the size check runs at once, the tokenizer on a
-thread, so a long prompt delays nobody's tokens; an abort or a vanished client meanwhile is kept.
+Admission: the size check runs at once on the event loop, the tokenizer on a small thread pool,
+so a long prompt delays neither anyone's tokens nor a short prompt's admission (a request reaches
+the scheduler when its tokens are ready); an abort or a vanished client meanwhile is kept.
 A client that disconnects is reported by the broker (`client_gone`, from ZMQ_ROUTER_MANDATORY
 send failures on the first token sent after it left); its requests are aborted, which frees
 their KV at the scheduler's next iteration.
@@ -43,6 +44,7 @@ from orca_mq.server.prompts import Prompts
 from orca_mq.server.zmq_queue import CLIENT, BrokerLink, Envelope, serve
 
 FROM_PROCESSES = channel(TokenBatch, StatsResult, Drain, AbortAll, ClientGone, Error)
+TOKENIZE_THREADS = 2      # a long prompt's tokenization leaves a thread for short ones
 MAX_STATS_QUERIES = 256   # stats queries awaiting the scheduler; more are refused as overloaded
 FINAL_CODES = {"abort": ABORTED, "error": INTERNAL}
 INTERNAL_TEXT = "internal error: the server failed on this request"
@@ -69,9 +71,9 @@ class Frontend:
         self.tokenizer = load_tokenizer(cfg.model.path)
         self.info = read_model_info(cfg.model.path)
         self.prompts = Prompts.for_model(self.tokenizer, self.info.max_model_len(cfg))
-        self.tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
-        self.admissions: asyncio.Queue[tuple[bytes, Generate]] = asyncio.Queue()  # bounded by the broker's capacity
-        self.admitting: dict[str, tuple[bytes, bool]] = {}   # queued or tokenizing: rid -> (client, aborted)
+        self.tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="tokenize")
+        self.admitting: dict[str, tuple[bytes, bool]] = {}   # being tokenized: rid -> (client, aborted); bounded by the broker
+        self.admissions: set[asyncio.Task[None]] = set()
         self.ctx = zmq.asyncio.Context()
         self.link = BrokerLink(self.ctx, cfg.server.backend_address, "frontend")
         self.active: dict[str, _Active] = {}
@@ -81,7 +83,7 @@ class Frontend:
 
     async def run(self) -> int:
         await self.link.to_peer("launcher", Ready("frontend", os.getpid()))
-        code = await serve([self._loop(), self._admission_loop()], self.log)
+        code = await serve([self._loop()], self.log)
         self.tokenize_pool.shutdown(wait=False, cancel_futures=True)
         self.link.close()
         self.ctx.term()
@@ -149,34 +151,33 @@ class Frontend:
             await self._refuse(client, rid, e)
             return
         self.admitting[rid] = (client, False)
-        self.admissions.put_nowait((client, msg))
+        task = asyncio.create_task(self._tokenize_and_admit(client, msg))
+        self.admissions.add(task)
+        task.add_done_callback(self.admissions.discard)
 
-    async def _admission_loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            client, msg = await self.admissions.get()
-            rid = msg.request_id
-            failure: Exception | None = None
-            try:
-                prompt_ids = await loop.run_in_executor(self.tokenize_pool, self.prompts.token_ids, msg)
-            except Exception as e:
-                failure = e
-            entry = self.admitting.pop(rid, None)
-            try:
-                if entry is None:
-                    pass  # its client vanished meanwhile
-                elif entry[1]:  # aborted while it waited
-                    await self.link.to_client(client, Output(rid, [], "", True, "abort", code=ABORTED))
-                elif failure is not None:
-                    raise failure
-                else:
-                    await self._admit(client, msg, prompt_ids)
-            except InvalidRequest as e:
-                await self._refuse(client, rid, e)
-            except Exception:  # e.g. a tokenizer failure: fail this request, keep serving the others
-                self.log.exception("request failed before admission", request_id=rid)
-                await self.link.to_client(client, Output(rid, [], "", True, "error", INTERNAL_TEXT, code=INTERNAL))
-            await self._maybe_drained()
+    async def _tokenize_and_admit(self, client: bytes, msg: Generate) -> None:
+        rid = msg.request_id
+        failure: Exception | None = None
+        try:
+            prompt_ids = await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, self.prompts.token_ids, msg)
+        except Exception as e:
+            failure = e
+        entry = self.admitting.pop(rid, None)
+        try:
+            if entry is None:
+                pass  # its client vanished meanwhile
+            elif entry[1]:  # aborted while it was tokenized
+                await self.link.to_client(client, Output(rid, [], "", True, "abort", code=ABORTED))
+            elif failure is not None:
+                raise failure
+            else:
+                await self._admit(client, msg, prompt_ids)
+        except InvalidRequest as e:
+            await self._refuse(client, rid, e)
+        except Exception:  # e.g. a tokenizer failure: fail this request, keep serving the others
+            self.log.exception("request failed before admission", request_id=rid)
+            await self.link.to_client(client, Output(rid, [], "", True, "error", INTERNAL_TEXT, code=INTERNAL))
+        await self._maybe_drained()
 
     async def _admit(self, client: bytes, msg: Generate, prompt_ids: list[int]) -> None:
         rid = msg.request_id

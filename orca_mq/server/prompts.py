@@ -4,6 +4,10 @@ tokenizer (or chat template), which the frontend runs off its event loop.
 The size bound is derived from the context length: no token of the vocabulary covers more than
 `longest_token` characters, so a prompt longer than max_model_len x longest_token characters
 cannot fit and is refused before anything reads it.
+
+Encoding goes through the Rust tokenizer's `encode_batch`, which releases the GIL (its `encode`
+and transformers' wrapper hold it for the whole call): a long prompt on a thread then leaves the
+event loop running.
 """
 from __future__ import annotations
 
@@ -47,7 +51,7 @@ class Prompts:
         if msg.prompt_token_ids is not None:
             return msg.prompt_token_ids
         if msg.messages is None and not msg.chat:
-            return self.tokenizer.encode(msg.prompt)
+            return self._encode(msg.prompt, special=True)
         messages: list[dict[str, Any]] = msg.messages if msg.messages is not None else [{"role": "user", "content": msg.prompt}]
         if not messages or not all(
             set(m) == {"role", "content"} and isinstance(m["role"], str) and isinstance(m["content"], str) for m in messages
@@ -57,4 +61,8 @@ class Prompts:
             text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         except Exception as e:  # jinja raises for roles or orders the template forbids
             raise InvalidRequest(f"chat template: {e}") from None
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self._encode(text, special=False)
+
+    def _encode(self, text: str, special: bool) -> list[int]:
+        """= tokenizer.encode(text, add_special_tokens=special), without holding the GIL."""
+        return self.tokenizer.backend_tokenizer.encode_batch([text], add_special_tokens=special)[0].ids
