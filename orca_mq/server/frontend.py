@@ -158,6 +158,7 @@ class Frontend:
     async def _tokenize_and_admit(self, client: bytes, msg: Generate) -> None:
         rid = msg.request_id
         failure: Exception | None = None
+        prompt_ids: list[int] = []
         try:
             prompt_ids = await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, self.prompts.token_ids, msg)
         except Exception as e:
