@@ -8,6 +8,10 @@ Sampling keyword arguments are sent as-is (SamplingParams fields); the server re
 ones with an error event. Leaving a stream early (break, exception, cancellation) aborts the
 request. If the server stops answering — even its broker's pings — for `liveness_timeout`
 seconds, every open stream ends with an `error` event.
+
+An event that ends with "error" (or "abort") carries `code`, one of orca_mq.protocol.common_msgs'
+stable codes (invalid_request, overloaded, unavailable, internal, protocol, aborted): branch on
+it, show `error` to people.
 """
 from __future__ import annotations
 
@@ -24,7 +28,8 @@ import zmq.asyncio
 
 from orca_mq.outputs import RequestOutput
 from orca_mq.protocol import ProtocolError, decode, encode
-from orca_mq.protocol.client_msgs import TO_CLIENT, Abort, Error, Generate, Output, Ping, Pong, Stats, StatsReply
+from orca_mq.protocol.client_msgs import TO_CLIENT, Abort, Generate, Output, Ping, Pong, Stats, StatsReply
+from orca_mq.protocol.common_msgs import ABORTED, UNAVAILABLE, Error
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:5555"
 T = TypeVar("T")
@@ -39,10 +44,11 @@ class StreamEvent:
     finish_reason: str | None = None      # "stop" | "length" | "abort" | "error" on the final event
     error: str | None = None
     metrics: dict[str, Any] | None = None  # final event: server-side timings and token counts
+    code: str | None = None               # final "error" / "abort" event: a stable common_msgs code
 
 
-def _final_error(request_id: str, error: str) -> StreamEvent:
-    return StreamEvent(request_id, [], "", True, "error", error)
+def _final_error(request_id: str, error: str, code: str) -> StreamEvent:
+    return StreamEvent(request_id, [], "", True, "error", error, code=code)
 
 
 class AsyncClient:
@@ -79,7 +85,7 @@ class AsyncClient:
         if self._reader is not None:
             self._reader.cancel()
             await asyncio.gather(self._reader, return_exceptions=True)
-        self._fail_all("client closed")
+        self._fail_all("client closed", ABORTED)
         if self._sock is not None:
             self._sock.close(linger=0)
             assert self._ctx is not None
@@ -112,7 +118,7 @@ class AsyncClient:
             text.append(ev.text)
             ids.extend(ev.token_ids)
             if ev.finished:
-                return RequestOutput(ev.request_id, "".join(text), ids, ev.finish_reason, ev.error, ev.metrics)
+                return RequestOutput(ev.request_id, "".join(text), ids, ev.finish_reason, ev.error, ev.metrics, ev.code)
         raise RuntimeError("stream ended without a final event")
 
     async def abort(self, request_id: str) -> None:
@@ -147,9 +153,9 @@ class AsyncClient:
                 continue  # not for us to act on; the server never sends these
             if isinstance(msg, Output):
                 self._deliver(msg.request_id, StreamEvent(msg.request_id, msg.token_ids, msg.text, msg.finished,
-                                                          msg.finish_reason, msg.error, msg.metrics))
+                                                          msg.finish_reason, msg.error, msg.metrics, msg.code))
             elif isinstance(msg, Error) and msg.request_id is not None:
-                self._deliver(msg.request_id, _final_error(msg.request_id, msg.error))
+                self._deliver(msg.request_id, _final_error(msg.request_id, msg.error, msg.code))
             elif isinstance(msg, StatsReply):
                 fut = self._stats.get(msg.query_id)
                 if fut is not None and not fut.done():
@@ -160,7 +166,7 @@ class AsyncClient:
                         fut.set_exception(RuntimeError(msg.error))
             elif isinstance(msg, Pong) and msg.server:
                 if self._server and msg.server != self._server:
-                    self._fail_all("server restarted: the request was lost, retry it")
+                    self._fail_all("server unavailable: it restarted and lost the request, retry it", UNAVAILABLE)
                 self._server = msg.server
 
     async def _check_liveness(self) -> None:
@@ -169,7 +175,7 @@ class AsyncClient:
             return
         silent = time.monotonic() - self._last_heard
         if silent >= self.liveness_timeout:
-            self._fail_all(f"server unreachable: no reply for {silent:.0f} s")
+            self._fail_all(f"server unreachable: no reply for {silent:.0f} s", UNAVAILABLE)
             self._last_heard = time.monotonic()
         else:
             await self._send(Ping(int(time.monotonic() * 1000)))
@@ -182,9 +188,9 @@ class AsyncClient:
             del self._streams[request_id]  # settled: nothing to abort when the generator closes
         queue.put_nowait(ev)
 
-    def _fail_all(self, error: str) -> None:
+    def _fail_all(self, error: str, code: str) -> None:
         for rid in list(self._streams):
-            self._deliver(rid, _final_error(rid, error))
+            self._deliver(rid, _final_error(rid, error, code))
         for fut in self._stats.values():
             if not fut.done():
                 fut.set_exception(ConnectionError(error))

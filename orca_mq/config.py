@@ -65,6 +65,8 @@ class ServerConfig:
     stop_grace: float = 10.0
     max_restarts: int = 5
     restart_window: float = 300.0
+    max_waiting: int = 1024
+    max_frame_bytes: int = 64 << 20
 
 
 @dataclass(slots=True)

@@ -13,4 +13,5 @@ class RequestOutput:
     finish_reason: str | None              # "stop" | "length" | "abort" | "error"
     error: str | None = None
     metrics: dict[str, Any] | None = None  # server-side timings and token counts (client), None offline
+    code: str | None = None                # with "error"/"abort": a stable code (orca_mq.protocol.common_msgs)
     prompt_token_ids: list[int] = field(default_factory=list)  # offline only: the server keeps its tokenization

@@ -1,20 +1,40 @@
-"""Per-request sampling parameters and their validation (the frontend and the offline API share it)."""
+"""Per-request sampling parameters and their validation (the frontend and the offline API share it).
+
+Validation bounds every field, so that what it accepts cannot fail later in the sampler or on
+the wire (msgpack ints are 64-bit; torch seeds are uint64; sampling runs in float32).
+"""
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from orca_mq.protocol.codec import short_repr
+
+INT32_MAX = (1 << 31) - 1
+INT64_MAX = (1 << 63) - 1
+MIN_TEMPERATURE = 1e-3      # below it float32 logits / temperature overflow: use 0 for greedy
+MAX_TEMPERATURE = 100.0
+MAX_STOP_TOKEN_IDS = 1024
+
 
 class InvalidRequest(ValueError):
     """A request that cannot be served as given; the message names the problem."""
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 @dataclass(slots=True)
 class SamplingParams:
     max_tokens: int = 16
     temperature: float = 1.0      # 0 = greedy
-    top_k: int = 0                # 0 = off
+    top_k: int = 0                # 0 = off; larger than the vocabulary = off
     top_p: float = 1.0
     seed: int | None = None       # per-request seed: same seed, same tokens, whatever the batch
     ignore_eos: bool = False
@@ -24,27 +44,28 @@ class SamplingParams:
         def bad(msg: str) -> InvalidRequest:
             return InvalidRequest(f"invalid sampling params: {msg}")
 
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
-            raise bad(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= INT32_MAX:
+            raise bad(f"max_tokens must be an integer in [1, {INT32_MAX}], got {short_repr(self.max_tokens)}")
         for name in ("temperature", "top_p"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-                raise bad(f"{name} must be a finite number, got {v!r}")
-        if self.temperature < 0:
-            raise bad(f"temperature must be >= 0, got {self.temperature}")
+            if not _is_number(v) or not math.isfinite(v):
+                raise bad(f"{name} must be a finite number, got {short_repr(v)}")
+        if not (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE):
+            raise bad(f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}], got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise bad(f"top_p must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
-            raise bad(f"top_k must be an integer >= 0, got {self.top_k!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0):
-            raise bad(f"seed must be a non-negative integer, got {self.seed!r}")
+        if not _is_int(self.top_k) or not 0 <= self.top_k <= INT32_MAX:
+            raise bad(f"top_k must be an integer in [0, {INT32_MAX}], got {short_repr(self.top_k)}")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= INT64_MAX):
+            raise bad(f"seed must be an integer in [0, {INT64_MAX}], got {short_repr(self.seed)}")
         if not isinstance(self.ignore_eos, bool):
-            raise bad(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
-        if not isinstance(self.stop_token_ids, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) and t >= 0 and (vocab_size is None or t < vocab_size)
-            for t in self.stop_token_ids
+            raise bad(f"ignore_eos must be a boolean, got {short_repr(self.ignore_eos)}")
+        limit = INT32_MAX if vocab_size is None else vocab_size - 1
+        if not isinstance(self.stop_token_ids, list) or len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS or not all(
+            _is_int(t) and 0 <= t <= limit for t in self.stop_token_ids
         ):
-            raise bad(f"stop_token_ids must be token ids in the vocabulary, got {self.stop_token_ids!r}")
+            raise bad(f"stop_token_ids must be at most {MAX_STOP_TOKEN_IDS} token ids in the vocabulary "
+                      f"[0, {limit}], got {short_repr(self.stop_token_ids)}")
 
     @property
     def greedy(self) -> bool:
@@ -57,5 +78,5 @@ class SamplingParams:
     def from_dict(cls, data: dict[str, Any]) -> "SamplingParams":
         unknown = set(data) - set(cls.__dataclass_fields__)
         if unknown:
-            raise InvalidRequest(f"invalid sampling params: unknown field(s) {sorted(unknown)}")
+            raise InvalidRequest(f"invalid sampling params: unknown field(s) {short_repr(sorted(map(str, unknown)))}")
         return cls(**data)

@@ -1,7 +1,11 @@
-"""Request validation shared by the frontend and the offline API: a clear message naming the problem."""
+"""Request validation shared by the frontend and the offline API: a clear message naming the problem.
+
+Sizes are checked before any work proportional to them (tokenizing, scanning token ids), with
+bounds derived from the context length: a prompt that cannot fit is refused in O(1).
+"""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from orca_mq.sampling_params import InvalidRequest, SamplingParams
 
@@ -9,16 +13,43 @@ if TYPE_CHECKING:
     from orca_mq.config import Config
     from orca_mq.engine.model_info import ModelInfo
 
+MAX_REQUEST_ID_CHARS = 256
+
+
+def check_request_id(request_id: str) -> None:
+    if not 0 < len(request_id) <= MAX_REQUEST_ID_CHARS:
+        raise InvalidRequest(f"request_id must have 1 to {MAX_REQUEST_ID_CHARS} characters, got {len(request_id)}")
+
+
+def check_prompt_size(prompt: str | None, prompt_token_ids: list[int] | None, messages: list[Any] | None,
+                      max_model_len: int, max_chars: int) -> None:
+    """Refuse, before tokenizing, what cannot fit `max_model_len` tokens: a token covers at most
+    `max_chars // max_model_len` characters (the vocabulary's longest token) and a message at least one token."""
+    if prompt_token_ids is not None and len(prompt_token_ids) > max_model_len:
+        raise InvalidRequest(f"prompt has {len(prompt_token_ids)} tokens; the context length is {max_model_len}")
+    if prompt is not None and len(prompt) > max_chars:
+        raise InvalidRequest(f"prompt of {len(prompt)} characters cannot fit the context length "
+                             f"of {max_model_len} tokens (at most {max_chars} characters)")
+    if messages is not None:
+        if len(messages) > max_model_len:
+            raise InvalidRequest(f"{len(messages)} messages cannot fit the context length of {max_model_len} tokens")
+        chars = sum(len(v) for m in messages if isinstance(m, dict) for v in m.values() if isinstance(v, str))
+        if chars > max_chars:
+            raise InvalidRequest(f"messages of {chars} characters cannot fit the context length "
+                                 f"of {max_model_len} tokens (at most {max_chars} characters)")
+
 
 def validate_request(prompt_token_ids: list[int], params: SamplingParams, info: "ModelInfo", cfg: "Config") -> None:
+    max_len = info.max_model_len(cfg)
     if not isinstance(prompt_token_ids, list) or not prompt_token_ids:
         raise InvalidRequest("empty prompt: at least one token is required")
+    if len(prompt_token_ids) > max_len:
+        raise InvalidRequest(f"prompt has {len(prompt_token_ids)} tokens; the context length is {max_len}")
     bad = [t for t in prompt_token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < info.vocab_size]
     if bad:
         raise InvalidRequest(f"prompt token ids outside the vocabulary [0, {info.vocab_size}): {bad[:5]}")
     params.validate(info.vocab_size)
     total = len(prompt_token_ids) + params.max_tokens
-    max_len = info.max_model_len(cfg)
     if total > max_len:
         raise InvalidRequest(
             f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "

@@ -7,7 +7,8 @@ import pytest
 
 from orca_mq.protocol.iteration import IterationPlan, IterationResult, SeqWork
 from orca_mq.protocol import PROTOCOL_VERSION, ProtocolError, decode, encode, unpack
-from orca_mq.protocol.client_msgs import TO_CLIENT, TO_SERVER, Abort, Error, Generate, Output, Ping, Pong, Stats, StatsReply
+from orca_mq.protocol.client_msgs import TO_CLIENT, TO_SERVER, Abort, Generate, Output, Ping, Pong, Stats, StatsReply
+from orca_mq.protocol.common_msgs import Error
 from orca_mq.protocol.codec import channel
 from orca_mq.protocol.control_msgs import AbortAll, ClientGone, Drain, Drained, Fatal, Ready
 from orca_mq.protocol.engine_msgs import (AbortRequest, AddRequest, ControlFrame, IterationDone, StatsQuery,

@@ -6,7 +6,13 @@ import torch
 
 from orca_mq.sched.block_manager import BlockManager, KVAllocationError
 from orca_mq.protocol.iteration import SeqWork
-from orca_mq.engine.sampler import sample
+from orca_mq.engine import sampler
+
+
+def sample(logits: torch.Tensor, seqs: list[SeqWork]) -> list[int]:
+    tokens, failed = sampler.sample(logits, seqs)
+    assert failed == []
+    return tokens
 
 
 def seq(**kw) -> SeqWork:

@@ -24,7 +24,8 @@ import zmq
 
 from orca_mq.client import AsyncClient, Client
 from orca_mq.protocol import decode, encode
-from orca_mq.protocol.client_msgs import TO_CLIENT, Error, Generate, Output, Ping
+from orca_mq.protocol.client_msgs import TO_CLIENT, Generate, Output, Ping
+from orca_mq.protocol.common_msgs import Error
 from orca_mq.server.zmq_queue import PEER
 from serving_harness import alive, start_server
 
@@ -129,7 +130,7 @@ def test_invalid_requests_fail_alone(server):
     good, bad = asyncio.run(run())
     assert good.finish_reason == "length" and len(good.token_ids) == 6
     for (kw, words), out in zip(INVALID, bad):
-        assert out.finish_reason == "error" and out.token_ids == [], kw
+        assert out.finish_reason == "error" and out.code == "invalid_request" and out.token_ids == [], kw
         assert words in out.error, (kw, out.error)
     _stats_settled(server.address)
 
@@ -214,7 +215,7 @@ def _serves_again(address: str, timeout: float) -> float:
             out = client.generate("Hello", max_tokens=2, temperature=0.0)
             if out.finish_reason == "length":
                 return time.monotonic() - start
-            assert out.finish_reason == "error" and "unavailable" in out.error, out
+            assert out.finish_reason == "error" and out.code == "unavailable", out
             assert time.monotonic() - t0 < 5, "a request during the restart waited instead of failing fast"
             assert time.monotonic() - start < timeout, f"not serving {timeout} s after the kill"
             time.sleep(0.5)
@@ -226,7 +227,7 @@ def test_killed_worker_is_restarted(tmp_path):
         old = srv.pid_of("--stage 1")
         events = asyncio.run(asyncio.wait_for(_stream_until_killed(srv.address, lambda: os.kill(old, signal.SIGKILL)), 60))
         final = events[-1]
-        assert final.finish_reason == "error" and "unavailable" in final.error
+        assert final.finish_reason == "error" and final.code == "unavailable"
         assert "worker" not in final.error and "exit" not in final.error  # no internals to clients
         assert sum(e.finished for e in events) == 1
         _serves_again(srv.address, timeout=180)
@@ -243,7 +244,7 @@ def test_killed_broker_restarts_everything(tmp_path):
     try:
         broker = srv.pid_of("orca_mq.server.broker")
         events = asyncio.run(asyncio.wait_for(_stream_until_killed(srv.address, lambda: os.kill(broker, signal.SIGKILL)), 120))
-        assert events[-1].finished and events[-1].finish_reason == "error"
+        assert events[-1].finished and events[-1].finish_reason == "error" and events[-1].code == "unavailable"
         assert sum(e.finished for e in events) == 1
         _serves_again(srv.address, timeout=180)
         assert srv.pid_of("orca_mq.server.broker") != broker

@@ -19,7 +19,7 @@ from orca_mq.config import Config
 from orca_mq.protocol.iteration import IterationResult
 from orca_mq.engine.model_runner import ModelRunner
 from orca_mq.protocol import ProtocolError, decode
-from orca_mq.protocol.client_msgs import Error
+from orca_mq.protocol.common_msgs import PROTOCOL, Error
 from orca_mq.protocol.codec import channel
 from orca_mq.protocol.control_msgs import Ready
 from orca_mq.protocol.engine_msgs import ControlFrame, IterationDone, WorkerStats, WorkerStatsQuery
@@ -60,6 +60,7 @@ class Controller:
             runner, data_plane,
             on_result=lambda r, t0, t1: loop.call_soon_threadsafe(self._send_result, r, t0, t1),
             on_error=lambda e: loop.call_soon_threadsafe(self._fail, e),
+            log=self.log,
         )
         self.executor.start()
         await self.link.to_peer("launcher", Ready(self.name, os.getpid()))
@@ -86,7 +87,7 @@ class Controller:
                 msg = decode(frame, CONTROL)
             except ProtocolError as e:
                 self.log.warning("rejected control frame", error=str(e))
-                await self.link.to_peer("scheduler", Error(f"{self.name}: {e}"))
+                await self.link.to_peer("scheduler", Error(f"{self.name}: {e}", code=PROTOCOL))
                 continue
             self.log.debug("iteration received", iteration=msg.plan.iteration, batch=len(msg.plan.seqs))
             self.runner.prepare(msg.plan)  # FastServe: start its KV copies now, beside earlier computations

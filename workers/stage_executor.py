@@ -3,6 +3,11 @@
 The controller hands plans over through a queue and never waits for them; this thread
 receives the previous stage's hidden states, runs its layers, and either sends the hidden
 states on (data plane) or, on the last stage, hands the sampled tokens back to the controller.
+
+An exception in one iteration's compute fails that iteration's requests, not the worker: the
+last stage reports them all failed; an earlier stage sends NaN hidden states on, so every later
+stage stays in step and the last one's sampler reports those rows failed. Only the data plane
+itself (a lost peer) ends the thread.
 """
 from __future__ import annotations
 
@@ -12,6 +17,8 @@ import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
+
+import torch
 
 from orca_mq.protocol.iteration import IterationPlan, IterationResult
 from orca_mq.logs import summarize_ms
@@ -25,8 +32,10 @@ ErrorCallback = Callable[[BaseException], None]
 
 
 class StageExecutor:
-    def __init__(self, runner: ModelRunner, data_plane: DataPlane, on_result: ResultCallback, on_error: ErrorCallback) -> None:
+    def __init__(self, runner: ModelRunner, data_plane: DataPlane, on_result: ResultCallback, on_error: ErrorCallback,
+                 log: Any) -> None:
         self.runner = runner
+        self.log = log
         self.data_plane = data_plane
         self.stage = data_plane.stage
         self.last = data_plane.stage == data_plane.n_stages - 1
@@ -39,6 +48,7 @@ class StageExecutor:
         self._plan_latency: deque[float] = deque(maxlen=WINDOW)  # scheduler sent the plan -> compute start
         self._last_end: float | None = None
         self.iterations = 0
+        self.failed_iterations = 0
         self._thread = threading.Thread(target=self._run, name=f"compute-{self.stage}", daemon=True)
 
     def start(self) -> None:
@@ -63,7 +73,7 @@ class StageExecutor:
             shape = (plan.num_tokens, self.runner.hidden_size)
             hidden = self.data_plane.recv(plan.iteration, shape, self.runner.dtype, self.runner.device)
         start = time.time()
-        out = self.runner.execute(plan, hidden)
+        out = self._execute(plan, hidden)
         if self.last:
             assert isinstance(out, IterationResult)
             end = time.time()
@@ -79,10 +89,24 @@ class StageExecutor:
             self._last_end = end
             self.iterations += 1
 
+    def _execute(self, plan: IterationPlan, hidden: torch.Tensor | None) -> torch.Tensor | IterationResult:
+        try:
+            return self.runner.execute(plan, hidden)
+        except Exception:
+            self.log.exception("iteration failed; its requests end with an error", iteration=plan.iteration,
+                               requests=[s.req_id for s in plan.seqs])
+            with self._lock:
+                self.failed_iterations += 1
+            if self.last:
+                rids = [s.req_id for s in plan.seqs]
+                return IterationResult(plan.iteration, rids, [0] * len(rids), rids)
+            return torch.full((plan.num_tokens, self.runner.hidden_size), float("nan"),
+                              dtype=self.runner.dtype, device=self.runner.device)
+
     def stats(self, reset: bool) -> dict[str, Any]:
         """Idle gaps between this stage's iterations (scheduler + messaging + pipeline waits)."""
         with self._lock:
-            out = {"stage": self.stage, "iterations": self.iterations,
+            out = {"stage": self.stage, "iterations": self.iterations, "failed_iterations": self.failed_iterations,
                    "idle": summarize_ms(self._idle), "compute": summarize_ms(self._compute),
                    "plan_latency": summarize_ms(self._plan_latency)}
             if reset:

@@ -97,7 +97,8 @@ class ModelRunner:
         out = self.forward(plan, hidden_in)
         if not self.last:
             return out
-        return IterationResult(plan.iteration, [s.req_id for s in plan.seqs], sample(out, plan.seqs))
+        tokens, failed = sample(out, plan.seqs)
+        return IterationResult(plan.iteration, [s.req_id for s in plan.seqs], tokens, [plan.seqs[b].req_id for b in failed])
 
     def prepare(self, plan: IterationPlan) -> None:
         """Start the plan's KV copies ahead of its compute (the controller calls it on frame arrival)."""

@@ -2,8 +2,8 @@
 
 A client sends `generate` (it chooses the request_id, so it can abort before any reply),
 `abort`, `stats` and `ping`; every request gets exactly one final `output` (finished=True,
-finish_reason "stop" | "length" | "abort" | "error"). `error` answers a frame that could not be
-accepted at all; when it names a request_id that request is over.
+finish_reason "stop" | "length" | "abort" | "error"). `error` (orca_mq.protocol.common_msgs) answers a frame that could not be accepted at all;
+when it names a request_id that request is over. Error finals carry a stable `code`.
 """
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from orca_mq.protocol.codec import channel, message
+from orca_mq.protocol.common_msgs import Error
 
 
 @message("generate")
@@ -54,6 +55,7 @@ class Output:
     finish_reason: str | None = None
     error: str | None = None
     metrics: dict[str, Any] | None = None
+    code: str | None = None       # protocol v2: a common_msgs code on an "error" or "abort" final
 
 
 @message("stats_reply")
@@ -71,12 +73,7 @@ class Pong:
     restarts: int = 0     # restarts of the engine side since the launcher started
 
 
-@message("error")
-@dataclass(slots=True)
-class Error:
-    error: str
-    request_id: str | None = None
-
-
 TO_SERVER = channel(Generate, Abort, Stats, Ping)
 TO_CLIENT = channel(Output, StatsReply, Pong, Error)
+
+__all__ = ["Abort", "Error", "Generate", "Output", "Ping", "Pong", "Stats", "StatsReply", "TO_CLIENT", "TO_SERVER"]

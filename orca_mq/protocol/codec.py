@@ -4,6 +4,11 @@ Every message type is a slotted dataclass registered under a unique name. Decodi
 version, the type (against the set the receiving channel accepts), that no field is missing or
 unknown, and the type of every field — so a receiver never acts on a frame it did not expect.
 Nested dataclasses (the iteration plan) travel as positional lists, tuples as lists.
+Whatever the bytes, decoding returns a message or raises ProtocolError, nothing else; an error
+message quotes at most a short prefix of what it rejects.
+
+Version 2 added optional fields (Error.code, Output.code); a version-1 frame still decodes, with
+their defaults.
 """
 from __future__ import annotations
 
@@ -15,7 +20,8 @@ from typing import Any, TypeVar
 
 import msgpack
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+SUPPORTED_VERSIONS = (1, 2)
 MAX_FRAME_BYTES = 64 << 20
 
 Conv = Callable[[Any, str], Any]
@@ -76,13 +82,26 @@ def unpack(frame: bytes) -> dict[str, Any]:
         raise ProtocolError(f"malformed frame: {type(e).__name__}: {e}") from None
     if not isinstance(body, dict):
         raise ProtocolError("malformed frame: not a map")
-    rid = body.get("request_id", body.get("req_id"))
-    rid = rid if isinstance(rid, str) else None
-    if body.get("v") != PROTOCOL_VERSION:
-        raise ProtocolError(f"unsupported protocol version {body.get('v')!r} (expected {PROTOCOL_VERSION})", rid)
-    if body.get("type") not in _REGISTRY:
-        raise ProtocolError(f"unknown message type {body.get('type')!r}", rid)
+    rid = _request_id(body)
+    v, name = body.get("v"), body.get("type")
+    if type(v) is not int or v not in SUPPORTED_VERSIONS:
+        raise ProtocolError(f"unsupported protocol version {short_repr(v)} (expected one of {SUPPORTED_VERSIONS})", rid)
+    if type(name) is not str or name not in _REGISTRY:
+        raise ProtocolError(f"unknown message type {short_repr(name)}", rid)
     return body
+
+
+def _request_id(body: dict[Any, Any]) -> str | None:
+    rid = body.get("request_id", body.get("req_id"))
+    return rid if type(rid) is str else None
+
+
+def short_repr(value: Any, limit: int = 80) -> str:
+    """repr of a rejected value, cut: it may be megabytes of someone else's frame."""
+    if isinstance(value, (list, tuple, dict, str, bytes)) and len(value) > limit:
+        return f"<{type(value).__name__} of {len(value)}>"
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def decode(frame: bytes, accepted: frozenset[str]) -> Any:
@@ -92,15 +111,14 @@ def decode(frame: bytes, accepted: frozenset[str]) -> Any:
 
 def from_dict(body: dict[str, Any], accepted: frozenset[str]) -> Any:
     name = body["type"]
-    rid = body.get("request_id", body.get("req_id"))
-    rid = rid if isinstance(rid, str) else None
+    rid = _request_id(body)
     if name not in accepted:
         raise ProtocolError(f"message type {name!r} not accepted here", rid)
     cls = _REGISTRY[name]
     spec = _decoders(cls)
     unknown = set(body) - set(spec) - {"v", "type"}
     if unknown:
-        raise ProtocolError(f"{name}: unknown field(s) {sorted(unknown)}", rid)
+        raise ProtocolError(f"{name}: unknown field(s) {short_repr(sorted(map(str, unknown)))}", rid)
     kwargs: dict[str, Any] = {}
     try:
         for field, (conv, required) in spec.items():
@@ -124,7 +142,7 @@ def _decoders(cls: type) -> dict[str, tuple[Conv, bool]]:
 
 
 def _fail(path: str, want: str, value: Any) -> ProtocolError:
-    return ProtocolError(f"field {path!r}: expected {want}, got {type(value).__name__}")
+    return ProtocolError(f"field {path[:80]!r}: expected {want}, got {type(value).__name__}")
 
 
 def _converter(tp: Any) -> Conv:

@@ -44,3 +44,4 @@ class IterationResult:
     iteration: int
     req_ids: list[str]
     token_ids: list[int]          # one sampled token per request, same order as the plan
+    failed: list[str] = field(default_factory=list)  # requests whose work failed: they end with an error

@@ -6,6 +6,7 @@ same objects, so what is tested here is what serves.
 """
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -18,12 +19,14 @@ if TYPE_CHECKING:
     from orca_mq.engine.model_info import ModelInfo
     from orca_mq.sched.profiler import IterationProfile, Profiler
 
+RECORD_WINDOW = 10_000   # iterations kept in `record`: it is read by tests and stats, and must not grow forever
+
 
 @dataclass(slots=True)
 class TokenEvent:
     req_id: str
     token_id: int | None            # None on a final event that carries no new token (abort)
-    finish_reason: str | None = None  # "stop" | "length" | "abort" when the request is done
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" when the request is done
 
 
 class Scheduler:
@@ -39,7 +42,7 @@ class Scheduler:
         self.pool: dict[str, Request] = {}            # insertion order = arrival order
         self.in_flight: dict[int, list[Request]] = {}
         self.iteration = 0
-        self.record: list[tuple[int, list[str]]] = []  # (iteration, request ids) for FCFS checks
+        self.record: deque[tuple[int, list[str]]] = deque(maxlen=RECORD_WINDOW)  # (iteration, request ids) for FCFS checks
         if self.max_bs < 1 or self.n_workers < 1:
             raise ValueError("max_bs and n_workers must be >= 1")
 
@@ -105,14 +108,16 @@ class Scheduler:
         if batch is None or [r.req_id for r in batch] != list(result.req_ids):
             raise ValueError(f"result of iteration {result.iteration} does not match any iteration in flight")
         events = []
+        failed = set(result.failed)
         for req, token in zip(batch, result.token_ids):
             req.running = False
             if req.phase is Phase.FINISHED:  # the request-level baseline's inactive request: compute wasted
                 continue
             req.n_iterations += 1
-            if req.aborted:
-                self._finish(req, "abort")
-                events.append(TokenEvent(req.req_id, None, "abort"))
+            if req.aborted or req.req_id in failed:  # its work failed on a worker: it ends, the batch goes on
+                reason = "abort" if req.aborted else "error"
+                self._finish(req, reason)
+                events.append(TokenEvent(req.req_id, None, reason))
                 continue
             if req.prompt_pending:  # part of its prompt still to feed: what the engine sampled is dropped
                 continue

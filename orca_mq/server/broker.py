@@ -8,6 +8,11 @@ Both ROUTERs set ZMQ_ROUTER_MANDATORY: a send to a vanished client raises EHOSTU
 broker tells the frontend (`client_gone`), which aborts that client's requests. The broker also
 remembers which requests each client still waits on, so that when a process dies (`fatal` from
 the launcher) it can give each of them an `error` final message itself.
+
+Facing clients, it bounds what it holds: ZeroMQ drops a client sending a frame over
+`server.max_frame_bytes` before buffering it (ZMQ_MAXMSGSIZE); at most `server.max_waiting` +
+max_bs x n_workers requests are tracked, past that a new one gets `overloaded` at once; no frame
+can end the loop. Its counters join every stats reply under "broker".
 """
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ import argparse
 import json
 import sys
 import uuid
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import uvloop
@@ -24,8 +30,11 @@ import zmq.asyncio
 from orca_mq.config import Config
 from orca_mq.logs import setup_logging
 from orca_mq.protocol import ProtocolError, decode, encode, unpack
-from orca_mq.protocol.client_msgs import TO_CLIENT, TO_SERVER, Error, Generate, Output, Ping, Pong
+from orca_mq.protocol.client_msgs import TO_CLIENT, TO_SERVER, Generate, Output, Ping, Pong, StatsReply
 from orca_mq.protocol.codec import channel, from_dict
+from orca_mq.protocol.common_msgs import INVALID_REQUEST, OVERLOADED, PROTOCOL, UNAVAILABLE, Error
+from orca_mq.sampling_params import InvalidRequest
+from orca_mq.validation import check_request_id
 from orca_mq.protocol.control_msgs import ClientGone, Fatal, Resume
 from orca_mq.server.zmq_queue import BROKER, CLIENT, PEER, serve
 
@@ -33,8 +42,18 @@ FRONTEND = b"frontend"
 _GONE_MEMORY = 4096   # vanished clients remembered, so the frontend hears of each once
 
 
-def _router(ctx: zmq.asyncio.Context, address: str) -> zmq.asyncio.Socket:
+@dataclass(slots=True)
+class BrokerCounters:
+    tracked_requests: int = 0      # requests without a final message (bounded by the capacity)
+    clients: int = 0               # clients with such requests
+    rejected_frames: int = 0       # client frames answered with a `protocol` error
+    overloaded: int = 0            # requests refused with `overloaded`
+    vanished_clients: int = 0
+
+
+def _router(ctx: zmq.asyncio.Context, address: str, max_msg_size: int = -1) -> zmq.asyncio.Socket:
     sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_msg_size)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
@@ -47,13 +66,15 @@ class Broker:
     def __init__(self, cfg: Config, restarts: int = 0) -> None:
         self.log = setup_logging("broker", cfg.log)
         self.ctx = zmq.asyncio.Context()
-        self.clients = _router(self.ctx, cfg.server.frontend_address)
+        self.clients = _router(self.ctx, cfg.server.frontend_address, cfg.server.max_frame_bytes)
         self.backend = _router(self.ctx, cfg.server.backend_address)
         self.waiting: dict[bytes, set[str]] = {}   # client -> request ids without a final message
         self.gone: dict[bytes, None] = {}
         self.fatal: str | None = None              # why the engine side is down (logged, never sent to clients)
         self.server_id = uuid.uuid4().hex[:12]
         self.restarts = restarts
+        self.capacity = cfg.server.max_waiting + cfg.scheduler.max_bs * cfg.engine.n_workers
+        self.counters = BrokerCounters()
 
     async def run(self) -> int:
         self.log.info("broker listening", clients=self.clients.LAST_ENDPOINT.decode(),
@@ -72,30 +93,44 @@ class Broker:
                 if len(parts) != 1:
                     raise ProtocolError(f"expected one frame, got {len(parts)}")
                 msg = decode(parts[0], TO_SERVER)
-            except ProtocolError as e:
+                if isinstance(msg, Generate):
+                    check_request_id(msg.request_id)
+            except (ProtocolError, InvalidRequest) as e:
+                self.counters.rejected_frames += 1
                 self.log.warning("rejected client frame", client=client.hex(), error=str(e))
-                await self._to_client(client, encode(Error(str(e), e.request_id)))
+                rid = e.request_id if isinstance(e, ProtocolError) else None
+                await self._to_client(client, encode(Error(str(e), rid, PROTOCOL)))
+                continue
+            except Exception:  # a codec bug must cost one frame, never the server
+                self.counters.rejected_frames += 1
+                self.log.exception("client frame failed to decode", client=client.hex())
+                await self._to_client(client, encode(Error("malformed frame", None, PROTOCOL)))
                 continue
             if isinstance(msg, Ping):
                 await self._to_client(client, encode(Pong(msg.nonce, self.server_id, self.restarts)))
                 continue
             if isinstance(msg, Generate):
                 if self.fatal is not None:
-                    await self._to_client(client, encode(_failed(msg.request_id)))
+                    await self._to_client(client, encode(_failed(msg.request_id, UNAVAILABLE, UNAVAILABLE_TEXT)))
                     continue
-                pending = self.waiting.setdefault(client, set())
-                if msg.request_id in pending:
-                    await self._to_client(client, encode(Error(f"request_id {msg.request_id!r} is already in flight")))
+                if msg.request_id in self.waiting.get(client, ()):
+                    await self._to_client(client, encode(Error(f"request_id {msg.request_id!r} is already in flight",
+                                                               None, INVALID_REQUEST)))
                     continue
-                pending.add(msg.request_id)
+                if self.counters.tracked_requests >= self.capacity:
+                    self.counters.overloaded += 1
+                    await self._to_client(client, encode(_failed(msg.request_id, OVERLOADED, OVERLOADED_TEXT)))
+                    continue
+                self.waiting.setdefault(client, set()).add(msg.request_id)
+                self.counters.tracked_requests += 1
             try:
                 await self.backend.send_multipart([FRONTEND, CLIENT, client, parts[0]])
             except zmq.ZMQError:  # the frontend is not connected (still starting, or gone)
                 if isinstance(msg, Generate):
                     self._settle(client, msg.request_id)
-                    await self._to_client(client, encode(_failed(msg.request_id)))
+                    await self._to_client(client, encode(_failed(msg.request_id, UNAVAILABLE, UNAVAILABLE_TEXT)))
                 else:
-                    await self._to_client(client, encode(Error("frontend unavailable")))
+                    await self._to_client(client, encode(Error(UNAVAILABLE_TEXT, None, UNAVAILABLE)))
 
     async def _backend_loop(self) -> None:
         while True:
@@ -118,7 +153,7 @@ class Broker:
             except ProtocolError as e:
                 self.log.warning("rejected backend frame", source=source.decode(errors="replace"), error=str(e))
                 try:
-                    await self.backend.send_multipart([source, BROKER, b"", encode(Error(str(e), e.request_id))])
+                    await self.backend.send_multipart([source, BROKER, b"", encode(Error(str(e), e.request_id, PROTOCOL))])
                 except zmq.ZMQError:
                     pass
 
@@ -129,11 +164,15 @@ class Broker:
             return  # every waiting request already got its final error
         if body.get("finished") or body["type"] == Error.TYPE:  # type: ignore[attr-defined]
             self._settle(client, body.get("request_id"))
+        if body["type"] == StatsReply.TYPE:  # type: ignore[attr-defined]
+            reply = from_dict(body, channel(StatsReply))
+            payload = encode(StatsReply(reply.query_id, reply.stats | {"broker": self.stats()}))
         if not await self._to_client(client, payload) and client not in self.gone:
             self.gone[client] = None
             if len(self.gone) > _GONE_MEMORY:
                 del self.gone[next(iter(self.gone))]
-            self.waiting.pop(client, None)
+            self.counters.tracked_requests -= len(self.waiting.pop(client, ()))
+            self.counters.vanished_clients += 1
             self.log.info("client vanished", client=client.hex())
             await self.backend.send_multipart([FRONTEND, BROKER, b"", encode(ClientGone(client))])
 
@@ -151,8 +190,13 @@ class Broker:
         self.log.error("failing every in-flight request", reason=msg.reason, requests=n)
         for client, rids in list(self.waiting.items()):
             for rid in rids:
-                await self._to_client(client, encode(_failed(rid)))
+                await self._to_client(client, encode(_failed(rid, UNAVAILABLE, UNAVAILABLE_TEXT)))
         self.waiting.clear()
+        self.counters.tracked_requests = 0
+
+    def stats(self) -> dict[str, int]:
+        self.counters.clients = len(self.waiting)
+        return asdict(self.counters)
 
     async def _to_client(self, client: bytes, payload: bytes) -> bool:
         try:
@@ -163,15 +207,19 @@ class Broker:
 
     def _settle(self, client: bytes, request_id: Any) -> None:
         pending = self.waiting.get(client)
-        if pending is not None:
+        if pending is not None and request_id in pending:
             pending.discard(request_id)
+            self.counters.tracked_requests -= 1
             if not pending:
                 del self.waiting[client]
 
 
-def _failed(request_id: str) -> Output:
-    return Output(request_id, [], "", finished=True, finish_reason="error",
-                  error="server unavailable: restarting after a failure, retry shortly")
+UNAVAILABLE_TEXT = "server unavailable: restarting after a failure; retry shortly"
+OVERLOADED_TEXT = "server overloaded: too many requests waiting; retry later"
+
+
+def _failed(request_id: str, code: str, text: str) -> Output:
+    return Output(request_id, [], "", finished=True, finish_reason="error", error=text, code=code)
 
 
 async def _main(cfg: Config, restarts: int) -> int:

@@ -2,7 +2,11 @@
 streams each request's tokens back, detokenized incrementally.
 
 Every request gets exactly one final `output`: finished with "stop" | "length", "abort" (client
-abort or drain timeout) or "error" (invalid request; a process died — sent by the broker).
+abort or drain timeout) or "error" with a stable code (common_msgs: invalid request, failed on a
+worker; a process died or the server is full — those sent by the broker).
+Admission: the size check runs at once on the event loop, the tokenizer on a small thread pool,
+so a long prompt delays neither anyone's tokens nor a short prompt's admission (a request reaches
+the scheduler when its tokens are ready); an abort or a vanished client meanwhile is kept.
 A client that disconnects is reported by the broker (`client_gone`, from ZMQ_ROUTER_MANDATORY
 send failures on the first token sent after it left); its requests are aborted, which frees
 their KV at the scheduler's next iteration.
@@ -10,11 +14,13 @@ their KV at the scheduler's next iteration.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import sys
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +31,8 @@ from orca_mq.config import Config
 from orca_mq.detokenizer import IncrementalDetokenizer
 from orca_mq.logs import setup_logging
 from orca_mq.protocol import ProtocolError, decode
-from orca_mq.protocol.client_msgs import TO_SERVER, Abort, Error, Generate, Output, Stats, StatsReply
+from orca_mq.protocol.client_msgs import TO_SERVER, Abort, Generate, Output, Stats, StatsReply
+from orca_mq.protocol.common_msgs import ABORTED, INTERNAL, INVALID_REQUEST, OVERLOADED, UNAVAILABLE, Error
 from orca_mq.protocol.codec import channel
 from orca_mq.protocol.control_msgs import AbortAll, ClientGone, Drain, Drained, Ready
 from orca_mq.protocol.engine_msgs import AbortRequest, AddRequest, StatsQuery, StatsResult, TokenBatch
@@ -33,9 +40,18 @@ from orca_mq.sampling_params import InvalidRequest, SamplingParams
 from orca_mq.tokenizer import load_tokenizer
 from orca_mq.validation import validate_request
 from orca_mq.engine.model_info import read_model_info
+from orca_mq.server.prompts import Prompts
 from orca_mq.server.zmq_queue import CLIENT, BrokerLink, Envelope, serve
 
 FROM_PROCESSES = channel(TokenBatch, StatsResult, Drain, AbortAll, ClientGone, Error)
+TOKENIZE_THREADS = 2      # a long prompt's tokenization leaves a thread for short ones
+MAX_STATS_QUERIES = 256   # stats queries awaiting the scheduler; more are refused as overloaded
+FINAL_CODES = {"abort": ABORTED, "error": INTERNAL}
+INTERNAL_TEXT = "internal error: the server failed on this request"
+
+
+class _Unavailable(InvalidRequest):
+    """Refused because of the server's state, not the request's content."""
 
 
 @dataclass(slots=True)
@@ -54,6 +70,10 @@ class Frontend:
         self.log = setup_logging("frontend", cfg.log)
         self.tokenizer = load_tokenizer(cfg.model.path, cfg.model.cache_dir)
         self.info = read_model_info(cfg.model.path, cfg.model.cache_dir)
+        self.prompts = Prompts.for_model(self.tokenizer, self.info.max_model_len(cfg))
+        self.tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="tokenize")
+        self.admitting: dict[str, tuple[bytes, bool]] = {}   # being tokenized: rid -> (client, aborted); bounded by the broker
+        self.admissions: set[asyncio.Task[None]] = set()
         self.ctx = zmq.asyncio.Context()
         self.link = BrokerLink(self.ctx, cfg.server.backend_address, "frontend")
         self.active: dict[str, _Active] = {}
@@ -64,6 +84,7 @@ class Frontend:
     async def run(self) -> int:
         await self.link.to_peer("launcher", Ready("frontend", os.getpid()))
         code = await serve([self._loop()], self.log)
+        self.tokenize_pool.shutdown(wait=False, cancel_futures=True)
         self.link.close()
         self.ctx.term()
         return code
@@ -79,11 +100,16 @@ class Frontend:
         if env.route == CLIENT:
             msg = decode(env.payload, TO_SERVER)
             if isinstance(msg, Generate):
-                await self._admit(env.source, msg)
+                await self._enqueue(env.source, msg)
             elif isinstance(msg, Abort):
-                if msg.request_id in self.active and self.active[msg.request_id].client == env.source:
+                if self.admitting.get(msg.request_id, (b"",))[0] == env.source:
+                    self.admitting[msg.request_id] = (env.source, True)
+                elif msg.request_id in self.active and self.active[msg.request_id].client == env.source:
                     await self.link.to_peer("scheduler", AbortRequest(msg.request_id))
             elif isinstance(msg, Stats):
+                if len(self.stats_waiting) >= MAX_STATS_QUERIES:
+                    await self.link.to_client(env.source, Error("too many stats queries in flight", None, OVERLOADED))
+                    return
                 qid = uuid.uuid4().hex
                 self.stats_waiting[qid] = (env.source, msg.query_id)
                 await self.link.to_peer("scheduler", StatsQuery(qid, msg.record, msg.reset))
@@ -94,7 +120,8 @@ class Frontend:
         elif isinstance(msg, StatsResult):
             client, query_id = self.stats_waiting.pop(msg.query_id, (b"", ""))
             if client:
-                stats = msg.stats | {"frontend": {"active_requests": len(self.active), "draining": self.draining}}
+                stats = msg.stats | {"frontend": {"active_requests": len(self.active), "admitting": len(self.admitting),
+                                         "draining": self.draining}}
                 await self.link.to_client(client, StatsReply(query_id, stats))
         elif isinstance(msg, ClientGone):
             await self._client_gone(msg.client)
@@ -106,54 +133,68 @@ class Frontend:
             self.log.warning("aborting every request", reason=msg.reason, active=len(self.active))
             for rid in self.active:
                 await self.link.to_peer("scheduler", AbortRequest(rid))
+            for rid, (client, _) in self.admitting.items():
+                self.admitting[rid] = (client, True)
         elif isinstance(msg, Error):
             self.log.warning("error from a process", error=msg.error, request_id=msg.request_id)
 
-    async def _admit(self, client: bytes, msg: Generate) -> None:
+    async def _enqueue(self, client: bytes, msg: Generate) -> None:
         rid = msg.request_id
         try:
             if self.draining:
-                raise InvalidRequest("server is shutting down; not accepting new requests")
-            if rid in self.active:
+                raise _Unavailable("server is shutting down; not accepting new requests")
+            if rid in self.active or rid in self.admitting:
                 raise InvalidRequest(f"request_id {rid!r} is already in use")
-            prompt_ids = self._prompt_ids(msg)
-            params = SamplingParams.from_dict(msg.sampling)
-            validate_request(prompt_ids, params, self.info, self.cfg)
+            self.prompts.check(msg)
+            SamplingParams.from_dict(msg.sampling).validate(self.info.vocab_size)
         except InvalidRequest as e:
-            self.log.info("request rejected", request_id=rid, error=str(e))
-            await self.link.to_client(client, Output(rid, [], "", True, "error", str(e)))
+            await self._refuse(client, rid, e)
             return
-        except Exception as e:  # e.g. a tokenizer failure: fail this request, keep serving the others
+        self.admitting[rid] = (client, False)
+        task = asyncio.create_task(self._tokenize_and_admit(client, msg))
+        self.admissions.add(task)
+        task.add_done_callback(self.admissions.discard)
+
+    async def _tokenize_and_admit(self, client: bytes, msg: Generate) -> None:
+        rid = msg.request_id
+        failure: Exception | None = None
+        prompt_ids: list[int] = []
+        try:
+            prompt_ids = await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, self.prompts.token_ids, msg)
+        except Exception as e:
+            failure = e
+        entry = self.admitting.pop(rid, None)
+        try:
+            if entry is None:
+                pass  # its client vanished meanwhile
+            elif entry[1]:  # aborted while it was tokenized
+                await self.link.to_client(client, Output(rid, [], "", True, "abort", code=ABORTED))
+            elif failure is not None:
+                raise failure
+            else:
+                await self._admit(client, msg, prompt_ids)
+        except InvalidRequest as e:
+            await self._refuse(client, rid, e)
+        except Exception:  # e.g. a tokenizer failure: fail this request, keep serving the others
             self.log.exception("request failed before admission", request_id=rid)
-            await self.link.to_client(client, Output(rid, [], "", True, "error", f"internal error: {e}"))
-            return
+            await self.link.to_client(client, Output(rid, [], "", True, "error", INTERNAL_TEXT, code=INTERNAL))
+        await self._maybe_drained()
+
+    async def _admit(self, client: bytes, msg: Generate, prompt_ids: list[int]) -> None:
+        rid = msg.request_id
+        if self.draining:
+            raise _Unavailable("server is shutting down; not accepting new requests")
+        params = SamplingParams.from_dict(msg.sampling)
+        validate_request(prompt_ids, params, self.info, self.cfg)
         self.active[rid] = _Active(client, IncrementalDetokenizer(self.tokenizer), len(prompt_ids), time.time())
         self.by_client.setdefault(client, set()).add(rid)
         self.log.info("request admitted", request_id=rid, prompt_tokens=len(prompt_ids), max_tokens=params.max_tokens)
         await self.link.to_peer("scheduler", AddRequest(rid, prompt_ids, params.to_dict()))
 
-    def _prompt_ids(self, msg: Generate) -> list[int]:
-        given = [k for k in ("prompt", "prompt_token_ids", "messages") if getattr(msg, k) is not None]
-        if len(given) != 1:
-            raise InvalidRequest(f"give exactly one of prompt, prompt_token_ids, messages (got {given or 'none'})")
-        if msg.prompt_token_ids is not None:
-            if msg.chat:
-                raise InvalidRequest("chat=True needs prompt or messages, not prompt_token_ids")
-            return msg.prompt_token_ids
-        if msg.messages is None and not msg.chat:
-            if not msg.prompt:
-                raise InvalidRequest("empty prompt")
-            return self.tokenizer.encode(msg.prompt)
-        messages = msg.messages if msg.messages is not None else [{"role": "user", "content": msg.prompt}]
-        if not messages or not all(
-            set(m) == {"role", "content"} and isinstance(m["role"], str) and isinstance(m["content"], str) for m in messages
-        ):
-            raise InvalidRequest("messages must be a non-empty list of {'role': str, 'content': str}")
-        try:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        except Exception as e:  # jinja raises for roles or orders the template forbids
-            raise InvalidRequest(f"chat template: {e}") from None
-        return self.tokenizer.encode(text, add_special_tokens=False)
+    async def _refuse(self, client: bytes, rid: str, e: InvalidRequest) -> None:
+        self.log.info("request rejected", request_id=rid, error=str(e))
+        code = UNAVAILABLE if isinstance(e, _Unavailable) else INVALID_REQUEST
+        await self.link.to_client(client, Output(rid, [], "", True, "error", str(e), code=code))
 
     async def _on_tokens(self, batch: TokenBatch) -> None:
         now = time.time()
@@ -171,7 +212,8 @@ class Frontend:
                 continue
             text += req.detok.finish()
             metrics = {**self._metrics(req, now), **({"scheduler": batch.metrics[rid]} if rid in batch.metrics else {})}
-            await self.link.to_client(req.client, Output(rid, new, text, True, reason, None, metrics))
+            error = INTERNAL_TEXT if reason == "error" else None
+            await self.link.to_client(req.client, Output(rid, new, text, True, reason, error, metrics, FINAL_CODES.get(reason)))
             self._forget(rid)
             self.log.info("request finished", request_id=rid, finish_reason=reason,
                           completion_tokens=len(req.token_ids), iteration=batch.iteration)
@@ -193,6 +235,8 @@ class Frontend:
 
     async def _client_gone(self, client: bytes) -> None:
         rids = self.by_client.get(client, set()).copy()
+        for rid in [r for r, (c, _) in self.admitting.items() if c == client]:
+            del self.admitting[rid]
         self.log.info("client disconnected; aborting its requests", client=client.hex(), requests=len(rids))
         for rid in rids:
             self._forget(rid)
@@ -207,7 +251,7 @@ class Frontend:
             del self.by_client[req.client]
 
     async def _maybe_drained(self) -> None:
-        if self.draining and not self.active:
+        if self.draining and not self.active and not self.admitting:
             await self.link.to_peer("launcher", Drained())
 
 

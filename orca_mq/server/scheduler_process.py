@@ -25,7 +25,7 @@ import zmq.asyncio
 from orca_mq.config import Config
 from orca_mq.logs import setup_logging, summarize_ms
 from orca_mq.protocol import ProtocolError, decode, encode
-from orca_mq.protocol.client_msgs import Error
+from orca_mq.protocol.common_msgs import PROTOCOL, Error
 from orca_mq.protocol.codec import channel
 from orca_mq.protocol.control_msgs import Progress, Ready
 from orca_mq.protocol.engine_msgs import (AbortRequest, AddRequest, ControlFrame, IterationDone, StatsQuery,
@@ -117,7 +117,7 @@ class SchedulerProcess:
             return
         if isinstance(msg, IterationDone):
             if msg.result.iteration not in self.sched.in_flight:  # a stray frame: nothing to apply it to
-                await self.link.to_peer(env.source, Error(f"scheduler: iteration {msg.result.iteration} is not in flight"))
+                await self.link.to_peer(env.source, Error(f"scheduler: iteration {msg.result.iteration} is not in flight", None, PROTOCOL))
                 return
             self.result_latency.append(received - msg.t_end)
             events = self.sched.process_result(msg.result, time.monotonic())

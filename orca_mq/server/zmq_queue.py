@@ -19,7 +19,7 @@ import zmq
 import zmq.asyncio
 
 from orca_mq.protocol import ProtocolError, encode
-from orca_mq.protocol.client_msgs import Error
+from orca_mq.protocol.common_msgs import PROTOCOL, Error
 
 PEER = b"P"
 CLIENT = b"C"
@@ -71,7 +71,7 @@ class BrokerLink:
         """Log a frame that could not be accepted and answer its sender (the broker reports its own)."""
         log.warning("rejected frame", route=env.route.decode(), source=env.source.hex(), error=str(error))
         if env.route != BROKER:
-            await self.send_raw(env.route, env.source, encode(Error(f"{self.identity}: {error}", error.request_id)))
+            await self.send_raw(env.route, env.source, encode(Error(f"{self.identity}: {error}", error.request_id, PROTOCOL)))
 
     async def to_peer(self, peer: str | bytes, msg: Any) -> None:
         await self.send_raw(PEER, peer if isinstance(peer, bytes) else peer.encode(), encode(msg))

@@ -1,0 +1,68 @@
+"""A request's prompt -> token ids, for the frontend: a size check in O(1) first, then the
+tokenizer (or chat template), which the frontend runs off its event loop.
+
+The size bound is derived from the context length: no token of the vocabulary covers more than
+`longest_token` characters, so a prompt longer than max_model_len x longest_token characters
+cannot fit and is refused before anything reads it.
+
+Encoding goes through the Rust tokenizer's `encode_batch`, which releases the GIL (its `encode`
+and transformers' wrapper hold it for the whole call): a long prompt on a thread then leaves the
+event loop running.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from orca_mq.protocol.client_msgs import Generate
+from orca_mq.sampling_params import InvalidRequest
+from orca_mq.validation import check_prompt_size
+
+
+def longest_token_chars(tokenizer: PreTrainedTokenizerBase) -> int:
+    return max(1, max(map(len, tokenizer.get_vocab())))
+
+
+@dataclass(slots=True)
+class Prompts:
+    tokenizer: PreTrainedTokenizerBase
+    max_model_len: int
+    max_chars: int          # max_model_len x the longest token's characters
+
+    @classmethod
+    def for_model(cls, tokenizer: PreTrainedTokenizerBase, max_model_len: int) -> "Prompts":
+        return cls(tokenizer, max_model_len, max_model_len * longest_token_chars(tokenizer))
+
+    def check(self, msg: Generate) -> None:
+        """Cheap checks, on the event loop: exactly one kind of prompt, and a size that can fit."""
+        given = [k for k in ("prompt", "prompt_token_ids", "messages") if getattr(msg, k) is not None]
+        if len(given) != 1:
+            raise InvalidRequest(f"give exactly one of prompt, prompt_token_ids, messages (got {given or 'none'})")
+        if msg.prompt_token_ids is not None and msg.chat:
+            raise InvalidRequest("chat=True needs prompt or messages, not prompt_token_ids")
+        if msg.messages is None and not msg.chat and msg.prompt is not None and not msg.prompt:
+            raise InvalidRequest("empty prompt")
+        check_prompt_size(msg.prompt, msg.prompt_token_ids, msg.messages, self.max_model_len, self.max_chars)
+
+    def token_ids(self, msg: Generate) -> list[int]:
+        """The tokenizer's work: call it off the event loop, after `check`."""
+        if msg.prompt_token_ids is not None:
+            return msg.prompt_token_ids
+        if msg.messages is None and not msg.chat:
+            return self._encode(msg.prompt, special=True)
+        messages: list[dict[str, Any]] = msg.messages if msg.messages is not None else [{"role": "user", "content": msg.prompt}]
+        if not messages or not all(
+            set(m) == {"role", "content"} and isinstance(m["role"], str) and isinstance(m["content"], str) for m in messages
+        ):
+            raise InvalidRequest("messages must be a non-empty list of {'role': str, 'content': str}")
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # jinja raises for roles or orders the template forbids
+            raise InvalidRequest(f"chat template: {e}") from None
+        return self._encode(text, special=False)
+
+    def _encode(self, text: str, special: bool) -> list[int]:
+        """= tokenizer.encode(text, add_special_tokens=special), without holding the GIL."""
+        return self.tokenizer.backend_tokenizer.encode_batch([text], add_special_tokens=special)[0].ids

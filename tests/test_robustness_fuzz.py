@@ -1,0 +1,100 @@
+"""Property-based fuzz (hypothesis): no frame and no sampling value gets past its check to fail later.
+
+- frame decoding, for every channel: arbitrary msgpack values, near-valid frames and raw bytes
+  decode to a message that channel accepts or raise ProtocolError, nothing else;
+- validation into the real sampler: whatever SamplingParams.validate accepts travels in a control
+  frame and samples without failing; whatever it rejects raises InvalidRequest.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import msgpack
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from orca_mq.engine.sampler import sample
+from orca_mq.protocol import ProtocolError, decode, encode
+from orca_mq.protocol import client_msgs, control_msgs, engine_msgs
+from orca_mq.protocol.codec import _REGISTRY, channel
+from orca_mq.protocol.iteration import IterationPlan, SeqWork
+from orca_mq.sampling_params import InvalidRequest, SamplingParams
+
+CHANNELS = [
+    client_msgs.TO_SERVER, client_msgs.TO_CLIENT,
+    channel(*(c for c in vars(control_msgs).values() if isinstance(c, type) and hasattr(c, "TYPE"))),
+    channel(*(c for c in vars(engine_msgs).values() if isinstance(c, type) and hasattr(c, "TYPE"))),
+    frozenset(_REGISTRY),
+]
+EDGE_INTS = st.sampled_from([0, 1, -1, 2, 511, 512, (1 << 31) - 1, 1 << 31, (1 << 63) - 1, -(1 << 63), (1 << 64) - 1])
+INTS = st.one_of(EDGE_INTS, st.integers(-(1 << 63), (1 << 64) - 1))
+FLOATS = st.one_of(st.floats(allow_nan=True, allow_infinity=True),
+                   st.sampled_from([0.0, -0.0, 1e-320, 1e-30, 1e-4, 1e-3, 0.5, 1.0, 100.0, 100.5, 1e308]))
+SCALARS = st.one_of(st.none(), st.booleans(), INTS, FLOATS, st.text(max_size=20), st.binary(max_size=20))
+VALUES = st.recursive(SCALARS, lambda inner: st.one_of(
+    st.lists(inner, max_size=5),
+    st.dictionaries(st.one_of(st.text(max_size=8), st.binary(max_size=8)), inner, max_size=5)), max_leaves=8)
+
+
+@st.composite
+def near_valid_frames(draw: st.DrawFn) -> bytes:
+    """A header of a real type (or a broken one) and that type's field names with arbitrary values."""
+    name = draw(st.sampled_from(sorted(_REGISTRY)))
+    body: dict[object, object] = {"v": draw(st.one_of(st.sampled_from([1, 2, 2, 2]), VALUES)),
+                                  "type": draw(st.one_of(st.just(name), st.just(name), VALUES))}
+    for f in dataclasses.fields(_REGISTRY[name]):
+        if draw(st.integers(0, 9)):  # mostly present
+            body[f.name] = draw(VALUES)
+    body.update(draw(st.dictionaries(st.one_of(st.text(max_size=8), st.binary(max_size=8)), VALUES, max_size=2)))
+    return msgpack.packb(body, use_bin_type=True)
+
+
+FRAMES = st.one_of(
+    near_valid_frames(),
+    VALUES.map(lambda v: msgpack.packb(v, use_bin_type=True)),
+    st.binary(max_size=64),
+    near_valid_frames().flatmap(lambda f: st.integers(0, len(f)).map(lambda n: f[:n])),  # truncated
+)
+
+
+@settings(max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(frame=FRAMES, accepted=st.sampled_from(CHANNELS))
+def test_any_frame_decodes_or_raises_protocol_error(frame: bytes, accepted: frozenset[str]) -> None:
+    try:
+        msg = decode(frame, accepted)
+    except ProtocolError:
+        return
+    assert msg.TYPE in accepted
+
+
+ANY = st.one_of(INTS, FLOATS, st.booleans(), st.none(), st.text(max_size=5), st.lists(st.one_of(INTS, FLOATS), max_size=3))
+TYPED = {"max_tokens": INTS, "temperature": FLOATS, "top_k": INTS, "top_p": FLOATS, "seed": st.one_of(st.none(), INTS),
+         "ignore_eos": st.booleans(), "stop_token_ids": st.lists(st.one_of(st.integers(0, 600), INTS, st.booleans()), max_size=4)}
+SAMPLING = st.one_of(
+    st.fixed_dictionaries({k: TYPED[k] for k in ("temperature", "top_k", "top_p", "seed")}),  # what the sampler reads
+    st.fixed_dictionaries({}, optional={**{k: st.one_of(v, ANY) for k, v in TYPED.items()}, "best_of": INTS}))
+VOCAB = 512
+
+
+@settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=SAMPLING, seed=st.integers(0, 2**32 - 1), seq_len=st.integers(1, 4096))
+def test_what_validation_accepts_the_sampler_runs(data: dict[str, object], seed: int, seq_len: int) -> None:
+    try:
+        params = SamplingParams.from_dict(data)
+        params.validate(VOCAB)
+    except InvalidRequest:
+        return  # rejected: InvalidRequest and nothing else
+    seq = SeqWork("r", [1], seq_len - 1, [0], params.temperature, params.top_k, params.top_p, params.seed)
+    plan = IterationPlan(1, [seq, SeqWork("other", [2], 0, [1], 0.8, 40, 0.9, 7)])
+    wire = decode(encode(engine_msgs.ControlFrame(plan, 0.0)), channel(engine_msgs.ControlFrame)).plan
+    assert wire.seqs[0] == seq  # it travels to the worker unchanged
+    logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(seed)) * 5
+    tokens, failed = sample(logits, wire.seqs)
+    assert failed == [] and all(0 <= t < VOCAB for t in tokens)
+    if params.top_k > 0:
+        assert tokens[0] in logits[0].topk(min(params.top_k, VOCAB)).indices.tolist()
+    if params.temperature > 0:  # one the requested distribution can draw (a NaN overflow picks any)
+        assert (logits[0].double() / params.temperature).softmax(-1)[tokens[0]] > 0
+    assert math.isfinite(params.temperature) and params.max_tokens >= 1

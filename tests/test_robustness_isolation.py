@@ -1,0 +1,58 @@
+"""One request's failure on a worker ends that request, not the worker nor its batch-mates.
+
+The real compute thread (StageExecutor) runs a real ModelRunner on the tiny Llama for plans made
+by the real scheduler; the faults are plans carrying what validation would have refused (a seed
+torch cannot take) or a block table that cannot hold the sequence (the model raises).
+"""
+from __future__ import annotations
+
+import queue
+
+import structlog
+
+from orca_mq.config import load_config
+from orca_mq.engine.model_runner import ModelRunner
+from orca_mq.engine.model_info import read_model_info
+from orca_mq.protocol.iteration import IterationPlan, IterationResult
+from orca_mq.sampling_params import SamplingParams
+from orca_mq.sched import make_scheduler
+from orca_mq.sched.request import Request
+from workers.data_plane import DataPlane
+from workers.stage_executor import StageExecutor
+
+
+def test_failed_work_ends_only_its_requests_and_frees_their_kv(tiny_llama_dir):
+    cfg = load_config(overrides={"model.path": str(tiny_llama_dir), "engine.block_size": 8, "engine.n_slots": 256,
+                                 "engine.threads_per_worker": 1, "scheduler.max_bs": 4})
+    info = read_model_info(cfg.model.path, cfg.model.cache_dir)
+    runner = ModelRunner(cfg, info=info)
+    sched = make_scheduler(cfg, info)
+    results: queue.Queue[IterationResult] = queue.Queue()
+    errors: list[BaseException] = []
+    executor = StageExecutor(runner, DataPlane(0, 1, 0, runner.device), on_result=lambda r, t0, t1: results.put(r),
+                             on_error=errors.append, log=structlog.get_logger())
+    executor.start()
+
+    def run(plan: IterationPlan) -> dict[str, str | None]:
+        executor.submit(plan, 0.0)
+        return {e.req_id: e.finish_reason for e in sched.process_result(results.get(timeout=60), 0.0)}
+
+    greedy, sampled = SamplingParams(max_tokens=3, temperature=0.0), SamplingParams(max_tokens=3, temperature=1.0)
+    for rid, params in (("a", greedy), ("b", sampled), ("c", greedy)):
+        sched.add(Request(rid, [1, 2, 3, 4, 5], params))
+    plan = sched.schedule(0.0)
+    assert plan is not None and [s.req_id for s in plan.seqs] == ["a", "b", "c"]
+    plan.seqs[1].seed = float("nan")  # type: ignore[assignment]  # sampling raises for b alone
+    assert run(plan) == {"a": None, "b": "error", "c": None}
+    assert "b" not in sched.pool and "b" not in sched.block_manager.tables
+
+    plan = sched.schedule(0.0)
+    assert plan is not None
+    plan.seqs[0].block_table = []  # the model raises: the whole iteration fails, the thread goes on
+    assert run(plan) == {"a": "error", "c": "error"}
+    assert sched.block_manager.num_used_slots == 0 and not sched.has_work()
+
+    sched.add(Request("d", [7, 8, 9], greedy))
+    assert run(sched.schedule(0.0)) == {"d": None}  # the same worker serves the next request
+    executor.stop()
+    assert errors == [] and executor.stats(reset=False)["failed_iterations"] == 1

@@ -1,0 +1,184 @@
+#!/usr/bin/env python
+"""Reliability benchmark against a live server (tools/launch.py, embedded model, one worker):
+
+1. fuzz: `--frames` undecodable client frames (orca_mq.bench.reliability.garbage_frames); every
+   one must get an `error` reply with code `protocol`; the broker's RSS before and after;
+2. oversize: three frames of max_frame_bytes + 16 MiB; the broker's RSS must not follow;
+3. huge prompt: a short request's latency on the idle server, then sent right after a 20 MB
+   prompt (refused by size) and after a prompt long enough to need the tokenizer (~150 kB);
+4. overload: capacity + 50 requests at once: how many get `overloaded`, and how fast;
+5. soak: clients with aborts and garbage frames, plus clients that vanish mid-request: exactly
+   one final per request, and every KV slot free at the end.
+
+Prints a table and writes JSON (`--out`).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench_overhead import Server  # noqa: E402
+
+from orca_mq.bench.reliability import SoakConfig, fuzz, garbage_frames, soak  # noqa: E402
+from orca_mq.client import AsyncClient  # noqa: E402
+from orca_mq.config import Config  # noqa: E402
+from orca_mq.protocol import encode  # noqa: E402
+from orca_mq.protocol.client_msgs import Generate  # noqa: E402
+
+
+def _broker_pid(address: str) -> int:
+    for entry in Path("/proc").iterdir():
+        try:
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if "orca_mq.server.broker" in cmd and address in cmd:
+            return int(entry.name)
+    raise RuntimeError("broker process not found")
+
+
+def _rss_mb(pid: int) -> float:
+    line = next(x for x in Path(f"/proc/{pid}/status").read_text().splitlines() if x.startswith("VmRSS:"))
+    return int(line.split()[1]) / 1024
+
+
+async def _latency(client: AsyncClient) -> float:
+    t = time.perf_counter()
+    out = await client.generate("The sky is", max_tokens=1, temperature=0.0)
+    assert out.finish_reason == "length", out
+    return time.perf_counter() - t
+
+
+async def _huge_prompt(address: str) -> dict[str, Any]:
+    async with AsyncClient(address) as client:
+        idle = statistics.median([await _latency(client) for _ in range(5)])
+        out: dict[str, Any] = {"idle_ms": idle * 1e3}
+        for name, prompt in (("20MB", "word " * (4 << 20)), ("150kB", "word " * 30_000)):
+            t = time.perf_counter()
+            big = asyncio.create_task(client.generate(prompt, max_tokens=1))
+            await asyncio.sleep(0)
+            normal = await _latency(client)
+            refused = await big
+            out[f"{name}_refused_ms"] = (time.perf_counter() - t) * 1e3
+            out[f"{name}_code"] = refused.code
+            out[f"normal_during_{name}_ms"] = normal * 1e3
+    return out
+
+
+async def _overload(address: str, capacity: int, extra: int = 50) -> dict[str, Any]:
+    """capacity + extra requests at once: the extra ones should get `overloaded` at once."""
+    async with AsyncClient(address) as client:
+        t = time.perf_counter()
+        tasks = [asyncio.create_task(client.generate("Count:", max_tokens=64, ignore_eos=True)) for _ in range(capacity + extra)]
+        overloaded, first, last = 0, 0.0, 0.0
+        for fut in asyncio.as_completed(tasks):
+            if (await fut).code == "overloaded":
+                overloaded += 1
+                last = time.perf_counter() - t
+                first = first or last
+            if overloaded == extra:
+                break
+        for task in tasks:
+            task.cancel()  # leaving a stream aborts its request
+        await asyncio.gather(*tasks, return_exceptions=True)
+    return {"sent": capacity + extra, "overloaded": overloaded, "first_overloaded_ms": first * 1e3,
+            "last_overloaded_ms": last * 1e3}
+
+
+async def _settled(address: str) -> dict[str, Any]:
+    async with AsyncClient(address) as client:
+        for _ in range(150):
+            stats = await client.stats()
+            if stats["scheduler"]["used_slots"] == 0 and stats["broker"]["tracked_requests"] == 0:
+                break
+            await asyncio.sleep(0.2)
+    return {"used_slots": stats["scheduler"]["used_slots"], "tracked_requests": stats["broker"]["tracked_requests"],
+            "active_requests": stats["frontend"]["active_requests"], "broker": stats["broker"]}
+
+
+def _oversize(address: str, max_frame: int) -> None:
+    import zmq
+
+    ctx = zmq.Context()
+    for i in range(3):
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(address)
+        sock.send(encode(Generate(f"big{i}", prompt="x" * (max_frame + (16 << 20)))), copy=False, track=True).wait(120)
+        sock.close()
+    ctx.destroy(linger=0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--frames", type=int, default=100_000)
+    ap.add_argument("--clients", type=int, default=8)
+    ap.add_argument("--requests-per-client", type=int, default=100)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="results/reliability.json")
+    args = ap.parse_args()
+    cfg = Config()
+    capacity = cfg.server.max_waiting + cfg.scheduler.max_bs
+    report: dict[str, Any] = {"args": vars(args)}
+    with Server(1, 2, cfg.scheduler.max_bs, []) as server:
+        broker = _broker_pid(server.address)
+        rng = random.Random(args.seed)
+        rss0, t, totals = _rss_mb(broker), time.perf_counter(), {"frames": 0, "protocol": 0, "other": 0, "unanswered": 0}
+        for start in range(0, args.frames, 10_000):
+            res = asyncio.run(fuzz(server.address, garbage_frames(rng, min(10_000, args.frames - start))))
+            totals["frames"] += res.frames
+            totals["protocol"] += res.errors.get("protocol", 0)
+            totals["other"] += res.other_replies + sum(n for c, n in res.errors.items() if c != "protocol")
+            totals["unanswered"] += res.unanswered
+        report["fuzz"] = {**totals, "frames_per_s": totals["frames"] / (time.perf_counter() - t),
+                          "broker_rss_mb_before": rss0, "broker_rss_mb_after": _rss_mb(broker)}
+        rss0 = _rss_mb(broker)
+        _oversize(server.address, cfg.server.max_frame_bytes)
+        time.sleep(1)
+        report["oversize"] = {"frames": 3, "frame_mb": (cfg.server.max_frame_bytes + (16 << 20)) / 2**20,
+                              "broker_rss_mb_before": rss0, "broker_rss_mb_after": _rss_mb(broker)}
+        report["huge_prompt"] = asyncio.run(_huge_prompt(server.address))
+        report["overload"] = asyncio.run(_overload(server.address, capacity))
+        soak_cfg = SoakConfig(clients=args.clients, requests_per_client=args.requests_per_client, vanishing_clients=8)
+        res = asyncio.run(soak(server.address, soak_cfg, args.seed))
+        report["soak"] = {**dataclasses.asdict(res), "config": dataclasses.asdict(soak_cfg)}
+        report["after"] = asyncio.run(_settled(server.address))
+    _print(report)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2, default=str))
+    print(f"wrote {args.out}")
+
+
+def _print(r: dict[str, Any]) -> None:
+    f, o, h, ov, s, a = r["fuzz"], r["oversize"], r["huge_prompt"], r["overload"], r["soak"], r["after"]
+    rows = [
+        ("fuzz frames", f"{f['frames']}", f"protocol errors {f['protocol']}, other {f['other']}, unanswered {f['unanswered']}"),
+        ("fuzz rate", f"{f['frames_per_s']:.0f}/s", f"broker RSS {f['broker_rss_mb_before']:.0f} -> {f['broker_rss_mb_after']:.0f} MB"),
+        ("oversize", f"3 x {o['frame_mb']:.0f} MB", f"broker RSS {o['broker_rss_mb_before']:.0f} -> {o['broker_rss_mb_after']:.0f} MB"),
+        ("idle latency", f"{h['idle_ms']:.0f} ms", "1-token request, median of 5"),
+        ("20 MB prompt", f"{h['20MB_refused_ms']:.0f} ms", f"code {h['20MB_code']}; a normal request meanwhile {h['normal_during_20MB_ms']:.0f} ms"),
+        ("150 kB prompt", f"{h['150kB_refused_ms']:.0f} ms", f"code {h['150kB_code']}; a normal request meanwhile {h['normal_during_150kB_ms']:.0f} ms"),
+        ("overload", f"{ov['sent']} at once", f"{ov['overloaded']} overloaded, after {ov['first_overloaded_ms']:.0f}"
+                                              f"-{ov['last_overloaded_ms']:.0f} ms"),
+        ("soak requests", f"{s['requests']}", f"missing finals {s['missing_finals']}, duplicates {s['duplicate_finals']}, {s['seconds']:.0f} s"),
+        ("soak finals", "", ", ".join(f"{k} {v}" for k, v in sorted(s["finals"].items()))),
+        ("soak faults", "", f"aborts {s['aborts_sent']}, garbage {s['garbage_sent']} (answered {s['garbage_answered']}), vanished requests {s['vanished_requests']}"),
+        ("after", "", f"used KV slots {a['used_slots']}, broker tracked {a['tracked_requests']}, frontend active {a['active_requests']}"),
+    ]
+    for name, value, detail in rows:
+        print(f"{name:<15} {value:>14}  {detail}")
+
+
+if __name__ == "__main__":
+    main()
