@@ -63,6 +63,7 @@ class ServerConfig:
     drain_timeout: float = 30.0
     ready_timeout: float = 300.0
     stop_grace: float = 10.0
+    stats_timeout: float = 2.0
     max_restarts: int = 5
     restart_window: float = 300.0
     max_waiting: int = 1024

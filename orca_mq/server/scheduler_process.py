@@ -39,7 +39,6 @@ from orca_mq.server.zmq_queue import BrokerLink, Envelope, control_address, serv
 
 ACCEPTED = channel(AddRequest, AbortRequest, StatsQuery, IterationDone, WorkerStats, Error)
 WINDOW = 10_000          # timing samples kept for the stats
-STATS_TIMEOUT = 2.0      # seconds to wait for the workers' stats
 
 
 @dataclass(slots=True)
@@ -168,7 +167,7 @@ class SchedulerProcess:
         self.queries[qid] = _StatsQuery(source, query)
         for stage in range(self.cfg.engine.n_workers):
             await self.link.to_peer(f"worker{stage}", WorkerStatsQuery(qid, query.reset))
-        asyncio.get_running_loop().call_later(STATS_TIMEOUT, lambda: asyncio.ensure_future(self._answer_stats(qid)))
+        asyncio.get_running_loop().call_later(self.cfg.server.stats_timeout, lambda: asyncio.ensure_future(self._answer_stats(qid)))
 
     async def _worker_stats(self, msg: WorkerStats) -> None:
         pending = self.queries.get(msg.query_id)
