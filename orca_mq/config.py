@@ -61,6 +61,9 @@ class ServerConfig:
     worker_base_port: int = 29500
     drain_timeout: float = 30.0
     ready_timeout: float = 300.0
+    http_address: str = "127.0.0.1:8000"
+    http_max_connections: int = 1024
+    http_max_body_bytes: int = 4_194_304
 
 
 @dataclass(slots=True)

@@ -97,6 +97,7 @@ def start_server(tmp: Path, n_workers: int = 1, ready_timeout: float = 240.0, **
         "engine.n_workers": n_workers,
         "engine.threads_per_worker": max(1, 2 // n_workers),
         "log.dir": str(tmp / "logs"),
+        "server.http_address": "",   # no HTTP process unless a test asks for one (the default port is shared)
         **overrides,
     }
     cmd = [sys.executable, str(ROOT / "tools" / "launch.py")]

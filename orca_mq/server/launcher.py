@@ -105,6 +105,9 @@ class Launcher:
         self._spawn("scheduler", "orca_mq.server.scheduler_process", "--run-dir", self.run_dir)
         self._spawn("frontend", "orca_mq.server.frontend")
         waiting = {"frontend", "scheduler", *(f"worker{i}" for i in range(n))}
+        if self.cfg.server.http_address:  # the OpenAI-compatible API: one more client of the broker
+            self._spawn("http", "orca_mq.server.http_api")
+            waiting.add("http")
         while waiting:
             if dead := self._dead():
                 self.log.error("a process died during startup", processes=dead)
