@@ -15,9 +15,10 @@ import asyncio
 import contextlib
 import json
 import os
+import signal
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import uvicorn
@@ -231,10 +232,17 @@ def _usage(gen: Generation) -> Usage:
                  total_tokens=gen.prompt_tokens + gen.completion_tokens)
 
 
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        """uvicorn would re-raise SIGTERM after its shutdown; _main's handlers exit 0 like the other processes."""
+        yield
+
+
 async def _main(cfg: Config) -> int:
     api = Api(cfg)
     host, _, port = cfg.server.http_address.rpartition(":")
-    server = uvicorn.Server(uvicorn.Config(
+    server = _Server(uvicorn.Config(
         BodyLimit(api.app, cfg.server.http_max_body_bytes), host=host or "127.0.0.1", port=int(port),
         limit_concurrency=cfg.server.http_max_connections, timeout_graceful_shutdown=5, log_level="warning",
         access_log=False, lifespan="off"))
@@ -242,6 +250,8 @@ async def _main(cfg: Config) -> int:
     ctx = zmq.asyncio.Context()
     link = BrokerLink(ctx, cfg.server.backend_address, "http")
     serving = asyncio.create_task(server.serve())
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(sig, setattr, server, "should_exit", True)
     while not server.started and not serving.done():
         await asyncio.sleep(0.05)
     if server.started:

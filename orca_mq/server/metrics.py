@@ -77,7 +77,7 @@ class EngineCollector(Collector):
     restarts: int = 0
 
     def update(self, stats: dict[str, Any]) -> None:
-        started = stats.get("scheduler", {}).get("telemetry", {}).get("started_at")
+        started = stats.get("telemetry", {}).get("started_at")
         if self.started_at is not None and started != self.started_at:
             self.restarts += 1
         self.started_at = started
@@ -89,7 +89,7 @@ class EngineCollector(Collector):
         sched = self.stats.get("scheduler")
         if not sched:
             return
-        tel = sched.get("telemetry", {})
+        tel = self.stats.get("telemetry", {})
         yield _gauge("vllm:num_requests_running", "Requests in an iteration in flight.", lv, sched["running"])
         yield _gauge("vllm:num_requests_waiting", "Requests in the pool not in an iteration in flight.", lv, sched["waiting"])
         yield _gauge("orca_mq:num_requests_preempted", "Started requests not in an iteration in flight (FastServe preemption).",
