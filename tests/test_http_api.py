@@ -228,3 +228,17 @@ def test_health_is_503_until_the_server_answers(tmp_path):
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
+
+
+def test_bench_openai_backend_replays_a_trace(server):
+    """tools/bench.py --backend openai: the replayer over HTTP counts every token the server made."""
+    from orca_mq.bench.metrics import summarize
+    from orca_mq.bench.openai_backend import OpenAIClient
+    from orca_mq.bench.replay import replay
+    from orca_mq.bench.trace import TraceRequest
+
+    trace = [TraceRequest(i, 0.1 * i, list(range(100, 100 + 8 + i)), 5 + i) for i in range(3)]
+    records, _ = asyncio.run(replay(server.base_url, trace, progress=False, client_factory=OpenAIClient))
+    assert [r["generated_tokens"] for r in records] == [5, 6, 7]
+    assert all(r["error"] is None and r["finish_reason"] == "length" for r in records)
+    assert summarize(records)["n_ok"] == 3
