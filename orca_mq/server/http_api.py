@@ -18,7 +18,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import uvicorn
@@ -37,7 +37,7 @@ from orca_mq.engine.weights import read_model_info
 from orca_mq.logs import setup_logging
 from orca_mq.protocol.control_msgs import Ready
 from orca_mq.server.http_body_limit import BodyLimit
-from orca_mq.server.http_stream import ApiError, Generation, StopStrings
+from orca_mq.server.http_stream import ApiError, Generation, StopStrings, join, until_disconnect
 from orca_mq.server.metrics import ApiMetrics
 from orca_mq.server.openai_schemas import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,
                                            ChatCompletionChunk, ChatCompletionRequest, ChatDelta, Completion,
@@ -135,7 +135,7 @@ class Api:
         pieces = gen.pieces()
         if not body.stream:
             async with contextlib.aclosing(pieces):
-                text = "".join(await _until_disconnect(request, _join(pieces)))
+                text = "".join(await until_disconnect(request, join(pieces)))
             return JSONResponse(whole(rid, text, gen.finish_reason, _usage(gen)).model_dump())
         try:  # the first event before the headers: a refused request gets its HTTP status
             first = await anext(pieces)
@@ -201,30 +201,6 @@ class Api:
             self.stats_ok = False
             self.log.warning("stats unavailable", error=str(e))
         self.stats_at = asyncio.get_running_loop().time()
-
-
-async def _join(pieces: AsyncIterator[str]) -> list[str]:
-    return [p async for p in pieces]
-
-
-async def _until_disconnect(request: Request, work: Awaitable[list[str]]) -> list[str]:
-    """Run `work`; if the HTTP client disconnects first, cancel it (which aborts the request)."""
-    task = asyncio.ensure_future(work)
-
-    async def disconnected() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    watcher = asyncio.create_task(disconnected())
-    try:
-        await asyncio.wait([task, watcher], return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-    if not task.done():
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        raise ApiError(499, "client disconnected")
-    return task.result()
 
 
 def _usage(gen: Generation) -> Usage:

@@ -8,11 +8,14 @@ sends `abort`: the scheduler frees the request's KV at its next iteration.
 """
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import Any
+
+from starlette.requests import Request
 
 from orca_mq.client import AsyncClient
 from orca_mq.server.metrics import ApiMetrics
@@ -126,3 +129,28 @@ class Generation:
         self.finish_reason = "error"
         self.metrics.outcome(OUTCOME_BY_STATUS.get(err.status, "error"))
         raise err
+
+
+async def join(pieces: AsyncIterator[str]) -> list[str]:
+    return [p async for p in pieces]
+
+
+async def until_disconnect(request: Request, work: Awaitable[list[str]]) -> list[str]:
+    """Run `work`; if the HTTP client disconnects first, cancel it (which aborts the request)."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.create_task(disconnected())
+    try:
+        await asyncio.wait([task, watcher], return_when=asyncio.FIRST_COMPLETED)
+    finally:  # also when this handler is cancelled: never leave the request running
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        raise ApiError(499, "client disconnected")
+    return task.result()

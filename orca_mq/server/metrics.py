@@ -32,7 +32,7 @@ class ApiMetrics:
             return Histogram(name, doc, label, buckets=buckets, registry=self.registry).labels(model_name)
 
         self.ttft = hist("vllm:time_to_first_token_seconds", "Time to first token (HTTP arrival -> first token).")
-        self.tpot = hist("vllm:time_per_output_token_seconds", "Mean time per output token after the first, per request.")
+        self.tpot = hist("vllm:request_time_per_output_token_seconds", "Mean time per output token after the first, per request.")
         self.itl = hist("vllm:inter_token_latency_seconds", "Time between consecutive tokens of a request.")
         self.e2e = hist("vllm:e2e_request_latency_seconds", "End-to-end request latency.")
         self.prompt_len = hist("vllm:request_prompt_tokens", "Prompt tokens per finished request.", TOKEN_BUCKETS)

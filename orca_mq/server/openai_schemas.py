@@ -15,7 +15,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-MAX_STOP_STRINGS = 16           # bounds the work of the stop-string check on every token
+MAX_STOP_STRINGS = 16           # these two bound the work of the stop-string check on every token
+MAX_STOP_LEN = 256
 
 
 class StreamOptions(BaseModel):
@@ -49,8 +50,8 @@ class _Sampling(BaseModel):
             raise ValueError("logprobs are not supported")
         if self.presence_penalty or self.frequency_penalty:
             raise ValueError("presence_penalty and frequency_penalty are not supported")
-        if len(self.stop_strings) > MAX_STOP_STRINGS or any(not s for s in self.stop_strings):
-            raise ValueError(f"stop: at most {MAX_STOP_STRINGS} non-empty strings")
+        if len(self.stop_strings) > MAX_STOP_STRINGS or any(not 0 < len(s) <= MAX_STOP_LEN for s in self.stop_strings):
+            raise ValueError(f"stop: at most {MAX_STOP_STRINGS} strings of 1 to {MAX_STOP_LEN} characters")
         return self
 
     @property
