@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -24,17 +25,17 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tools")]
 
-from bench import Launcher, free_tcp_port  # noqa: E402  (tools/bench.py)
+from bench import Launcher, _on_sigterm, free_tcp_port  # noqa: E402  (tools/bench.py)
 from orca_mq.bench.metrics import summarize  # noqa: E402
 from orca_mq.bench.openai_backend import OpenAIClient  # noqa: E402
 from orca_mq.bench.plot_run import plot_cdfs  # noqa: E402
 from orca_mq.bench.replay import open_client, replay  # noqa: E402
 from orca_mq.bench.trace import TraceSpec, load_corpus, make_trace, spec_dict  # noqa: E402
 
-SCENARIOS = {  # name -> trace spec: all at once (c64) or deterministic 2 s gaps (c1)
-    "c64": TraceSpec(kind="orca", num_requests=64, rate=0.0, input_len=(32, 256), output_len=(32, 96), seed=1),
-    "c1": TraceSpec(kind="fastserve", num_requests=12, rate=0.5, cv=0.0, zipf=0.0, input_len=(32, 256),
-                    output_len=(32, 48), seed=2),
+SCENARIOS = {  # name -> trace spec: all at once (c64) or deterministic 2 s gaps (c1); short, for a 2-core machine
+    "c64": TraceSpec(kind="orca", num_requests=64, rate=0.0, input_len=(32, 128), output_len=(16, 32), seed=1),
+    "c1": TraceSpec(kind="fastserve", num_requests=8, rate=0.5, cv=0.0, zipf=0.0, input_len=(32, 128),
+                    output_len=(24, 32), seed=2),
 }
 KEYS = ("throughput_tok_s", "ttft_p50_s", "tpot_p50_s", "itl_p50_s", "itl_p99_s", "jct_p50_s")
 
@@ -66,6 +67,7 @@ def main() -> int:
     p.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=list(SCENARIOS))
     p.add_argument("--out", required=True, metavar="FILE.json")
     args = p.parse_args()
+    signal.signal(signal.SIGTERM, _on_sigterm)  # so `finally` stops the server and the peer
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
 
@@ -82,6 +84,7 @@ def main() -> int:
     peer = None
     results: dict[str, dict[str, list[dict[str, Any]]]] = {s: {b: [] for b in targets} for s in traces}
     last: dict[str, dict[str, list[dict[str, Any]]]] = {s: {} for s in traces}   # the last round's records
+    partial = out.with_suffix(".partial.json")
     try:
         launcher.start()
         if args.peer:
@@ -97,6 +100,7 @@ def main() -> int:
                     last[scen][backend] = records = run(backend, target, trace)
                     summary = summarize(records)
                     results[scen][backend].append(summary)
+                    partial.write_text(json.dumps(results, default=str))   # what is done so far, if the run is cut short
                     print(f"round {r} {scen} {backend}: {summary['n_ok']}/{summary['n_requests']} ok, "
                           f"{summary['throughput_tok_s']:.1f} tok/s, ITL p50 {summary['itl_p50_s'] * 1e3:.1f} ms "
                           f"({time.perf_counter() - t:.0f} s)", file=sys.stderr, flush=True)

@@ -138,7 +138,7 @@ class Api:
                 text = "".join(await until_disconnect(request, join(pieces)))
             return JSONResponse(whole(rid, text, gen.finish_reason, _usage(gen)).model_dump())
         try:  # the first event before the headers: a refused request gets its HTTP status
-            first = await anext(pieces)
+            first = await until_disconnect(request, anext(pieces))
         except BaseException:
             await pieces.aclose()
             raise

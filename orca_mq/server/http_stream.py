@@ -13,12 +13,14 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from starlette.requests import Request
 
 from orca_mq.client import AsyncClient
 from orca_mq.server.metrics import ApiMetrics
+
+T = TypeVar("T")
 
 
 class ApiError(Exception):
@@ -135,7 +137,7 @@ async def join(pieces: AsyncIterator[str]) -> list[str]:
     return [p async for p in pieces]
 
 
-async def until_disconnect(request: Request, work: Awaitable[list[str]]) -> list[str]:
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
     """Run `work`; if the HTTP client disconnects first, cancel it (which aborts the request)."""
     task = asyncio.ensure_future(work)
 
