@@ -48,7 +48,7 @@ class Server:
         sets = {"server.frontend_address": self.address, "server.backend_address": f"ipc://{self.tmp}/backend",
                 "server.worker_base_port": _free_port(), "engine.n_workers": workers,
                 "engine.threads_per_worker": threads, "scheduler.max_bs": max_bs, "log.dir": f"{self.tmp}/logs",
-                "log.level": "warning"}
+                "log.level": "warning", "server.http_address": ""}   # ZeroMQ only: no HTTP process on the shared port
         cmd = [sys.executable, str(ROOT / "tools" / "launch.py"), *(a for k, v in sets.items() for a in ("--set", f"{k}={v}"))]
         for item in extra:
             cmd += ["--set", item]
