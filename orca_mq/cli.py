@@ -89,6 +89,8 @@ def _check_free(address: str) -> None:
 def _serve(args: argparse.Namespace) -> int:
     cfg = _config(args)
     _check_free(cfg.server.frontend_address)
+    if cfg.server.http_address:
+        _check_free(f"tcp://{cfg.server.http_address}")
     if not cfg.model.path:
         from orca_mq.engine.model_files import embedded_model_path
         try:

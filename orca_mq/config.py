@@ -68,6 +68,9 @@ class ServerConfig:
     restart_window: float = 300.0
     max_waiting: int = 1024
     max_frame_bytes: int = 64 << 20
+    http_address: str = "127.0.0.1:8000"
+    http_max_connections: int = 1024
+    http_max_body_bytes: int = 4_194_304
 
 
 @dataclass(slots=True)

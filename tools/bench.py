@@ -5,6 +5,12 @@
         [--num-requests N] [--rate REQ_PER_S] [--cv CV] [--zipf THETA]
         [--input-len MIN:MAX] [--output-len MIN:MAX] [--max-bs B] [--seed S]
         [--set section.key=value ...] [--address ADDR] --out FILE.json
+        [--backend openai [--base-url URL] [--model NAME]] [--burstiness K] [--goodput ttft:MS tpot:MS e2el:MS]
+
+--backend orca-mq (default) replays over the ZeroMQ client; --backend openai over HTTP against any
+OpenAI-compatible server (/v1/completions, streamed, the trace's token ids as the prompt): with
+--base-url the server is already running (orca-mq's HTTP API, llama.cpp's server, vLLM, ...);
+without it the bench launches orca-mq with its HTTP API on a free port and measures through it.
 
 Without --address the system is started here:
     python tools/launch.py --set scheduler.policy=P --set scheduler.max_bs=B
@@ -16,8 +22,9 @@ Without --address the system is started here:
 launcher's stdout and stderr go to FILE.launch.log. With --address the system is already running
 and --policy / --max-bs are only recorded as labels (they must match what the server runs).
 
-Progress goes to stderr, a summary table to stdout, and everything to FILE.json:
-{"config": {...}, "summary": {...}, "requests": [...]} (see orca_mq/bench/metrics.py).
+Progress goes to stderr, a summary table to stdout, everything to FILE.json:
+{"config": {...}, "summary": {...}, "requests": [...]} (see orca_mq/bench/metrics.py), and the
+latency CDFs (TTFT, TPOT, ITL, E2E) to FILE.png.
 """
 from __future__ import annotations
 
@@ -56,7 +63,8 @@ from orca_mq.bench.trace import (
 
 POLICIES = ("request", "orca", "fastserve")
 # keys the bench sets itself when it launches the system
-OWN_KEYS = ("scheduler.policy", "scheduler.max_bs", "server.frontend_address")
+OWN_KEYS = ("scheduler.policy", "scheduler.max_bs", "server.frontend_address", "server.http_address")
+BACKENDS = ("orca-mq", "openai")
 
 
 def parse_rate(text: str) -> float:
@@ -95,6 +103,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="section.key=value",
                    help="system config override, passed to launch.py (repeatable)")
     p.add_argument("--address", default=None, help="frontend address of a running system (default: launch one)")
+    p.add_argument("--backend", choices=BACKENDS, default="orca-mq",
+                   help="orca-mq: the ZeroMQ client; openai: HTTP /v1/completions of any OpenAI-compatible server")
+    p.add_argument("--base-url", default=None, metavar="URL",
+                   help="openai backend: a running server, e.g. http://127.0.0.1:8000 (default: launch orca-mq with HTTP)")
+    p.add_argument("--model", default=None, help="openai backend: model name to send (default: the first of /v1/models)")
+    p.add_argument("--burstiness", type=float, default=None, metavar="K",
+                   help="Gamma arrivals with shape K (CV = 1/sqrt(K); 1 = Poisson), either trace, as vllm bench serve")
+    p.add_argument("--goodput", nargs="+", default=[], metavar="METRIC:MS",
+                   help="SLOs for goodput, e.g. ttft:500 tpot:50 (e2el too): ok requests meeting all, per second")
     p.add_argument("--out", required=True, metavar="FILE.json")
     p.add_argument("--warmup", type=int, default=1, help="untimed short requests sent before the trace (default 1)")
     p.add_argument("--request-timeout", type=float, default=0.0, metavar="S",
@@ -218,10 +235,16 @@ def write_result(path: Path, config: dict, summary: dict, requests: list[dict]) 
 
 
 def run_replay(address: str, trace: list, args: argparse.Namespace) -> tuple[list[dict], float]:
-    from orca_mq.bench.replay import replay
+    from orca_mq.bench.replay import open_client, replay
+
+    def http_client(url: str) -> Any:
+        from orca_mq.bench.openai_backend import OpenAIClient
+
+        return OpenAIClient(url, args.model)
 
     coro = replay(address, trace, progress=not args.no_progress, warmup=args.warmup,
-                  request_timeout=args.request_timeout or None)
+                  request_timeout=args.request_timeout or None,
+                  client_factory=http_client if args.backend == "openai" else open_client)
     try:
         import uvloop
         loop_factory = uvloop.new_event_loop
@@ -245,7 +268,19 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, _on_sigterm)  # so `finally` stops the launcher when we are terminated
     out = Path(args.out)
-    launched = args.address is None
+    if args.base_url and args.backend != "openai":
+        sys.exit("bench: --base-url needs --backend openai")
+    if args.burstiness is not None:
+        if not args.burstiness > 0:
+            sys.exit("bench: --burstiness must be > 0")
+        args.cv = 1.0 / math.sqrt(args.burstiness)
+    try:
+        from orca_mq.bench.metrics import parse_goodput
+
+        slos = parse_goodput(args.goodput)
+    except ValueError as e:
+        sys.exit(f"bench: {e}")
+    launched = args.address is None and args.base_url is None
 
     for s in args.sets:
         key = s.split("=", 1)[0].strip()
@@ -282,12 +317,15 @@ def main(argv: list[str] | None = None) -> int:
 
     launch_sets: list[str] = []
     launcher = None
-    address = args.address
+    address = args.base_url if args.backend == "openai" else args.address
     if launched:
         address = f"tcp://127.0.0.1:{free_tcp_port()}"
         user_keys = {s.split("=", 1)[0].strip() for s in args.sets}
+        http = f"127.0.0.1:{free_tcp_port()}" if args.backend == "openai" else ""
         launch_sets = [f"scheduler.policy={args.policy}", f"scheduler.max_bs={args.max_bs}",
-                       f"server.frontend_address={address}"]
+                       f"server.frontend_address={address}", f"server.http_address={http}"]
+        if http:
+            address = f"http://{http}"
         # keep this run from colliding with any other system on the machine
         if "server.backend_address" not in user_keys:
             launch_sets.append(f"server.backend_address=ipc://{tempfile.gettempdir()}/orca_mq_bench_{os.getpid()}_backend")
@@ -322,8 +360,9 @@ def main(argv: list[str] | None = None) -> int:
             launcher_rc = launcher.stop()
             print(f"bench: launch.py exited with code {launcher_rc}", file=sys.stderr)
 
-    summary = summarize(records)
+    summary = summarize(records, slos)
     config = {
+        "backend": args.backend, "model": args.model, "burstiness": args.burstiness, "goodput": list(args.goodput),
         "policy": args.policy, "trace": args.trace, "num_requests": args.num_requests, "rate": args.rate,
         "cv": args.cv, "zipf": args.zipf, "input_len": list(spec.input_len), "output_len": list(spec.output_len),
         "max_bs": args.max_bs, "seed": args.seed, "set": list(args.sets), "address": address, "launched": launched,
@@ -337,13 +376,16 @@ def main(argv: list[str] | None = None) -> int:
         "launcher_exit_code": launcher_rc,
     }
     write_result(out, config, summary, records)
+    from orca_mq.bench.plot_run import plot_cdfs
+
+    plot = plot_cdfs({f"{args.backend} {args.policy}": records}, out.with_suffix(".png"), f"{args.trace} trace, {address}")
 
     rate = "inf" if math.isinf(args.rate) or args.rate == 0 else f"{args.rate:g} req/s"
     extra = f", cv={args.cv:g}, zipf={args.zipf:g}" if args.trace == "fastserve" else ""
     print(f"policy={args.policy} max_bs={args.max_bs} trace={args.trace} rate={rate}{extra} "
           f"n={args.num_requests} seed={args.seed}")
     print(format_table(summary))
-    print(f"wrote {out}")
+    print(f"wrote {out} and {plot}")
     return 0 if summary["n_ok"] > 0 else 1
 
 

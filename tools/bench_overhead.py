@@ -37,7 +37,8 @@ class Server:
         self.tmp = Path(tempfile.mkdtemp(prefix="orca_mq_bench-"))
         self.sets = {"server.frontend_address": f"tcp://127.0.0.1:{free_port()}", "engine.n_workers": workers,
                      "engine.threads_per_worker": threads, "scheduler.max_bs": max_bs, "log.dir": f"{self.tmp}/logs",
-                     "log.level": "warning", **dict(item.split("=", 1) for item in extra)}
+                     "log.level": "warning", "server.http_address": "",  # ZeroMQ only: no HTTP process on the shared port
+                     **dict(item.split("=", 1) for item in extra)}
 
     def __enter__(self) -> ServerHandle:
         self.handle = spawn(self.sets, self.tmp / "launcher.stderr", ready_timeout=300)

@@ -84,7 +84,29 @@ def per_request_latencies(rec: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def summarize(records: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+GOODPUT_METRICS = {"ttft": "ttft", "tpot": "tpot", "e2el": "jct"}   # vllm bench serve's SLO names
+
+
+def parse_goodput(items: Sequence[str]) -> dict[str, float]:
+    """["ttft:500", "tpot:50"] (milliseconds, as `vllm bench serve --goodput`) -> {"ttft": 0.5, "tpot": 0.05}."""
+    slos: dict[str, float] = {}
+    for item in items:
+        name, _, ms = item.partition(":")
+        if name not in GOODPUT_METRICS or not ms:
+            raise ValueError(f"goodput SLO {item!r}: expected one of {'|'.join(GOODPUT_METRICS)}:MILLISECONDS")
+        slos[name] = float(ms) / 1000.0
+    return slos
+
+
+def meets_slos(rec: Mapping[str, Any], slos: Mapping[str, float]) -> bool:
+    """An ok request whose every given SLO holds (a metric it does not have, e.g. TPOT of one token, holds)."""
+    if not is_ok(rec):
+        return False
+    lat = per_request_latencies(rec)
+    return all(lat[GOODPUT_METRICS[k]] is None or lat[GOODPUT_METRICS[k]] <= v for k, v in slos.items())
+
+
+def summarize(records: Iterable[Mapping[str, Any]], slos: Mapping[str, float] | None = None) -> dict[str, Any]:
     recs = list(records)
     ok = [r for r in recs if is_ok(r)]
     finishes = [r["finish_s"] for r in recs if r.get("finish_s") is not None]
@@ -111,6 +133,10 @@ def summarize(records: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
         "makespan_s": makespan,
         "throughput_tok_s": gen_total / makespan if makespan else None,
         "throughput_req_s": len(ok) / makespan if makespan else None,
+        "throughput_total_tok_s": (gen_total + sum(int(r.get("prompt_tokens") or 0) for r in ok)) / makespan
+        if makespan else None,
+        "goodput_slos_s": dict(slos or {}),
+        "goodput_req_s": sum(meets_slos(r, slos) for r in ok) / makespan if slos and makespan else None,
     }
     for m in LATENCY_METRICS:
         summary.update(_stats(m, series[m]))
@@ -131,6 +157,9 @@ _TABLE_ROWS = (
     ("gen != max_tokens", lambda s: str(s["n_len_mismatch"])),
     ("makespan", lambda s: _fmt(s["makespan_s"], "s")),
     ("throughput", lambda s: f"{_fmt(s['throughput_tok_s'], 'tok/s')}   {_fmt(s['throughput_req_s'], 'req/s')}"),
+    ("total tok/s (prompt + gen)", lambda s: _fmt(s.get("throughput_total_tok_s"), "tok/s")),
+    ("goodput", lambda s: _fmt(s.get("goodput_req_s"), "req/s") + "".join(
+        f"  {k}<={v * 1000:g}ms" for k, v in (s.get("goodput_slos_s") or {}).items())),
     ("prompt / generated tokens", lambda s: f"{s['total_prompt_tokens']} / {s['total_generated_tokens']}"),
 )
 

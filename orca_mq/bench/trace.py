@@ -62,7 +62,7 @@ class TraceSpec:
     kind: str = "orca"
     num_requests: int = 100
     rate: float = 1.0             # req/s; inf or 0 = all at t = 0
-    cv: float = 1.0               # fastserve only
+    cv: float = 1.0               # CV of the Gamma inter-arrival gaps; the orca trace is Poisson at 1
     zipf: float = 1.0             # fastserve only (θ)
     input_len: tuple[int, int] = DEFAULT_INPUT_LEN
     output_len: tuple[int, int] = DEFAULT_OUTPUT_LEN
@@ -181,7 +181,7 @@ def make_trace(spec: TraceSpec, corpus: Sequence[int]) -> list[TraceRequest]:
         in_lens = zipf_lengths(rng, n, *spec.input_len, spec.zipf)
         out_lens = zipf_lengths(rng, n, *spec.output_len, spec.zipf)
     prompts = build_prompts(rng, corpus, in_lens)
-    if spec.kind == "orca":
+    if spec.kind == "orca" and spec.cv == 1.0:   # another CV (bench --burstiness) makes it a Gamma process
         arrivals = poisson_arrivals(rng, n, spec.rate)
     else:
         arrivals = gamma_arrivals(rng, n, spec.rate, spec.cv)

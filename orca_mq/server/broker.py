@@ -196,7 +196,7 @@ class Broker:
 
     def stats(self) -> dict[str, int]:
         self.counters.clients = len(self.waiting)
-        return asdict(self.counters)
+        return asdict(self.counters) | {"restarts": self.restarts}
 
     async def _to_client(self, client: bytes, payload: bytes) -> bool:
         try:

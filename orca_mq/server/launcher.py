@@ -37,6 +37,7 @@ from orca_mq.server.zmq_queue import SyncBrokerLink
 
 ACCEPTED = channel(Ready, Progress, Drained, Pong, Error)
 POLL = 0.2
+_WHAT = {"broker": "the whole server", "engine": "the engine side", "http": "the HTTP API"}
 
 
 class StartupError(RuntimeError):
@@ -92,7 +93,8 @@ class Launcher:
         self.log.info("started", child=role, child_pid=self.children[-1].proc.pid, restarts=self.n_restarts)
 
     def _start(self, group: str) -> None:
-        """Start `group` ("broker": everything; "engine": frontend, scheduler, workers) and wait for it."""
+        """Start `group` and wait for it: "broker", everything; "engine", the frontend, the scheduler and
+        the workers; "http", the HTTP API process (a client of the broker like any other)."""
         self.child_cfg = copy.deepcopy(self.cfg)
         if not self.cfg.server.worker_base_port:  # a fresh rendezvous port: the last one may linger
             self.child_cfg.server.worker_base_port = free_port()
@@ -103,13 +105,18 @@ class Launcher:
                 self.link = SyncBrokerLink(self.ctx, self.cfg.server.backend_address, "launcher")
             while not self._ping(timeout=1.0):
                 self._check_startup(deadline, "the broker")
-        n = self.cfg.engine.n_workers
-        self.say(f"loading the model in {n} worker{'s' * (n > 1)}" + (" (restart)" if self.n_restarts else ""))
-        for stage in range(n):
-            self._spawn(f"worker{stage}", "engine", "workers.main", "--stage", str(stage), "--run-dir", self.run_dir)
-        self._spawn("scheduler", "engine", "orca_mq.server.scheduler_process", "--run-dir", self.run_dir)
-        self._spawn("frontend", "engine", "orca_mq.server.frontend")
-        waiting = {"frontend", "scheduler", *(f"worker{i}" for i in range(n))}
+        waiting: set[str] = set()
+        if group in ("broker", "engine"):
+            n = self.cfg.engine.n_workers
+            self.say(f"loading the model in {n} worker{'s' * (n > 1)}" + (" (restart)" if self.n_restarts else ""))
+            for stage in range(n):
+                self._spawn(f"worker{stage}", "engine", "workers.main", "--stage", str(stage), "--run-dir", self.run_dir)
+            self._spawn("scheduler", "engine", "orca_mq.server.scheduler_process", "--run-dir", self.run_dir)
+            self._spawn("frontend", "engine", "orca_mq.server.frontend")
+            waiting |= {"frontend", "scheduler", *(f"worker{i}" for i in range(n))}
+        if group in ("broker", "http") and self.cfg.server.http_address:
+            self._spawn("http", "http", "orca_mq.server.http_api")
+            waiting.add("http")
         while waiting:
             self._check_startup(deadline, ", ".join(sorted(waiting)))
             msg = self._recv(POLL)
@@ -146,7 +153,7 @@ class Launcher:
         while self.restarts and now - self.restarts[0] > self.cfg.server.restart_window:
             self.restarts.popleft()
         roles = ", ".join(f"{c.role} (exit {c.proc.returncode})" for c in dead)
-        group = "broker" if any(c.group == "broker" for c in dead) else "engine"
+        group = next(g for g in ("broker", "engine", "http") if any(c.group == g for c in dead))
         if len(self.restarts) > self.cfg.server.max_restarts:
             self.log.error("crash loop: giving up", died=roles, restarts=len(self.restarts),
                            window_s=self.cfg.server.restart_window)
@@ -157,10 +164,10 @@ class Launcher:
             return False
         self.n_restarts += 1
         self.log.error("a process died; restarting", died=roles, group=group, restarts=self.n_restarts)
-        self.say(f"{roles} died: restarting the {'whole server' if group == 'broker' else 'engine'}")
+        self.say(f"{roles} died: restarting {_WHAT[group]}")
         if group == "engine":
             self._fail_in_flight(roles)
-        gone = [c for c in self.children if group == "broker" or c.group == "engine"]
+        gone = [c for c in self.children if group == "broker" or c.group == group]
         stop_children(gone, self.cfg.server.stop_grace)
         self.children = [c for c in self.children if c not in gone]
         try:
@@ -169,7 +176,7 @@ class Launcher:
             self.say(f"restart failed: {e}")
             return self._restart(self._dead() or gone[:1]) if not self.signals else True
         assert self.link is not None
-        self.link.to_broker(Resume(self.n_restarts))
+        self.link.to_broker(Resume(self.n_restarts))  # also how the broker counts restarts for the metrics
         self.say(f"serving again (restart {self.n_restarts})")
         return True
 

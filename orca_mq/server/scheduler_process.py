@@ -35,6 +35,7 @@ from orca_mq.sched import TokenEvent, make_scheduler
 from orca_mq.sched.profiler import Profiler
 from orca_mq.sched.request import Request
 from orca_mq.engine.model_info import read_model_info
+from orca_mq.server.telemetry import Telemetry
 from orca_mq.server.zmq_queue import BrokerLink, Envelope, control_address, serve
 
 ACCEPTED = channel(AddRequest, AbortRequest, StatsQuery, IterationDone, WorkerStats, Error)
@@ -66,6 +67,7 @@ class SchedulerProcess:
         self.result_latency: deque[float] = deque(maxlen=WINDOW)  # last stage done -> result received
         self.queries: dict[str, _StatsQuery] = {}
         self.backlog: list[Envelope] = []   # frames that arrived while profiling
+        self.telemetry = Telemetry()        # cumulative histograms for the API server's /metrics
 
     async def run(self) -> int:
         if (profiler := self.sched.profiler()) is not None:
@@ -119,6 +121,7 @@ class SchedulerProcess:
                 await self.link.to_peer(env.source, Error(f"scheduler: iteration {msg.result.iteration} is not in flight", None, PROTOCOL))
                 return
             self.result_latency.append(received - msg.t_end)
+            self.telemetry.iteration_done(msg.result.iteration, time.monotonic())
             events = self.sched.process_result(msg.result, time.monotonic())
             if await self._pump():  # the engine first, then the stream: tokens wait microseconds, stages do not
                 self.turnaround.append(time.time() - received)
@@ -153,6 +156,7 @@ class SchedulerProcess:
             if plan is None:
                 break
             await self.control.send(encode(ControlFrame(plan, time.time())), copy=False)
+            self.telemetry.plan_sent(plan, self.sched.pool, time.monotonic())
             self.log.debug("iteration scheduled", iteration=plan.iteration, batch=len(plan.seqs), tokens=plan.num_tokens)
             sent = True
         return sent
@@ -160,6 +164,7 @@ class SchedulerProcess:
     async def _emit(self, iteration: int, events: list[TokenEvent]) -> None:
         if events:
             metrics = {e.req_id: m for e in events if e.finish_reason and (m := self.sched.request_metrics(e.req_id))}
+            self.telemetry.finished(metrics.values())
             await self.link.to_peer("frontend", TokenBatch(iteration, [(e.req_id, e.token_id, e.finish_reason) for e in events], metrics))
 
     async def _start_stats(self, source: bytes, query: StatsQuery) -> None:
@@ -189,6 +194,7 @@ class SchedulerProcess:
                 "result_latency": summarize_ms(self.result_latency),
             },
             "workers": [pending.workers.get(s) for s in range(self.cfg.engine.n_workers)],
+            "telemetry": self.telemetry.to_dict(self.sched.pool),
         }
         if q.record:
             stats["record"] = [[it, list(rids)] for it, rids in self.sched.record]

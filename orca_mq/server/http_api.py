@@ -1,0 +1,251 @@
+"""The OpenAI-compatible HTTP API: one more client of the broker (FastAPI on uvicorn + uvloop).
+
+    POST /v1/completions, POST /v1/chat/completions   (stream or not)
+    GET  /v1/models, GET /health, GET /metrics
+
+Generation requests go over the normal ZeroMQ protocol (orca_mq.client.AsyncClient), so the
+frontend tokenizes, applies the chat template and validates exactly as for ZeroMQ clients.
+Run by the launcher as `python -m orca_mq.server.http_api --config-json ...` when
+`server.http_address` is set; it reports Ready once it listens.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
+
+import uvicorn
+import uvloop
+import zmq.asyncio
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel
+
+from orca_mq.client import AsyncClient
+from orca_mq.config import Config
+from orca_mq.engine.model_files import resolve_model_path
+from orca_mq.engine.weights import read_model_info
+from orca_mq.logs import setup_logging
+from orca_mq.protocol.control_msgs import Ready
+from orca_mq.server.http_body_limit import BodyLimit
+from orca_mq.server.http_stream import ApiError, Generation, StopStrings, join, until_disconnect
+from orca_mq.server.metrics import ApiMetrics
+from orca_mq.server.openai_schemas import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,
+                                           ChatCompletionChunk, ChatCompletionRequest, ChatDelta, Completion,
+                                           CompletionChoice, CompletionRequest, ModelCard, ModelList, Usage,
+                                           error_body, new_id)
+from orca_mq.server.prompt_len import PromptCounter
+from orca_mq.server.zmq_queue import BrokerLink
+
+STATS_TIMEOUT = 3.0    # a scheduler that does not answer stats within this is reported unavailable
+STATS_MAX_AGE = 1.0    # /health and /metrics reuse a stats reply this recent
+
+
+def _json_error(status: int, message: str) -> JSONResponse:
+    return JSONResponse(error_body(status, message), status_code=status)
+
+
+def _sse(payload: BaseModel | dict[str, Any]) -> str:
+    body = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
+    return f"data: {body}\n\n"
+
+
+class Api:
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.log = setup_logging("http", cfg.log)
+        path = resolve_model_path(cfg.model.path)
+        self.model_name = path.stem if path.is_file() else path.name
+        self.max_model_len = read_model_info(cfg.model.path).max_model_len(cfg)
+        self.prompts = PromptCounter(cfg)
+        self.client = AsyncClient(cfg.server.frontend_address)
+        self.metrics = ApiMetrics(self.model_name)
+        self.created = int(time.time())
+        self.stats_at = -1.0
+        self.stats_ok = False
+        self.stats_task: asyncio.Task[None] | None = None
+        self.app = self._routes()
+
+    def _routes(self) -> FastAPI:
+        app = FastAPI(title="orca-mq", docs_url=None, redoc_url=None)
+
+        @app.exception_handler(RequestValidationError)
+        async def invalid(_: Request, e: RequestValidationError) -> JSONResponse:
+            msgs = [f"{'.'.join(map(str, err['loc'][1:])) or 'body'}: {err['msg']}" for err in e.errors()]
+            return _json_error(400, "; ".join(msgs))
+
+        @app.exception_handler(ApiError)
+        async def api_error(_: Request, e: ApiError) -> JSONResponse:
+            return _json_error(e.status, e.message)
+
+        @app.exception_handler(Exception)
+        async def internal(_: Request, e: Exception) -> JSONResponse:
+            self.log.exception("request failed", error=str(e))
+            return _json_error(500, "internal server error")
+
+        app.post("/v1/completions", response_model=None)(self.completions)
+        app.post("/v1/chat/completions", response_model=None)(self.chat)
+        app.get("/v1/models")(self.models)
+        app.get("/health")(self.health)
+        app.get("/metrics")(self.scrape)
+        return app
+
+    # ---------------------------------------------------------------- generation
+
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        def chunk(rid: str, text: str, reason: str | None, usage: Usage | None) -> Completion:
+            return Completion(id=rid, model=self.model_name, usage=usage,
+                              choices=[] if usage else [CompletionChoice(text=text, finish_reason=reason)])
+
+        def whole(rid: str, text: str, reason: str | None, usage: Usage) -> Completion:
+            return Completion(id=rid, model=self.model_name, usage=usage,
+                              choices=[CompletionChoice(text=text, finish_reason=reason)])
+
+        return await self._serve(body, request, "cmpl", chunk, whole)
+
+    async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
+        def chunk(rid: str, text: str, reason: str | None, usage: Usage | None) -> ChatCompletionChunk:
+            delta = ChatDelta(content=text) if reason is None else ChatDelta()
+            return ChatCompletionChunk(id=rid, model=self.model_name, usage=usage,
+                                       choices=[] if usage else [ChatChunkChoice(delta=delta, finish_reason=reason)])
+
+        def whole(rid: str, text: str, reason: str | None, usage: Usage) -> ChatCompletion:
+            return ChatCompletion(id=rid, model=self.model_name, usage=usage,
+                                  choices=[ChatChoice(message=AssistantMessage(content=text), finish_reason=reason)])
+
+        return await self._serve(body, request, "chatcmpl", chunk, whole)
+
+    async def _serve(self, body: CompletionRequest | ChatCompletionRequest, request: Request, prefix: str,
+                     chunk: Callable[..., BaseModel], whole: Callable[..., BaseModel]) -> Response:
+        if body.model is not None and body.model != self.model_name:
+            raise ApiError(404, f"The model `{body.model}` does not exist.")
+        prompt = body.prompt_args()
+        default = None if body.limit() is not None else self.prompts.remaining(prompt)
+        gen = Generation(self.client, prompt, body.sampling(default or 1), StopStrings(body.stop_strings), self.metrics)
+        rid = new_id(prefix)
+        pieces = gen.pieces()
+        if not body.stream:
+            async with contextlib.aclosing(pieces):
+                text = "".join(await until_disconnect(request, join(pieces)))
+            return JSONResponse(whole(rid, text, gen.finish_reason, _usage(gen)).model_dump())
+        try:  # the first event before the headers: a refused request gets its HTTP status
+            first = await until_disconnect(request, anext(pieces))
+        except BaseException:
+            await pieces.aclose()
+            raise
+        events = self._events(gen, pieces, first, rid, chunk, body.include_usage, prefix == "chatcmpl")
+        return StreamingResponse(events, media_type="text/event-stream")
+
+    async def _events(self, gen: Generation, pieces: AsyncIterator[str], first: str, rid: str,
+                      chunk: Callable[..., BaseModel], include_usage: bool, chat: bool) -> AsyncIterator[str]:
+        async with contextlib.aclosing(pieces):  # type: ignore[type-var]
+            if chat:
+                yield _sse(ChatCompletionChunk(id=rid, model=self.model_name, choices=[
+                    ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))]))
+            try:
+                if first:
+                    yield _sse(chunk(rid, first, None, None))
+                async for text in pieces:
+                    if text:
+                        yield _sse(chunk(rid, text, None, None))
+            except ApiError as e:
+                yield _sse(error_body(e.status, e.message))
+                yield "data: [DONE]\n\n"
+                return
+            yield _sse(chunk(rid, "", gen.finish_reason, None))
+            if include_usage:
+                yield _sse(chunk(rid, "", None, _usage(gen)))
+            yield "data: [DONE]\n\n"
+
+    # ---------------------------------------------------------------- state
+
+    async def models(self) -> ModelList:
+        return ModelList(data=[ModelCard(id=self.model_name, created=self.created, max_model_len=self.max_model_len)])
+
+    async def health(self) -> JSONResponse:
+        await self._refresh()
+        sched = self.metrics.engine.stats.get("frontend", {})
+        if not self.stats_ok:
+            status = "unavailable" if self.metrics.engine.stats else "starting"
+        else:
+            status = "draining" if sched.get("draining") else "ok"
+        return JSONResponse({"status": status}, status_code=200 if status == "ok" else 503)
+
+    async def scrape(self) -> Response:
+        await self._refresh()
+        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def _refresh(self) -> None:
+        """One stats call at a time, shared by every /health and /metrics caller of that moment."""
+        loop = asyncio.get_running_loop()
+        if loop.time() - self.stats_at < STATS_MAX_AGE:
+            return
+        if self.stats_task is None or self.stats_task.done():
+            self.stats_task = asyncio.create_task(self._poll())
+        await asyncio.shield(self.stats_task)
+
+    async def _poll(self) -> None:
+        try:
+            self.metrics.engine.update(await self.client.stats(timeout=STATS_TIMEOUT))
+            self.stats_ok = True
+        except (TimeoutError, ConnectionError, RuntimeError) as e:
+            self.stats_ok = False
+            self.log.warning("stats unavailable", error=str(e))
+        self.stats_at = asyncio.get_running_loop().time()
+
+
+def _usage(gen: Generation) -> Usage:
+    return Usage(prompt_tokens=gen.prompt_tokens, completion_tokens=gen.completion_tokens,
+                 total_tokens=gen.prompt_tokens + gen.completion_tokens)
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        """uvicorn would re-raise SIGTERM after its shutdown; _main's handlers exit 0 like the other processes."""
+        yield
+
+
+async def _main(cfg: Config) -> int:
+    api = Api(cfg)
+    host, _, port = cfg.server.http_address.rpartition(":")
+    server = _Server(uvicorn.Config(
+        BodyLimit(api.app, cfg.server.http_max_body_bytes), host=host or "127.0.0.1", port=int(port),
+        limit_concurrency=cfg.server.http_max_connections, timeout_graceful_shutdown=5, log_level="warning",
+        access_log=False, lifespan="off"))
+    await api.client.connect()
+    ctx = zmq.asyncio.Context()
+    link = BrokerLink(ctx, cfg.server.backend_address, "http")
+    serving = asyncio.create_task(server.serve())
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(sig, setattr, server, "should_exit", True)
+    while not server.started and not serving.done():
+        await asyncio.sleep(0.05)
+    if server.started:
+        await link.to_peer("launcher", Ready("http", os.getpid()))
+        api.log.info("http api listening", address=cfg.server.http_address, model=api.model_name)
+    await asyncio.gather(serving, return_exceptions=True)  # uvicorn exits on SIGTERM/SIGINT, or SystemExit on a bind failure
+    link.close()
+    ctx.term()
+    await api.client.close()
+    return 0 if server.started else 1
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="orca-mq OpenAI-compatible HTTP API")
+    parser.add_argument("--config-json", required=True)
+    args = parser.parse_args(argv)
+    sys.exit(uvloop.run(_main(Config.from_dict(json.loads(args.config_json)))))
+
+
+if __name__ == "__main__":
+    main()

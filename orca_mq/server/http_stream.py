@@ -1,0 +1,158 @@
+"""One HTTP request's generation: the broker's token stream with stop strings applied, usage,
+outcome, and the per-request latency metrics.
+
+A stop string ends the request early: the text is cut before it and the server is told to abort,
+and the stream is read to its final event so that the prompt's token count (usage) is known.
+Leaving the iterator early (the HTTP client disconnected) closes the broker stream, which
+sends `abort`: the scheduler frees the request's KV at its next iteration.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from starlette.requests import Request
+
+from orca_mq.client import AsyncClient
+from orca_mq.server.metrics import ApiMetrics
+
+T = TypeVar("T")
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+# orca-mq's error texts (frontend, broker, client) -> HTTP status; anything else it refuses is 400
+_UNAVAILABLE = ("server is shutting down", "server error", "frontend unavailable", "server unreachable", "client closed")
+
+
+def classify(error: str | None) -> ApiError:
+    if error is None or error.startswith("internal error"):
+        return ApiError(500, "internal server error")   # no internals in the body; the logs have them
+    if "overloaded" in error:
+        return ApiError(429, error)
+    if error.startswith(_UNAVAILABLE):
+        return ApiError(503, error)
+    return ApiError(400, error)
+
+
+OUTCOME_BY_STATUS = {400: "invalid", 429: "overloaded", 500: "internal_error", 503: "unavailable"}
+
+
+@dataclass(slots=True)
+class StopStrings:
+    """Holds back text that may be the start of a stop string until it is known not to be."""
+
+    stops: list[str]
+    held: str = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        buf = self.held + text
+        hits = [i for s in self.stops if (i := buf.find(s)) >= 0]
+        if hits:
+            self.held = ""
+            return buf[:min(hits)], True
+        keep = next((k for k in range(min(len(buf), max(map(len, self.stops), default=1) - 1), 0, -1)
+                     if any(s.startswith(buf[-k:]) for s in self.stops)), 0)
+        self.held = buf[len(buf) - keep:]
+        return buf[:len(buf) - keep], False
+
+    def flush(self) -> str:
+        text, self.held = self.held, ""
+        return text
+
+
+@dataclass(slots=True)
+class Generation:
+    client: AsyncClient
+    prompt_args: dict[str, Any]
+    sampling: dict[str, Any]
+    stops: StopStrings
+    metrics: ApiMetrics
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    arrival: float = field(default_factory=time.monotonic)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    finish_reason: str | None = None
+    token_times: list[float] = field(default_factory=list)
+
+    async def pieces(self) -> AsyncIterator[str]:
+        """Text deltas (possibly empty, one per server event); raises ApiError if the server refuses."""
+        stream = self.client.stream(request_id=self.request_id, **self.prompt_args, **self.sampling)
+        stopped = False
+        try:
+            async for ev in stream:
+                text = ""
+                if not stopped:
+                    self._tokens(len(ev.token_ids))
+                    text, stopped = self.stops.feed(ev.text)
+                    if stopped:  # keep reading: the final event brings the prompt's token count
+                        await self.client.abort(self.request_id)
+                    elif ev.finished:
+                        text += self.stops.flush()
+                if ev.finished:
+                    self._finish(ev.finish_reason, ev.error, ev.metrics, stopped)  # raises if refused or failed
+                    yield text
+                    return
+                if text or not stopped:
+                    yield text
+        finally:
+            await stream.aclose()
+            if self.finish_reason is None:
+                self.metrics.outcome("abort")  # the HTTP client left
+
+    def _tokens(self, n: int) -> None:
+        now = time.monotonic()
+        if n and not self.token_times:
+            self.metrics.ttft.observe(now - self.arrival)
+        elif n:
+            self.metrics.itl.observe(now - self.token_times[-1])
+        self.token_times.extend([now] * n)
+        self.completion_tokens += n
+
+    def _finish(self, reason: str | None, error: str | None, metrics: dict[str, Any] | None, stopped: bool) -> None:
+        self.prompt_tokens = int((metrics or {}).get("prompt_tokens", 0))
+        if stopped or reason in ("stop", "length"):
+            self.finish_reason = "stop" if stopped else reason
+            self.metrics.finished(self, time.monotonic())
+            return
+        if reason == "abort":
+            err = ApiError(503, error or "request aborted by the server")
+        else:
+            err = classify(error)
+        self.finish_reason = "error"
+        self.metrics.outcome(OUTCOME_BY_STATUS.get(err.status, "error"))
+        raise err
+
+
+async def join(pieces: AsyncIterator[str]) -> list[str]:
+    return [p async for p in pieces]
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Run `work`; if the HTTP client disconnects first, cancel it (which aborts the request)."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.create_task(disconnected())
+    try:
+        await asyncio.wait([task, watcher], return_when=asyncio.FIRST_COMPLETED)
+    finally:  # also when this handler is cancelled: never leave the request running
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        raise ApiError(499, "client disconnected")
+    return task.result()

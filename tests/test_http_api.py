@@ -1,0 +1,244 @@
+"""The OpenAI-compatible HTTP API on a real server, through the official `openai` client: greedy
+output equals the ZeroMQ client's for the same prompt (completions and chat, streaming and not),
+errors carry OpenAI's error object and status, a client that disconnects frees its request, and
+/metrics (parsed by prometheus_client) moves by what the test sent."""
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from orca_mq.client import Client
+from orca_mq.config import load_config
+from serving_harness import ROOT, free_port, start_server
+
+pytestmark = pytest.mark.e2e
+
+PROMPT = "The capital of France is"
+CHAT = [{"role": "user", "content": "What is the capital of Japan? Answer in one word."}]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    port = free_port()
+    srv = start_server(tmp_path_factory.mktemp("http"), **{"server.http_address": f"127.0.0.1:{port}",
+                                                          "scheduler.max_bs": 4, "engine.n_slots": 4096})
+    srv.base_url = f"http://127.0.0.1:{port}"
+    yield srv
+    assert srv.stop() == 0, srv.stderr()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def zmq(server):
+    with Client(server.address) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def oai(server):
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="module")
+def model(oai):
+    return oai.models.list().data[0].id
+
+
+def test_completions_equal_zmq_client(zmq, oai, model):
+    ref = zmq.generate(PROMPT, max_tokens=8, temperature=0.0, ignore_eos=True)
+    out = oai.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    assert out.choices[0].text == ref.text and out.choices[0].finish_reason == "length"
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (ref.metrics["prompt_tokens"], 8)
+    chunks = list(oai.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0,
+                                         stream=True, stream_options={"include_usage": True},
+                                         extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == ref.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
+    # a prompt of token ids, as the ZeroMQ client sends it
+    ids = zmq.generate(prompt_token_ids=ref.token_ids, max_tokens=4, temperature=0.0, ignore_eos=True)
+    by_ids = oai.completions.create(model=model, prompt=ref.token_ids, max_tokens=4, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert by_ids.choices[0].text == ids.text and by_ids.usage.prompt_tokens == len(ref.token_ids)
+
+
+def test_chat_equal_zmq_client(zmq, oai, model):
+    ref = zmq.generate(messages=CHAT, max_tokens=12, temperature=0.0)
+    out = oai.chat.completions.create(model=model, messages=CHAT, max_completion_tokens=12, temperature=0)
+    assert out.choices[0].message.content == ref.text and out.choices[0].finish_reason == ref.finish_reason
+    assert out.usage.completion_tokens == len(ref.token_ids)
+    chunks = list(oai.chat.completions.create(model=model, messages=CHAT, max_tokens=12, temperature=0, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == ref.text
+    assert chunks[-1].choices[0].finish_reason == ref.finish_reason and chunks[-1].usage is None
+
+
+def test_stop_string_cuts_the_text_and_frees_the_request(zmq, oai, model):
+    ref = zmq.generate("1, 2, 3, 4,", max_tokens=16, temperature=0.0, ignore_eos=True)
+    stop = ref.text.split(",")[2] + ","   # a string the model is known to produce
+    want = ref.text[:ref.text.index(stop)]
+    for stream in (False, True):
+        out = oai.completions.create(model=model, prompt="1, 2, 3, 4,", max_tokens=16, temperature=0, stop=[stop],
+                                     stream=stream)
+        if stream:
+            chunks = list(out)
+            text, reason = "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
+        else:
+            text, reason = out.choices[0].text, out.choices[0].finish_reason
+        assert (text, reason) == (want, "stop")
+    _wait_idle(zmq)
+
+
+@pytest.mark.parametrize("body, status, needle", [
+    ({"prompt": ""}, 400, "empty prompt"),
+    ({"prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ({"prompt": "hi", "temperature": -1, "stream": True}, 400, "temperature"),
+    ({"prompt": "hi", "max_tokens": 100000}, 400, "context length"),
+    ({"prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
+    ({"prompt": "hi", "n": 2}, 400, "n=1"),
+    ({"prompt": "hi", "model": "gpt-4"}, 404, "gpt-4"),
+    ({"prompt": [[1, 2], [3]]}, 400, "batch"),
+])
+def test_errors_are_openai_error_objects(server, body, status, needle):
+    r = httpx.post(server.base_url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert needle in err["message"] and err["code"] == status and err["type"]
+
+
+def test_error_statuses_through_the_openai_client(oai, model):
+    with pytest.raises(openai.BadRequestError):
+        oai.chat.completions.create(model=model, messages=[], max_tokens=4)
+    with pytest.raises(openai.NotFoundError):
+        oai.completions.create(model="nope", prompt="hi", max_tokens=4)
+
+
+def test_malformed_and_oversized_bodies(server):
+    r = httpx.post(server.base_url + "/v1/completions", content=b"{not json", timeout=30,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "error" in r.json()
+    r = httpx.post(server.base_url + "/v1/completions", json={"prompt": "x" * 5_000_000}, timeout=30)
+    assert r.status_code == 413 and r.json()["error"]["code"] == 413
+
+
+def _stats(zmq) -> dict:
+    return zmq.stats()["scheduler"]
+
+
+def _wait_idle(zmq, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        s = _stats(zmq)
+        if s["running"] + s["waiting"] == 0 and s["used_slots"] == 0:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"requests still in the pool: {_stats(zmq)}")
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "blocking"])
+def test_client_disconnect_aborts_the_request(server, zmq, model, stream):
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 1500, "temperature": 0, "ignore_eos": True, "stream": stream}
+
+    async def leave_early() -> None:
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as http:
+            if stream:
+                async with http.stream("POST", "/v1/completions", json=body) as r:
+                    assert r.status_code == 200
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: "):
+                            break   # one token seen: leave
+            else:
+                task = asyncio.create_task(http.post("/v1/completions", json=body))
+                while _stats(zmq)["used_slots"] == 0:   # admitted and running
+                    await asyncio.sleep(0.1)
+                task.cancel()   # closes the connection
+                await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(leave_early())
+    _wait_idle(zmq)   # 1500 tokens would take minutes here: only the abort frees it this soon
+
+
+def _scrape(server) -> dict[tuple[str, tuple], float]:
+    text = httpx.get(server.base_url + "/metrics", timeout=30).text
+    return {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def test_metrics_move_by_what_was_sent(server, oai, model, zmq):
+    _wait_idle(zmq)
+    before = _scrape(server)
+    usages = [oai.completions.create(model=model, prompt=p, max_tokens=n, temperature=0,
+                                     extra_body={"ignore_eos": True}).usage
+              for p, n in (("Hello", 3), ("The sky is", 5))]
+    with pytest.raises(openai.BadRequestError):
+        oai.completions.create(model=model, prompt="", max_tokens=3)
+    after = _scrape(server)
+
+    def delta(name: str, **labels: str) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        return after[key] - before.get(key, 0.0)
+
+    assert delta("vllm:prompt_tokens_total") == sum(u.prompt_tokens for u in usages)
+    assert delta("vllm:generation_tokens_total") == 8
+    assert delta("vllm:request_success_total", finished_reason="length") == 2
+    assert delta("orca_mq:requests_total", outcome="invalid") == 1
+    assert delta("vllm:time_to_first_token_seconds_count") == 2
+    assert delta("vllm:inter_token_latency_seconds_count") == 2 + 4
+    assert delta("vllm:e2e_request_latency_seconds_count") == 2
+    assert delta("orca_mq:batch_size_count") >= 8 and delta("orca_mq:iteration_time_seconds_count") >= 8
+    assert delta("vllm:request_queue_time_seconds_count") == 2
+    assert after[("vllm:num_requests_running", ())] == 0 and after[("vllm:kv_cache_usage_perc", ())] == 0
+    assert ("vllm:num_requests_waiting", ()) in after and ("orca_mq:engine_restarts_total", ()) in after
+
+
+def test_health_and_models(server, model):
+    assert httpx.get(server.base_url + "/health", timeout=30).json() == {"status": "ok"}
+    models = httpx.get(server.base_url + "/v1/models", timeout=30).json()["data"]
+    assert [m["id"] for m in models] == [model] and models[0]["max_model_len"] == 2048
+
+
+def test_health_is_503_until_the_server_answers(tmp_path):
+    """The API process alone, with no broker behind it: it listens, but is not healthy."""
+    port = free_port()
+    cfg = load_config(overrides={"server.http_address": f"127.0.0.1:{port}", "log.dir": str(tmp_path),
+                                 "server.frontend_address": f"tcp://127.0.0.1:{free_port()}",
+                                 "server.backend_address": f"ipc://{tmp_path}/backend"})
+    proc = subprocess.Popen([sys.executable, "-m", "orca_mq.server.http_api", "--config-json", json.dumps(cfg.to_dict())],
+                            cwd=ROOT, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, "the API process did not come up"
+            try:
+                r = httpx.get(f"http://127.0.0.1:{port}/health", timeout=30)
+                break
+            except httpx.ConnectError:
+                time.sleep(0.3)
+        assert (r.status_code, r.json()) == (503, {"status": "starting"})
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+
+
+def test_bench_openai_backend_replays_a_trace(server):
+    """tools/bench.py --backend openai: the replayer over HTTP counts every token the server made."""
+    from orca_mq.bench.metrics import summarize
+    from orca_mq.bench.openai_backend import OpenAIClient
+    from orca_mq.bench.replay import replay
+    from orca_mq.bench.trace import TraceRequest
+
+    trace = [TraceRequest(i, 0.1 * i, list(range(100, 100 + 8 + i)), 5 + i) for i in range(3)]
+    records, _ = asyncio.run(replay(server.base_url, trace, progress=False, client_factory=OpenAIClient))
+    assert [r["generated_tokens"] for r in records] == [5, 6, 7]
+    assert all(r["error"] is None and r["finish_reason"] == "length" for r in records)
+    assert summarize(records)["n_ok"] == 3

@@ -1,0 +1,67 @@
+"""Pieces of the HTTP API and its bench backend that need no server: stop strings held back
+across chunks, error classification, goodput SLOs, the engine collector's Prometheus output."""
+from __future__ import annotations
+
+import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from orca_mq.bench.metrics import parse_goodput, summarize
+from orca_mq.server.http_stream import StopStrings, classify
+from orca_mq.server.metrics import ApiMetrics
+from orca_mq.server.telemetry import Telemetry
+
+
+def test_stop_string_split_over_chunks_is_held_back_then_cut():
+    stops = StopStrings(["\nUser:", "###"])
+    assert stops.feed("Hello") == ("Hello", False)
+    assert stops.feed(" there\nUs") == (" there", False)     # "\nUs" may start a stop string
+    assert stops.feed("ually") == ("\nUsually", False)        # it did not
+    assert stops.feed(" ok\nUser: hi") == (" ok", True)
+    tail = StopStrings(["END"])
+    assert tail.feed("abcEN") == ("abc", False) and tail.flush() == "EN"
+
+
+@pytest.mark.parametrize("error, status", [
+    ("empty prompt", 400), ("invalid sampling params: top_p must be in (0, 1]", 400),
+    ("server is shutting down; not accepting new requests", 503), ("server error: scheduler died", 503),
+    ("overloaded: 512 requests waiting", 429), ("internal error: KeyError('x')", 500), (None, 500),
+])
+def test_error_classification(error, status):
+    err = classify(error)
+    assert err.status == status
+    assert status != 500 or err.message == "internal server error"   # no internals in the body
+
+
+def test_goodput_counts_requests_meeting_every_slo():
+    assert parse_goodput(["ttft:500", "tpot:50"]) == {"ttft": 0.5, "tpot": 0.05}
+    with pytest.raises(ValueError):
+        parse_goodput(["latency:5"])
+
+    def rec(i: int, ttft: float, tpot: float) -> dict:
+        times = [ttft + k * tpot for k in range(5)]
+        return {"index": i, "arrival_s": 0.0, "first_token_s": ttft, "finish_s": times[-1], "token_times_s": times,
+                "generated_tokens": 5, "prompt_tokens": 3, "max_tokens": 5, "finish_reason": "length", "error": None}
+
+    records = [rec(0, 0.1, 0.01), rec(1, 0.9, 0.01), rec(2, 0.1, 0.09), rec(3, 0.2, 0.02)]
+    s = summarize(records, {"ttft": 0.5, "tpot": 0.05})
+    assert s["goodput_req_s"] == pytest.approx(2 / s["makespan_s"])
+
+
+def test_engine_histograms_are_cumulative_prometheus_histograms():
+    tel = Telemetry()
+    for bs in (1, 3, 3, 20):
+        tel.batch_size.observe(bs)
+    m = ApiMetrics("m")
+    stats = {"scheduler": {"running": 2, "waiting": 1, "used_slots": 32, "n_slots": 128, "queue_lengths": [2, 0, 1]},
+             "telemetry": tel.to_dict({})}
+    m.engine.update(stats)
+    m.engine.update(stats | {"broker": {"restarts": 1}})   # the launcher restarted the engine once
+    samples = {(s.name, s.labels.get("le"), s.labels.get("level")): s.value
+               for f in text_string_to_metric_families(generate_latest(m.registry).decode()) for s in f.samples}
+    assert samples[("orca_mq:batch_size_bucket", "2.0", None)] == 1
+    assert samples[("orca_mq:batch_size_bucket", "4.0", None)] == 3
+    assert samples[("orca_mq:batch_size_bucket", "+Inf", None)] == 4 and samples[("orca_mq:batch_size_sum", None, None)] == 27
+    assert samples[("vllm:kv_cache_usage_perc", None, None)] == 0.25
+    assert samples[("orca_mq:mlfq_queue_length", None, "3")] == 1
+    assert samples[("orca_mq:engine_restarts_total", None, None)] == 1
