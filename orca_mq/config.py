@@ -40,6 +40,7 @@ class EngineConfig:
 class SchedulerConfig:
     policy: Policy = "orca"
     max_bs: int = 16
+    max_num_batched_tokens: int = 0
 
 
 @dataclass(slots=True)

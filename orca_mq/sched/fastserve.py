@@ -87,8 +87,9 @@ class FastServeScheduler(Scheduler):
         self.log.info("fastserve quanta", quanta_s=[round(q, 4) for q in self.mlfq.quanta], kv_policy=self.fs.kv_policy)
 
     def next_iteration_time(self, req: Request) -> float:
-        if req.n_iterations == 0:
-            return self.profile.initiation_time(len(req.prompt_token_ids))
+        """Its next iteration: the next prompt chunk (the whole prompt without a token budget), or an increment."""
+        if req.prompt_pending:
+            return self.profile.initiation_time(min(req.prompt_left, self.token_budget or req.prompt_left))
         return self.profile.increment_time(self.max_bs)
 
     # ------------------------------------------------------------ pool
@@ -127,7 +128,9 @@ class FastServeScheduler(Scheduler):
             self.log.debug("starvation promotion", request_id=rid, queue=1)
         order = [self.pool[rid] for rid in self.mlfq.order(list(nxt))]
         enst = self.mlfq.enst(list(self.pool), self.max_bs, now)
-        batch = self.kv.select(order, enst, self.free_target())
+        return self.kv.select(order, enst, self.free_target(), self.token_budget or None)
+
+    def admitted(self, batch: list[Request], now: float) -> None:
         for req in batch:
             waited = now - self.mlfq.jobs[req.req_id].ready_since
             w = self.waits[req.req_id]
@@ -135,7 +138,6 @@ class FastServeScheduler(Scheduler):
                 w.preempted_s += waited
             else:
                 w.queued_s += waited
-        return batch
 
     def free_target(self) -> int:
         """Device blocks kept free: max(K, burst). A burst of arrivals skip-joins the top queues, so
@@ -148,13 +150,12 @@ class FastServeScheduler(Scheduler):
 
     def after_iteration(self, batch: list[Request], now: float) -> None:
         """Token-level preemption: each job returns to its queue, charged the predicted time of its
-        iteration (its initiation, or an increment at this batch size)."""
+        iteration (its prompt chunk, or an increment at this batch size)."""
         for req in batch:
             job = self.mlfq.jobs.get(req.req_id)
             if job is None:  # finished
                 continue
-            first = req.n_iterations == 1
-            service = self.profile.initiation_time(len(req.prompt_token_ids)) if first else self.profile.increment_time(len(batch))
+            service = self.profile.initiation_time(req.chunk) if req.chunk else self.profile.increment_time(len(batch))
             queue = job.queue
             self.mlfq.charge(req.req_id, service, self.next_iteration_time(req), now)
             if job.queue != queue:
