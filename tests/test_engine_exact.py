@@ -87,3 +87,42 @@ def test_too_few_blocks_is_an_error(tiny_llama_dir):
     runner = _runner(tiny_llama_dir)
     with pytest.raises(ValueError, match="cannot hold"):
         runner.forward(IterationPlan(0, [SeqWork("a", list(range(20)), 0, [0])]))
+
+
+def _serve_logits(model_dir, budget: int, prompts: list[list[int]], max_tokens: int) -> tuple[dict[str, list], int]:
+    """Greedy-serve the prompts through the ORCA scheduler and the engine; returns each request's
+    logits at every sampled token, and how many iterations mixed a prompt chunk on cached context
+    with increments."""
+    from orca_mq.protocol.iteration import IterationResult
+    from orca_mq.sampling_params import SamplingParams
+    from orca_mq.sched import make_scheduler
+    from orca_mq.sched.request import Request
+
+    cfg = load_config(overrides={"model.path": str(model_dir), "engine.block_size": 8, "engine.n_slots": 2048,
+                                 "engine.threads_per_worker": 1, "scheduler.max_num_batched_tokens": budget})
+    runner, logits, mixed = ModelRunner(cfg), {}, 0
+    sched = make_scheduler(cfg, runner.info)
+    for i, p in enumerate(prompts):
+        sched.add(Request(f"r{i}", p, SamplingParams(max_tokens=max_tokens, ignore_eos=True), arrival=float(i)))
+    while (plan := sched.schedule(0.0)) is not None:
+        out = runner.forward(plan)
+        mixed += any(s.start_pos and len(s.token_ids) > 1 for s in plan.seqs) and any(
+            len(s.token_ids) == 1 for s in plan.seqs)
+        for s, row in zip(plan.seqs, out):
+            if not sched.pool[s.req_id].prompt_pending:
+                logits.setdefault(s.req_id, []).append(row)
+        sched.process_result(IterationResult(plan.iteration, [s.req_id for s in plan.seqs], out.argmax(-1).tolist()), 0.0)
+    return logits, mixed
+
+
+def test_chunked_prefill_keeps_the_unchunked_logits(tiny_llama_dir):
+    """A token budget splits the long prompts into chunks over several iterations, next to running
+    increments: every sampled token's logits stay those of the whole-prompt engine."""
+    rng = random.Random(3)
+    prompts = [[rng.randrange(512) for _ in range(n)] for n in (5, 90, 3, 140, 37)]
+    whole, _ = _serve_logits(tiny_llama_dir, 0, prompts, 6)
+    chunked, mixed = _serve_logits(tiny_llama_dir, 24, prompts, 6)
+    assert mixed > 0
+    assert whole.keys() == chunked.keys() and all(len(chunked[r]) == 6 for r in chunked)
+    for rid in whole:
+        assert (torch.stack(whole[rid]) - torch.stack(chunked[rid])).abs().max().item() <= 1e-4, rid

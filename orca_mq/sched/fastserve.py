@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
+from orca_mq.engine.dtype import DTYPE_BYTES, resolve_dtype
 from orca_mq.sched.block_manager import BlockManager
 from orca_mq.protocol.iteration import IterationPlan
 from orca_mq.sched.kv_policy import KV_POLICIES, SwapCounts
@@ -33,7 +34,6 @@ if TYPE_CHECKING:
     from orca_mq.config import Config
     from orca_mq.engine.weights import ModelInfo
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 KEPT_METRICS = 10_000   # finished requests whose metrics stay available
 
 
@@ -65,11 +65,12 @@ class FastServeScheduler(Scheduler):
         self.profile_max_len = profile_max_len(cfg, info)
         self.host_block_manager = BlockManager(max(1, eng.host_slots // eng.block_size), eng.block_size)
         self.kv = KV_POLICIES[fs.kv_policy](self.block_manager, self.host_block_manager, self.max_bs)
-        self.block_bytes = 2 * info.n_layers * eng.block_size * info.n_kv_heads * info.head_dim * DTYPE_BYTES[cfg.model.dtype]
+        dtype = resolve_dtype(cfg.model.dtype, eng.device)
+        self.block_bytes = 2 * info.n_layers * eng.block_size * info.n_kv_heads * info.head_dim * DTYPE_BYTES[dtype]
         self.waits: dict[str, Waits] = {}
         self.finished: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self.log = _logger()
-        self.use_profile(profile or IterationProfile.estimate(info, cfg.model.dtype))
+        self.use_profile(profile or IterationProfile.estimate(info, dtype))
 
     def profiler(self) -> Profiler:
         """Skip-join needs this engine's own iteration times, measured before any request."""

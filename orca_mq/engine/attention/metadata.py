@@ -1,23 +1,11 @@
-"""Selective batching's one request-aware operation: attention split per request over the KV cache.
-
-Every other operation sees the iteration as one flattened [T, H] tensor. `AttentionMetadata` is
-built once per iteration and shared by all layers of a stage. The torch path (CPU) writes the
-new K/V into the paged cache, then runs all increment requests together (the C++ kernel reading
-blocks in place, or one padded SDPA batch) and each initiation request on its own; the Triton path
-(CUDA) covers the whole iteration in one launch.
-"""
+"""What attention needs to know of an iteration's requests, built once and shared by all layers of a stage."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
 from orca_mq.protocol.iteration import IterationPlan
-
-if TYPE_CHECKING:
-    from kernels.cpu_decode import PagedDecode
 
 Tensor = torch.Tensor
 
@@ -85,51 +73,3 @@ def build_metadata(plan: IterationPlan, block_size: int, device: torch.device) -
         decode_lens=dev([n for _, n in decode_seqs], torch.int32), decode_mask=decode_mask.to(device),
         prefills=prefills, prefill_slots=prefill_slots,
     )
-
-
-def write_kv_torch(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata) -> None:
-    kvh, d = k.shape[1:]
-    k_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, k)
-    v_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, v)
-
-
-def attention_torch(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
-                    meta: AttentionMetadata, scale: float, decode_kernel: PagedDecode | None = None) -> Tensor:
-    """q [T, H, d], k/v [T, kvh, d] (this iteration's, already written to the cache) -> [T, H, d].
-    `decode_kernel` (kernels/cpu_decode.py) reads the increment requests' blocks in place; without it
-    they are gathered into a padded batch for SDPA."""
-    n_heads, d = q.shape[1:]
-    kvh = k.shape[1]
-    group = n_heads // kvh
-    out = torch.empty_like(q)
-    k_flat, v_flat = k_cache.view(-1, kvh, d), v_cache.view(-1, kvh, d)
-    if meta.decode_tokens.numel():
-        qd = q.index_select(0, meta.decode_tokens)
-        if decode_kernel is not None:
-            od = decode_kernel(qd, k_cache, v_cache, meta.decode_blocks, meta.decode_lens, scale)
-        else:
-            bd, l_max = meta.decode_tokens.numel(), meta.decode_mask.shape[-1]
-            # gather whole blocks (one row copy per block, not per token), padded to the longest request;
-            # queries of one KV head's group share its keys: [Bd, kvh, group, d] needs no K/V repeat
-            blocks = meta.decode_blocks.view(-1)
-            kd = k_cache.index_select(0, blocks).view(bd, l_max, kvh, d).transpose(1, 2)
-            vd = v_cache.index_select(0, blocks).view(bd, l_max, kvh, d).transpose(1, 2)
-            od = F.scaled_dot_product_attention(qd.view(bd, kvh, group, d), kd, vd, attn_mask=meta.decode_mask,
-                                                scale=scale).reshape(bd, n_heads, d)
-        out.index_copy_(0, meta.decode_tokens, od)
-    for (row, q_len, start), cached in zip(meta.prefills, meta.prefill_slots):
-        qp = q[row: row + q_len].transpose(0, 1).unsqueeze(0)           # [1, H, L, d]
-        kp, vp = k[row: row + q_len], v[row: row + q_len]
-        if cached is None:
-            mask, causal = None, True
-        else:  # prior context (e.g. chunked work): its keys are all visible, the new ones causally
-            kp = torch.cat([k_flat.index_select(0, cached), kp])
-            vp = torch.cat([v_flat.index_select(0, cached), vp])
-            mask = torch.ones(q_len, start + q_len, dtype=torch.bool, device=q.device).tril(start)
-            causal = False
-        op = F.scaled_dot_product_attention(
-            qp, kp.transpose(0, 1).unsqueeze(0), vp.transpose(0, 1).unsqueeze(0),
-            attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=group > 1,
-        )
-        out[row: row + q_len] = op.squeeze(0).transpose(0, 1)
-    return out
