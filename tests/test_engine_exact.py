@@ -13,10 +13,11 @@ from orca_mq.protocol.iteration import IterationPlan, SeqWork
 from orca_mq.engine.model_runner import ModelRunner
 
 
-def _runner(model_dir, block_size: int = 8, n_slots: int = 2048, backend: str = "auto") -> ModelRunner:
+def _runner(model_dir, block_size: int = 8, n_slots: int = 2048, backend: str = "auto",
+            dtype: str = "float32") -> ModelRunner:
     cfg = load_config(overrides={"model.path": str(model_dir), "engine.block_size": block_size,
                                  "engine.n_slots": n_slots, "engine.threads_per_worker": 1,
-                                 "engine.attention_backend": backend})
+                                 "engine.attention_backend": backend, "model.dtype": dtype})
     return ModelRunner(cfg)
 
 
@@ -67,6 +68,21 @@ def test_block_size_does_not_change_logits(backend, tiny_llama_dir):
         runner = _runner(tiny_llama_dir, block_size=bs, backend=backend)
         results.append(_mixed_iteration_logits(runner, seqs[:1], seqs[1:], random.Random(bs)))
     assert torch.allclose(results[0], results[1], atol=1e-5) and torch.allclose(results[0], results[2], atol=1e-5)
+
+
+def test_bfloat16_decode_kernel_matches_the_torch_path(tiny_llama_dir):
+    """bfloat16 weights and KV: the C++ kernel (float32 accumulate) and gather + SDPA give the same
+    logits to bfloat16 rounding; both stay near the float32 engine."""
+    rng = random.Random(11)
+    seqs = [[rng.randrange(512) for _ in range(n)] for n in (9, 40, 3, 77, 20)]
+    out = {}
+    for backend, dtype in (("cpu", "bfloat16"), ("torch", "bfloat16"), ("cpu", "float32")):
+        runner = _runner(tiny_llama_dir, backend=backend, dtype=dtype)
+        assert runner.model.attention_backend == backend and runner.dtype == getattr(torch, dtype)
+        out[backend, dtype] = _mixed_iteration_logits(runner, seqs[:2], seqs[2:], random.Random(5)).float()
+    scale = out["cpu", "float32"].abs().max().item()
+    assert (out["cpu", "bfloat16"] - out["torch", "bfloat16"]).abs().max().item() <= 2 ** -5 * scale   # a few bf16 ulps
+    assert (out["cpu", "bfloat16"] - out["cpu", "float32"]).abs().max().item() <= 2 ** -4 * scale
 
 
 def test_prefill_after_cached_context_matches(tiny_llama_dir):
