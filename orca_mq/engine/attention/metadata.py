@@ -27,49 +27,54 @@ class AttentionMetadata:
     prefill_slots: list[Tensor | None]    # cached slots before start_pos (None when start_pos == 0)
 
 
+def _slots(table: list[int], start: int, end: int, block_size: int) -> list[int]:
+    """Cache slots of positions start..end-1 through a block table."""
+    return [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+
+
 def build_metadata(plan: IterationPlan, block_size: int, device: torch.device) -> AttentionMetadata:
+    """Plain-list arithmetic, one tensor per field: at batch 64 per-request tensor ops cost more than
+    the lists (this runs on the critical path of every iteration)."""
     positions: list[int] = []
     slots: list[int] = []
     cu = [0]
-    last: list[int] = []
+    tables: list[list[int]] = []
     decode_tokens: list[int] = []
-    decode_seqs: list[tuple[list[int], int]] = []  # (block table, KV length)
+    decode_tables: list[list[int]] = []
+    decode_lens: list[int] = []
     prefills: list[tuple[int, int, int]] = []
     prefill_slots: list[Tensor | None] = []
-    max_blocks = max((len(s.block_table) for s in plan.seqs), default=1)
-    tables = torch.zeros(len(plan.seqs), max_blocks, dtype=torch.int32)
-    for b, s in enumerate(plan.seqs):
-        q_len, row = len(s.token_ids), cu[-1]
-        need = -(-s.seq_len // block_size)
+    for s in plan.seqs:
+        q_len, row, seq_len = len(s.token_ids), cu[-1], s.seq_len
+        need = -(-seq_len // block_size)
         if len(s.block_table) < need:
-            raise ValueError(f"request {s.req_id}: {len(s.block_table)} KV blocks cannot hold {s.seq_len} tokens")
-        table = torch.tensor(s.block_table, dtype=torch.int64)
-        tables[b, : len(s.block_table)] = table.to(torch.int32)
-        seq_slots = (table[:need, None] * block_size + torch.arange(block_size)).flatten()[: s.seq_len]
-        positions.extend(range(s.start_pos, s.seq_len))
-        slots.extend(seq_slots[s.start_pos:].tolist())
+            raise ValueError(f"request {s.req_id}: {len(s.block_table)} KV blocks cannot hold {seq_len} tokens")
+        tables.append(s.block_table)
+        positions.extend(range(s.start_pos, seq_len))
+        slots.extend(_slots(s.block_table, s.start_pos, seq_len, block_size))
         cu.append(row + q_len)
-        last.append(row + q_len - 1)
         if q_len == 1:
             decode_tokens.append(row)
-            decode_seqs.append((s.block_table[:need], s.seq_len))
+            decode_tables.append(s.block_table[:need])
+            decode_lens.append(seq_len)
         else:
             prefills.append((row, q_len, s.start_pos))
-            prefill_slots.append(seq_slots[: s.start_pos].to(device) if s.start_pos else None)
-    nb = max((len(t) for t, _ in decode_seqs), default=0)
-    decode_blocks = torch.zeros(len(decode_seqs), nb, dtype=torch.int64)
-    decode_mask = torch.zeros(len(decode_seqs), 1, 1, nb * block_size, dtype=torch.bool)
-    for i, (table_i, n) in enumerate(decode_seqs):
-        decode_blocks[i, : len(table_i)] = torch.tensor(table_i)
-        decode_mask[i, ..., :n] = True
+            cached = _slots(s.block_table, 0, s.start_pos, block_size)
+            prefill_slots.append(torch.tensor(cached, dtype=torch.int64, device=device) if cached else None)
+    max_blocks = max((len(t) for t in tables), default=1)
+    nb = max((len(t) for t in decode_tables), default=0)
 
-    def dev(x: list[int] | Tensor, dtype: torch.dtype = torch.int64) -> Tensor:
-        return torch.as_tensor(x, dtype=dtype).to(device)
+    def dev(x: list[int] | list[list[int]], dtype: torch.dtype = torch.int64) -> Tensor:
+        return torch.tensor(x, dtype=dtype).to(device)
 
+    lens = dev(decode_lens, torch.int32)
     return AttentionMetadata(
         positions=dev(positions), slot_mapping=dev(slots), cu_q_lens=dev(cu, torch.int32),
-        seq_lens=dev([s.seq_len for s in plan.seqs], torch.int32), block_tables=tables.to(device),
-        last_token_idx=dev(last), decode_tokens=dev(decode_tokens), decode_blocks=decode_blocks.to(device),
-        decode_lens=dev([n for _, n in decode_seqs], torch.int32), decode_mask=decode_mask.to(device),
+        seq_lens=dev([s.seq_len for s in plan.seqs], torch.int32),
+        block_tables=dev([t + [0] * (max_blocks - len(t)) for t in tables], torch.int32).view(len(tables), max_blocks),
+        last_token_idx=dev([c - 1 for c in cu[1:]]), decode_tokens=dev(decode_tokens),
+        decode_blocks=dev([t + [0] * (nb - len(t)) for t in decode_tables]).view(len(decode_tables), nb),
+        decode_lens=lens,
+        decode_mask=(torch.arange(nb * block_size, device=device) < lens[:, None]).view(len(decode_lens), 1, 1, nb * block_size),
         prefills=prefills, prefill_slots=prefill_slots,
     )
