@@ -27,7 +27,8 @@ def run_point(sets: list[str], args: argparse.Namespace, out: Path) -> dict[str,
            "--num-requests", str(args.num_requests), "--rate", args.rate, "--input-len", args.input_len,
            "--output-len", args.output_len, "--seed", str(args.seed), "--no-progress", "--out", str(out)]
     for s in [*args.set, *sets]:
-        cmd += ["--set", s]
+        key, _, value = s.partition("=")
+        cmd += ["--max-bs", value] if key == "scheduler.max_bs" else ["--set", s]   # bench.py owns that key
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, timeout=args.timeout)
     return json.loads(out.read_text())["summary"]
 
