@@ -2,6 +2,7 @@
 one launch covers the whole iteration, and the model's norms and rotary use the fused kernels too."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import ModuleType
 from typing import ClassVar
 
@@ -14,13 +15,11 @@ Tensor = torch.Tensor
 
 
 @register("triton")
+@dataclass(slots=True)
 class TritonAttention:
     name: ClassVar[str] = "triton"
     devices: ClassVar[tuple[str, ...]] = ("cuda",)
-    __slots__ = ("fused_ops",)
-
-    def __init__(self, fused_ops: ModuleType) -> None:
-        self.fused_ops: ModuleType | None = fused_ops
+    fused_ops: ModuleType | None   # kernels: rms_norm and rotary for the model's other ops
 
     @classmethod
     def create(cls, device: torch.device, dtype: torch.dtype) -> "TritonAttention":
