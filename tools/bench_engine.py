@@ -37,6 +37,12 @@ CASES: list[tuple[str, list[tuple[int, int]]]] = [
     ("prefill 512", [(512, 0)]),
     ("mixed 1x128 prefill + 31 decodes", [(128, 0)] + [(1, 255)] * 31),
     ("mixed 2x256 prefill + 62 decodes", [(256, 0)] * 2 + [(1, 255)] * 62),
+    # chunked prefill: a 512-token prompt beside 31 decodes, whole or in chunks (each chunk's iteration
+    # is the decodes' stall; the chunks' sum against the whole is what chunking costs)
+    ("chunk: 512 whole + 31 decodes", [(512, 0)] + [(1, 255)] * 31),
+    ("chunk: 256 of 512 @0 + 31 decodes", [(256, 0)] + [(1, 255)] * 31),
+    ("chunk: 256 of 512 @256 + 31 decodes", [(256, 256)] + [(1, 255)] * 31),
+    ("chunk: 128 of 512 @384 + 31 decodes", [(128, 384)] + [(1, 255)] * 31),
 ]
 
 
