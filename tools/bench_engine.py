@@ -136,6 +136,8 @@ def main() -> None:
     ap.add_argument("--no-transformers", action="store_true")
     ap.add_argument("--out", default="results/bench_engine.json")
     ap.add_argument("--cases", default="", help="comma-separated substrings: run only the cases whose name has one")
+    ap.add_argument("--across-cases", action="store_true",
+                    help="interleave the selected cases themselves (base engine only), to compare cases on a noisy machine")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME:key=value,...",
                     help="an engine config beside the base one (--set applies to both), timed interleaved")
     args = ap.parse_args()
@@ -162,22 +164,25 @@ def main() -> None:
     ceiling = matmul_ceiling(args.repeat)
     print(f"matmul ceiling (fp32 2048^3, {torch.get_num_threads()} threads): {ceiling:.1f} GFLOP/s", flush=True)
     rows = []
-    for name, reqs in CASES:
-        if args.cases and not any(c in name for c in args.cases.split(",")):
-            continue
-        tokens = sum(q for q, _ in reqs)
+    chosen = [(name, reqs) for name, reqs in CASES if not args.cases or any(c in name for c in args.cases.split(","))]
+
+    def row(label: str, runner: ModelRunner, name: str, reqs: list[tuple[int, int]], ours: float,
+            theirs: float | None) -> dict:
+        tokens, gflops = sum(q for q, _ in reqs), iteration_flops(runner.info, reqs) / ours / 1e9
+        return {"engine": label, "case": name, "batch": len(reqs), "tokens": tokens, "ms": ours * 1e3,
+                "tok_s": tokens / ours, "gflop_s": gflops, "frac_of_ceiling": gflops / ceiling,
+                "transformers_ms": theirs and theirs * 1e3, "transformers_tok_s": theirs and tokens / theirs,
+                "speedup_vs_transformers": theirs and theirs / ours}
+
+    if args.across_cases:
+        times = interleaved_medians([ours_step(runners["ours"], reqs) for _, reqs in chosen], args.repeat)
+        rows = [row("ours", runners["ours"], name, reqs, t, None) for (name, reqs), t in zip(chosen, times)]
+    for name, reqs in [] if args.across_cases else chosen:
         hf = transformers_step(ref, reqs)
         steps = [ours_step(r, reqs) for r in runners.values()] + ([hf] if hf else [])
         times = interleaved_medians(steps, args.repeat)
         theirs = times[len(runners)] if hf else None
-        for (label, runner), ours in zip(runners.items(), times):
-            gflops = iteration_flops(runner.info, reqs) / ours / 1e9
-            rows.append({
-                "engine": label, "case": name, "batch": len(reqs), "tokens": tokens, "ms": ours * 1e3,
-                "tok_s": tokens / ours, "gflop_s": gflops, "frac_of_ceiling": gflops / ceiling,
-                "transformers_ms": theirs and theirs * 1e3, "transformers_tok_s": theirs and tokens / theirs,
-                "speedup_vs_transformers": theirs and theirs / ours,
-            })
+        rows += [row(label, runner, name, reqs, ours, theirs) for (label, runner), ours in zip(runners.items(), times)]
         print(f"  {name}: " + ", ".join(f"{label} {t * 1e3:.1f} ms" for label, t in zip(runners, times))
               + (f", transformers {theirs * 1e3:.1f} ms" if theirs else ""), flush=True)
     print(f"{'engine':8} {'case':36} {'ms':>8} {'tok/s':>8} {'GFLOP/s':>8} {'%ceil':>6} {'HF tok/s':>9} {'x HF':>6}")
