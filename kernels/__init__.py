@@ -11,8 +11,8 @@ effect if it is set before triton is first imported. On CPU without the
 interpreter use the ``*_ref`` functions (or the engine's own torch path).
 
 ``rotary`` is out of place (returns new tensors); ``write_kv`` is in place.
-``write_kv_for_engine`` / ``attention_for_engine`` adapt the two attention-path
-kernels to the engine's calling convention (see orca_mq/model.py).
+The engine reaches them through its ``triton`` attention backend
+(orca_mq/engine/attention/triton.py).
 """
 
 from __future__ import annotations
@@ -49,8 +49,6 @@ __all__ = [
     "fused_add_rms_norm_ref",
     "rotary_ref",
     "triton_usable",
-    "write_kv_for_engine",
-    "attention_for_engine",
 ]
 
 
@@ -65,25 +63,6 @@ def triton_usable(device) -> bool:
     if os.environ.get("TRITON_INTERPRET") == "1":
         return True
     return str(device).startswith("cuda")
-
-
-# Adapters with the engine's calling convention (orca_mq/model.py, attention_backend="triton"):
-# same signatures as orca_mq.engine.attention.write_kv_torch / attention_torch. ``meta`` is the
-# iteration's AttentionMetadata (slot_mapping, block_tables, cu_q_lens, seq_lens on the device).
-
-
-def write_kv_for_engine(k, v, k_cache, v_cache, meta) -> None:
-    """Write this iteration's K/V ``[T, kvh, d]`` into the layer's paged cache (in place)."""
-    from .kv_write_kernel import write_kv
-
-    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-
-
-def attention_for_engine(q, k, v, k_cache, v_cache, meta, scale: float):
-    """One launch for the whole iteration; ``k``/``v`` are unused (already in the cache)."""
-    from .attention_kernel import ragged_paged_attention
-
-    return ragged_paged_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_q_lens, meta.seq_lens, scale)
 
 
 def __getattr__(name: str):

@@ -1,8 +1,10 @@
 """The CPU paged decode-attention kernel (csrc/paged_decode_cpu.cpp), built on first use.
 
-torch.utils.cpp_extension compiles it once per machine (about 40 s, with the machine's own vector
-width) into torch's extension cache; later processes load the cached build, and concurrent
-builders wait on its lock. `load()` returns None when it cannot be built (no compiler), so the
+torch.utils.cpp_extension compiles it once per machine and source (about 40 s, with the machine's
+own vector width) into torch's extension cache; later processes load the cached build, and
+concurrent builders wait on its lock. The source is built inline (copied into the cache's own
+directory) under a name carrying its hash: checkouts at other paths or with another version of the
+kernel share or keep their builds instead of rebuilding over each other. `load()` returns None when it cannot be built (no compiler), so the
 engine falls back to the torch path (gather + SDPA) and says so.
 """
 from __future__ import annotations
@@ -25,21 +27,22 @@ CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
 PagedDecode = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 
-def _build_name() -> str:
+def _build_name(source: str) -> str:
     """-march=native code must not load on another CPU sharing the cache (a network home, an image):
-    the name, hence the cache directory, carries the CPU's instruction-set flags."""
+    the name, hence the cache directory, carries the CPU's instruction-set flags and the source's hash."""
     try:
         flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
     except (OSError, StopIteration):
         flags = platform.processor()
-    return f"orca_mq_paged_decode_{platform.machine()}_{hashlib.sha1(flags.encode()).hexdigest()[:10]}"
+    digest = hashlib.sha1((flags + source).encode()).hexdigest()[:12]
+    return f"orca_mq_paged_decode_{platform.machine()}_{digest}"
 
 
 @functools.cache
 def load() -> PagedDecode | None:
     """paged_decode_attention(q [B,H,d], k_cache, v_cache [NB,bs,kvh,d], block_tables [B,nb], seq_lens [B] int32,
-    scale) -> [B,H,d], all float32 on the CPU; None if the kernel cannot be built here."""
-    from torch.utils.cpp_extension import load as build
+    scale) -> [B,H,d], float32 or bfloat16 on the CPU; None if the kernel cannot be built here."""
+    from torch.utils.cpp_extension import load_inline
 
     try:
         import ninja  # the PyPI build tool: its binary may not be on PATH (no shim, a venv not activated)
@@ -48,8 +51,9 @@ def load() -> PagedDecode | None:
     except ImportError:
         pass  # a system ninja may still be on PATH
     try:
-        module = build(name=_build_name(), sources=[str(SOURCE)], extra_cflags=CFLAGS,
-                       extra_ldflags=["-fopenmp"], verbose=False)
+        source = SOURCE.read_text()
+        module = load_inline(name=_build_name(source), cpp_sources=[source], extra_cflags=CFLAGS,
+                             extra_ldflags=["-fopenmp"], no_implicit_headers=True, verbose=False)
     except Exception as e:  # noqa: BLE001 - any build failure means: use the torch path
         logging.getLogger(__name__).warning("CPU decode kernel unavailable, using gather + SDPA: %s", e)
         return None

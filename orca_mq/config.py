@@ -10,7 +10,7 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 DEFAULT_CONFIG_PATH = Path(__file__).resolve().parent.parent / "config.toml"
 
 # the config's choices, checked once when a value is set
-DType = Literal["float32", "bfloat16", "float16"]
+DType = Literal["auto", "float32", "bfloat16", "float16"]
 Device = Literal["auto", "cpu", "cuda"]
 AttentionBackend = Literal["auto", "torch", "cpu", "triton"]
 Policy = Literal["orca", "request", "fastserve"]
@@ -41,6 +41,7 @@ class EngineConfig:
 class SchedulerConfig:
     policy: Policy = "orca"
     max_bs: int = 16
+    max_num_batched_tokens: int = 0
 
 
 @dataclass(slots=True)

@@ -1,4 +1,6 @@
-"""The C++ paged decode kernel (kernels/csrc/paged_decode_cpu.cpp) equals gather + SDPA on scattered blocks."""
+"""The C++ paged decode kernel (kernels/csrc/paged_decode_cpu.cpp) equals gather + SDPA on scattered blocks:
+to float32 rounding with a float32 cache, to the output's bfloat16 rounding with a bfloat16 cache
+(judged against float32 SDPA over the same bfloat16 values)."""
 from __future__ import annotations
 
 import pytest
@@ -25,7 +27,8 @@ def _reference(q, k_cache, v_cache, tables, lens, scale):
 @pytest.mark.parametrize("head_dim", [64, 128, 24])   # 64/128 take the compile-time paths, 24 the generic one
 @pytest.mark.parametrize("n_heads,n_kv_heads", [(9, 3), (4, 4)])
 @pytest.mark.parametrize("table_dtype", [torch.int32, torch.int64])
-def test_kernel_matches_gather_sdpa(head_dim, n_heads, n_kv_heads, table_dtype):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_matches_gather_sdpa(head_dim, n_heads, n_kv_heads, table_dtype, dtype):
     kernel = cpu_decode.load()
     assert kernel is not None, "the CPU decode kernel must build on this machine (gcc is required)"
     gen = torch.Generator().manual_seed(head_dim * 100 + n_heads)
@@ -37,14 +40,18 @@ def test_kernel_matches_gather_sdpa(head_dim, n_heads, n_kv_heads, table_dtype):
     tables = torch.randperm(num_blocks, generator=gen)[: batch * max_blocks].view(batch, max_blocks).to(table_dtype)
     q = torch.randn(batch, n_heads, head_dim, generator=gen) * 3  # large scores exercise the running max
     scale = head_dim ** -0.5
+    q, k_cache, v_cache = (t.to(dtype) for t in (q, k_cache, v_cache))
     ours = kernel(q, k_cache, v_cache, tables, lens, scale)
-    expected = _reference(q, k_cache, v_cache, tables, lens, scale)
-    assert (ours - expected).abs().max().item() <= 1e-5
+    expected = _reference(q.float(), k_cache.float(), v_cache.float(), tables, lens, scale)
+    assert ours.dtype == dtype
+    # float32: summation order only; bfloat16: the output's rounding (8 bits of mantissa)
+    tol = 1e-5 if dtype == torch.float32 else 2 ** -8 * expected.abs().max().item()
+    assert (ours.float() - expected).abs().max().item() <= tol
 
 
 def test_kernel_rejects_wrong_dtype():
     kernel = cpu_decode.load()
     q = torch.randn(1, 2, 8, dtype=torch.float64)
     cache = torch.randn(4, 2, 2, 8)
-    with pytest.raises(RuntimeError, match="float32"):
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         kernel(q, cache, cache, torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 1.0)

@@ -312,3 +312,36 @@ def test_profile_interpolates_measured_points_and_round_trips():
     assert p.initiation_time(51) == pytest.approx(0.06) and p.initiation_time(201) == pytest.approx(0.21)
     assert p.increment_time(3) == pytest.approx(0.025)
     assert IterationProfile.from_dict(p.to_dict()) == p
+
+
+def test_token_budget_skip_join_and_charges_use_the_prompt_chunk():
+    """Under a token budget a job's next iteration is its next prompt chunk: skip-join places it by
+    the chunk's time, and each chunk iteration is charged the chunk's time, not the whole prompt's."""
+    sched = make(**{"engine.n_slots": 1024 * BS, "fastserve.n_queues": 6, "scheduler.max_num_batched_tokens": 16})
+    sched.add(req("long", 900, 4))
+    assert sched.request_metrics("long")["join_queue"] == 2     # 16 ms chunk: Q2 (quantum 2 x 10.1 ms), not Q6
+    plans = run(sched, [])
+    chunks = [s.token_ids for p in plans for s in p.seqs if s.start_pos < 900]
+    assert [len(c) for c in chunks] == [16] * 56 + [4]
+    history = sched.finished["long"]["queue_history"]
+    # charged 16 ms a chunk, it uses Q2's 20.2 ms after two chunks (whole-prompt charging: after one),
+    # then sinks to the last queue
+    assert history[1][1:] == ["demote", 3] and history[1][0] == pytest.approx(duration(plans[0]) + duration(plans[1]))
+    assert sched.finished["long"]["demotions"] == 4
+
+
+@pytest.mark.parametrize("policy", ["proactive", "defer"])
+def test_token_budget_bursty_load_keeps_every_kv(policy: str):
+    sched = make(**{"fastserve.kv_policy": policy, "engine.n_slots": 40 * BS, "scheduler.max_num_batched_tokens": 8})
+
+    def check(s: FastServeScheduler, plan: IterationPlan) -> None:
+        increments = sum(q.start_pos >= len(s.pool[q.req_id].prompt_token_ids) for q in plan.seqs)
+        assert plan.num_tokens <= max(8, increments)
+        # a chunked prompt's KV blocks cover its chunk, not the whole prompt
+        assert all(len(q.block_table) <= s.block_manager.blocks_for(q.seq_len + 8) for q in plan.seqs)
+
+    arrivals = bursty(60, seed=5)
+    plans = run(sched, arrivals, check)
+    assert any(q.start_pos and len(q.token_ids) > 1 for p in plans for q in p.seqs)   # prompts were chunked
+    assert all(sched.request_metrics(r.req_id) is not None for r in arrivals)
+    assert_clean(sched)

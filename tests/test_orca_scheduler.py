@@ -197,3 +197,45 @@ def test_unknown_policy_and_bad_results_are_errors():
     plan = sched.schedule(0.0)
     with pytest.raises(ValueError, match="does not match"):
         sched.process_result(IterationResult(plan.iteration + 5, ["r0"], [1]), 0.0)
+
+
+def test_token_budget_chunks_prompts_and_never_stalls_increments():
+    """Sarathi-Serve's stall-free batching: increments take their token first, a long prompt is fed
+    in chunks of what is left of max_num_batched_tokens, in order, once; its KV is reserved once."""
+    sched = make(max_bs=4, **{"scheduler.max_num_batched_tokens": 8})
+    sched.add(req(0, prompt_len=3, max_tokens=30))
+    sched.add(req(1, prompt_len=2, max_tokens=30))
+    run_steps = [sched.schedule(0.0)]
+    sched.process_result(finish(run_steps[0]), 0.0)      # r0, r1 now increment
+    sched.add(req(2, prompt_len=41, max_tokens=2))
+    reserved = sched.n_rsrv
+    fed: list[tuple[int, int]] = []
+    while sched.pool["r2"].output_token_ids == []:
+        plan = sched.schedule(0.0)
+        by_id = {s.req_id: s for s in plan.seqs}
+        assert plan.num_tokens <= 8 and len(by_id["r0"].token_ids) == len(by_id["r1"].token_ids) == 1
+        fed.append((by_id["r2"].start_pos, len(by_id["r2"].token_ids)))
+        events = sched.process_result(finish(plan), 0.0)
+        assert sched.n_rsrv == reserved + 44                                # 41 + 2 tokens -> 11 blocks of 4
+        assert ("r2" in {e.req_id for e in events}) == (sum(n for _, n in fed) == 41)  # no token before the prompt ends
+    assert fed == [(0, 6), (6, 6), (12, 6), (18, 6), (24, 6), (30, 6), (36, 5)]
+    events = run(sched)
+    assert sum(e[0] == "r2" for e in events) == 1 and sched.n_rsrv == 0
+
+
+def test_token_budget_defers_a_prompt_that_gets_no_tokens():
+    sched = make(max_bs=8, **{"scheduler.max_num_batched_tokens": 6})
+    for i in range(3):
+        sched.add(req(i, prompt_len=4, max_tokens=2))
+    plan = sched.schedule(0.0)                            # r0 whole, r1 two tokens, r2 none: it waits
+    assert [(s.req_id, s.start_pos, len(s.token_ids)) for s in plan.seqs] == [("r0", 0, 4), ("r1", 0, 2)]
+    assert not sched.pool["r2"].running
+    events = run_from(sched, plan)
+    assert sorted(e[0] for e in events) == ["r0", "r0", "r1", "r1", "r2", "r2"]
+
+
+def test_request_level_baseline_ignores_the_token_budget():
+    sched = make("request", max_bs=4, **{"scheduler.max_num_batched_tokens": 2})
+    sched.add(req(0, prompt_len=5))
+    sched.add(req(1, prompt_len=5))
+    assert sched.schedule(0.0).num_tokens == 10

@@ -315,11 +315,13 @@ def _check_write_kv_strided(gen):
 
 
 def _check_engine_adapters(gen):
-    """kernels.write_kv_for_engine / attention_for_engine (the engine's calling convention),
-    with q/k as strided views like the engine's fused-QKV slices."""
+    """The engine's triton attention backend (its calling convention), with q/k as strided views
+    like the engine's fused-QKV slices."""
     from types import SimpleNamespace
 
-    import kernels
+    from orca_mq.engine.attention import resolve
+
+    backend = resolve("triton", torch.device("cpu"), torch.float32)
 
     bt = make_batch(gen, phases=MIXED, n_heads=9, n_kv_heads=3, head_dim=16, block_size=16)
     meta = SimpleNamespace(slot_mapping=bt["slot_mapping"], block_tables=bt["block_tables"],
@@ -330,10 +332,10 @@ def _check_engine_adapters(gen):
     k_ref, v_ref = bt["k_cache"].clone(), bt["v_cache"].clone()
     write_kv_ref(bt["k_new"], bt["v_new"], k_ref, v_ref, bt["slot_mapping"])
     k_tri, v_tri = bt["k_cache"].clone(), bt["v_cache"].clone()
-    kernels.write_kv_for_engine(k, v, k_tri, v_tri, meta)
+    backend.write_kv(k, v, k_tri, v_tri, meta)
     write_ok = torch.equal(k_tri.nan_to_num(7.0), k_ref.nan_to_num(7.0)) and \
         torch.equal(v_tri.nan_to_num(7.0), v_ref.nan_to_num(7.0))
-    out = kernels.attention_for_engine(q, k, v, k_tri, v_tri, meta, bt["scale"])
+    out = backend.attend(q, k, v, k_tri, v_tri, meta, bt["scale"])
     expect = ragged_paged_attention_ref(bt["q"], k_ref, v_ref, bt["block_tables"], bt["cu_q_lens"],
                                         bt["seq_lens"], bt["scale"])
     err = rel_err(out, expect)

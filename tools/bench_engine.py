@@ -1,10 +1,13 @@
 """Engine benchmark: time of one iteration vs batch composition, against transformers and this machine's ceiling.
 
 Prints a table and writes JSON. Every figure comes from this one run: the machine's fp32 matmul
-GFLOP/s, our engine (selective batching over the paged KV pool) and transformers' own forward
-on the same shapes, so ratios hold even on a noisy shared machine. Times are medians.
+GFLOP/s, our engine (selective batching over the paged KV pool) and transformers' own fp32 forward
+on the same shapes, so ratios hold even on a noisy shared machine. Times are medians. Engine
+variants (`--variant NAME:key=value,...`, e.g. a dtype) run interleaved with the base config and
+transformers, round by round; their weight memory is reported too.
 
     python tools/bench_engine.py --out results/bench_engine.json
+    python tools/bench_engine.py --variant bf16:model.dtype=bfloat16 --variant torch:engine.attention_backend=torch
 """
 from __future__ import annotations
 
@@ -34,6 +37,12 @@ CASES: list[tuple[str, list[tuple[int, int]]]] = [
     ("prefill 512", [(512, 0)]),
     ("mixed 1x128 prefill + 31 decodes", [(128, 0)] + [(1, 255)] * 31),
     ("mixed 2x256 prefill + 62 decodes", [(256, 0)] * 2 + [(1, 255)] * 62),
+    # chunked prefill: a 512-token prompt beside 31 decodes, whole or in chunks (each chunk's iteration
+    # is the decodes' stall; the chunks' sum against the whole is what chunking costs)
+    ("chunk: 512 whole + 31 decodes", [(512, 0)] + [(1, 255)] * 31),
+    ("chunk: 256 of 512 @0 + 31 decodes", [(256, 0)] + [(1, 255)] * 31),
+    ("chunk: 256 of 512 @256 + 31 decodes", [(256, 256)] + [(1, 255)] * 31),
+    ("chunk: 128 of 512 @384 + 31 decodes", [(128, 384)] + [(1, 255)] * 31),
 ]
 
 
@@ -72,23 +81,27 @@ def iteration_flops(info: ModelInfo, reqs: list[tuple[int, int]]) -> float:
     return per_token * tokens + attn + 2 * h * info.vocab_size * len(reqs)
 
 
-def plan_for(reqs: list[tuple[int, int]], block_size: int) -> tuple[IterationPlan, IterationPlan | None]:
-    """The measured plan, and a warm-up plan that fills the cached context of each request."""
-    seqs, warm, next_block = [], [], 0
+def plan_for(reqs: list[tuple[int, int]], block_size: int) -> IterationPlan:
+    """The measured plan. Its cached context is left as the pool's zeros: what attention reads costs
+    the same whatever the values, and computing 64 x 255 tokens of real context took minutes on a
+    loaded machine."""
+    seqs, next_block = [], 0
     for r, (q, ctx) in enumerate(reqs):
         n = -(-(ctx + q) // block_size)
-        table = list(range(next_block, next_block + n))
+        seqs.append(SeqWork(f"r{r}", [7 + (r % 50)] * q, ctx, list(range(next_block, next_block + n))))
         next_block += n
-        seqs.append(SeqWork(f"r{r}", [7 + (r % 50)] * q, ctx, table))
-        if ctx:
-            warm.append(SeqWork(f"r{r}", [11] * ctx, 0, table))
-    return IterationPlan(1, seqs), (IterationPlan(0, warm) if warm else None)
+    return IterationPlan(1, seqs)
+
+
+def weight_bytes(runner: ModelRunner) -> int:
+    w = runner.model.w
+    tensors = {id(t): t for t in [*(t for layer in w.layers for t in layer.values()), *(w.final_norm or {}).values(),
+                                  w.embed, w.pos_embed, w.lm_head] if t is not None}   # a tied head counts once
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def ours_step(runner: ModelRunner, reqs: list[tuple[int, int]]):
-    plan, warm = plan_for(reqs, runner.block_size)
-    if warm:
-        runner.forward(warm)
+    plan = plan_for(reqs, runner.block_size)
     return lambda: runner.forward(plan)
 
 
@@ -122,10 +135,18 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--no-transformers", action="store_true")
     ap.add_argument("--out", default="results/bench_engine.json")
+    ap.add_argument("--cases", default="", help="comma-separated substrings: run only the cases whose name has one")
+    ap.add_argument("--across-cases", action="store_true",
+                    help="interleave the selected cases themselves (base engine only), to compare cases on a noisy machine")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME:key=value,...",
+                    help="an engine config beside the base one (--set applies to both), timed interleaved")
     args = ap.parse_args()
     cfg = load_config(args.config, ["engine.n_slots=32768", *args.set])
     cfg.engine.n_workers = 1
-    runner = ModelRunner(cfg)
+    runners = {"ours": ModelRunner(cfg)}
+    for spec in args.variant:
+        name, _, sets = spec.partition(":")
+        runners[name] = ModelRunner(load_config(args.config, ["engine.n_slots=32768", *args.set, *sets.split(",")]))
     torch.set_num_threads(cfg.engine.threads_per_worker)
     ref = None
     if not args.no_transformers:
@@ -136,33 +157,48 @@ def main() -> None:
         p = resolve_model_path(cfg.model.path)
         ref = (AutoModelForCausalLM.from_pretrained(p.parent, gguf_file=p.name, dtype=torch.float32) if p.is_file()
                else AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32)).eval()
+    memory = {name: {"dtype": str(r.dtype).removeprefix("torch."), "attention": r.model.attention_backend,
+                     "weight_mb": weight_bytes(r) / 2**20} for name, r in runners.items()}
+    for name, m in memory.items():
+        print(f"{name}: {m['dtype']}, attention {m['attention']}, weights {m['weight_mb']:.0f} MiB", flush=True)
     ceiling = matmul_ceiling(args.repeat)
     print(f"matmul ceiling (fp32 2048^3, {torch.get_num_threads()} threads): {ceiling:.1f} GFLOP/s", flush=True)
     rows = []
-    for name, reqs in CASES:
-        tokens = sum(q for q, _ in reqs)
-        steps = [f for f in (ours_step(runner, reqs), transformers_step(ref, reqs)) if f is not None]
-        ours, theirs = [*interleaved_medians(steps, args.repeat), None][:2]
-        gflops = iteration_flops(runner.info, reqs) / ours / 1e9
-        rows.append({
-            "case": name, "batch": len(reqs), "tokens": tokens, "ms": ours * 1e3, "tok_s": tokens / ours,
-            "gflop_s": gflops, "frac_of_ceiling": gflops / ceiling,
-            "transformers_ms": theirs and theirs * 1e3, "transformers_tok_s": theirs and tokens / theirs,
-            "speedup_vs_transformers": theirs and theirs / ours,
-        })
-        print(f"  {name}: ours {ours * 1e3:.1f} ms" + (f", transformers {theirs * 1e3:.1f} ms" if theirs else ""), flush=True)
-    print(f"matmul ceiling, best of start and end: {ceiling:.1f} GFLOP/s")
-    print(f"{'case':36} {'ms':>8} {'tok/s':>8} {'GFLOP/s':>8} {'%ceil':>6} {'HF tok/s':>9} {'x HF':>6}")
+    chosen = [(name, reqs) for name, reqs in CASES if not args.cases or any(c in name for c in args.cases.split(","))]
+
+    def row(label: str, runner: ModelRunner, name: str, reqs: list[tuple[int, int]], ours: float,
+            theirs: float | None) -> dict:
+        tokens, gflops = sum(q for q, _ in reqs), iteration_flops(runner.info, reqs) / ours / 1e9
+        return {"engine": label, "case": name, "batch": len(reqs), "tokens": tokens, "ms": ours * 1e3,
+                "tok_s": tokens / ours, "gflop_s": gflops, "frac_of_ceiling": gflops / ceiling,
+                "transformers_ms": theirs and theirs * 1e3, "transformers_tok_s": theirs and tokens / theirs,
+                "speedup_vs_transformers": theirs and theirs / ours}
+
+    if args.across_cases:
+        times = interleaved_medians([ours_step(runners["ours"], reqs) for _, reqs in chosen], args.repeat)
+        rows = [row("ours", runners["ours"], name, reqs, t, None) for (name, reqs), t in zip(chosen, times)]
+    for name, reqs in [] if args.across_cases else chosen:
+        hf = transformers_step(ref, reqs)
+        steps = [ours_step(r, reqs) for r in runners.values()] + ([hf] if hf else [])
+        times = interleaved_medians(steps, args.repeat)
+        theirs = times[len(runners)] if hf else None
+        rows += [row(label, runner, name, reqs, ours, theirs) for (label, runner), ours in zip(runners.items(), times)]
+        print(f"  {name}: " + ", ".join(f"{label} {t * 1e3:.1f} ms" for label, t in zip(runners, times))
+              + (f", transformers {theirs * 1e3:.1f} ms" if theirs else ""), flush=True)
+    print(f"{'engine':8} {'case':36} {'ms':>8} {'tok/s':>8} {'GFLOP/s':>8} {'%ceil':>6} {'HF tok/s':>9} {'x HF':>6}")
     for r in rows:
         hf = f"{r['transformers_tok_s']:9.0f} {r['speedup_vs_transformers']:6.2f}" if r["transformers_tok_s"] else f"{'-':>9} {'-':>6}"
-        print(f"{r['case']:36} {r['ms']:8.1f} {r['tok_s']:8.0f} {r['gflop_s']:8.1f} {100 * r['frac_of_ceiling']:5.0f}% {hf}")
+        print(f"{r['engine']:8} {r['case']:36} {r['ms']:8.1f} {r['tok_s']:8.0f} {r['gflop_s']:8.1f} "
+              f"{100 * r['frac_of_ceiling']:5.0f}% {hf}")
     ceiling = max(ceiling, matmul_ceiling(args.repeat))  # best of start and end: the ceiling is what the machine can do
+    print(f"matmul ceiling, best of start and end: {ceiling:.1f} GFLOP/s")
     for r in rows:
         r["frac_of_ceiling"] = r["gflop_s"] / ceiling
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"config": cfg.to_dict(), "matmul_ceiling_gflop_s": ceiling,
-                               "threads": torch.get_num_threads(), "rows": rows}, indent=2))
+    out.write_text(json.dumps({"config": cfg.to_dict(), "variants": args.variant, "engines": memory,
+                               "matmul_ceiling_gflop_s": ceiling, "threads": torch.get_num_threads(),
+                               "rows": rows}, indent=2))
     print(f"wrote {out}")
 
 

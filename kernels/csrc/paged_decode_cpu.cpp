@@ -2,19 +2,33 @@
 // K/V read in place through its block table: one pass, online softmax, no gather copy. The torch
 // path copies every block (index_select) before SDPA reads it again; at batch 64 that copy
 // and the second read were half of attention's time, which is all KV memory traffic.
+// The KV cache is float32 or bfloat16 (half the bytes to stream); queries, scores and accumulators
+// are float32 either way.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace {
 
+// one K/V element as float: bfloat16 is the high half of a float32, so widening is a shift the
+// compiler vectorizes (c10::BFloat16's conversion goes through a function it does not)
+inline float widen(float x) { return x; }
+inline float widen(uint16_t x) {
+  const uint32_t u = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
 // HEAD_DIM > 0 fixes the head size at compile time (the common 64 and 128): the inner loops unroll and
 // a head's accumulator stays in registers; HEAD_DIM = 0 takes it at run time.
-template <int HEAD_DIM, typename index_t>
-void decode(const float* q, const float* k_cache, const float* v_cache, const index_t* tables,
+template <int HEAD_DIM, typename kv_t, typename index_t>
+void decode(const float* q, const kv_t* k_cache, const kv_t* v_cache, const index_t* tables,
             const int32_t* lens, float* out, int64_t batch, int64_t n_heads, int64_t n_kv_heads,
             int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale) {
   const int64_t d = HEAD_DIM > 0 ? HEAD_DIM : head_dim;
@@ -34,11 +48,11 @@ void decode(const float* q, const float* k_cache, const float* v_cache, const in
       std::fill(l.begin(), l.end(), 0.f);
       for (int64_t j = 0, start = 0; start < len; ++j, start += block_size) {
         const int64_t n = std::min(block_size, len - start);
-        const float* kb = k_cache + static_cast<int64_t>(table[j]) * block_floats;
-        const float* vb = v_cache + static_cast<int64_t>(table[j]) * block_floats;
+        const kv_t* kb = k_cache + static_cast<int64_t>(table[j]) * block_floats;
+        const kv_t* vb = v_cache + static_cast<int64_t>(table[j]) * block_floats;
         if (start + block_size < len) {  // the next block is elsewhere in memory: ask for it now
           const int64_t next = static_cast<int64_t>(table[j + 1]) * block_floats;
-          for (int64_t i = 0; i < block_floats; i += 16) {
+          for (int64_t i = 0; i < block_floats; i += 64 / static_cast<int64_t>(sizeof(kv_t))) {
             __builtin_prefetch(k_cache + next + i);
             __builtin_prefetch(v_cache + next + i);
           }
@@ -48,10 +62,10 @@ void decode(const float* q, const float* k_cache, const float* v_cache, const in
           const float* qh = qb + hq * d;
           float mx = m[hq];
           for (int64_t t = 0; t < n; ++t) {
-            const float* kt = kb + t * row + kv_off;
+            const kv_t* kt = kb + t * row + kv_off;
             float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-            for (int64_t i = 0; i < d; ++i) dot += qh[i] * kt[i];
+            for (int64_t i = 0; i < d; ++i) dot += qh[i] * widen(kt[i]);
             s[t] = dot * scale;
             mx = std::max(mx, s[t]);
           }
@@ -71,9 +85,9 @@ void decode(const float* q, const float* k_cache, const float* v_cache, const in
           for (int64_t i = 0; i < d; ++i) ah[i] = ah_in[i] * correction;
           for (int64_t t = 0; t < n; ++t) {
             const float p = s[t];
-            const float* vt = vb + t * row + kv_off;
+            const kv_t* vt = vb + t * row + kv_off;
 #pragma omp simd
-            for (int64_t i = 0; i < d; ++i) ah[i] += p * vt[i];
+            for (int64_t i = 0; i < d; ++i) ah[i] += p * widen(vt[i]);
           }
           if (HEAD_DIM > 0) std::copy(a, a + d, acc.data() + hq * d);
         }
@@ -87,27 +101,42 @@ void decode(const float* q, const float* k_cache, const float* v_cache, const in
   });
 }
 
-template <typename index_t>
-void dispatch(const float* q, const float* k, const float* v, const index_t* tables, const int32_t* lens,
+template <typename kv_t, typename index_t>
+void dispatch(const float* q, const kv_t* k, const kv_t* v, const index_t* tables, const int32_t* lens,
               float* out, int64_t batch, int64_t n_heads, int64_t n_kv_heads, int64_t d,
               int64_t block_size, int64_t max_blocks, float scale) {
   auto run = [&](auto kernel) {
     kernel(q, k, v, tables, lens, out, batch, n_heads, n_kv_heads, d, block_size, max_blocks, scale);
   };
-  if (d == 64) run(decode<64, index_t>);
-  else if (d == 128) run(decode<128, index_t>);
-  else run(decode<0, index_t>);
+  if (d == 64) run(decode<64, kv_t, index_t>);
+  else if (d == 128) run(decode<128, kv_t, index_t>);
+  else run(decode<0, kv_t, index_t>);
+}
+
+template <typename kv_t>
+void dispatch_tables(const float* q, const kv_t* k, const kv_t* v, const torch::Tensor& tables, const int32_t* lens,
+                     float* out, int64_t batch, int64_t n_heads, int64_t n_kv_heads, int64_t d,
+                     int64_t block_size, float scale) {
+  const int64_t max_blocks = tables.size(1);
+  if (tables.scalar_type() == at::kLong) {
+    dispatch(q, k, v, tables.data_ptr<int64_t>(), lens, out, batch, n_heads, n_kv_heads, d, block_size, max_blocks, scale);
+  } else {
+    TORCH_CHECK(tables.scalar_type() == at::kInt, "block_tables must be int32 or int64");
+    dispatch(q, k, v, tables.data_ptr<int32_t>(), lens, out, batch, n_heads, n_kv_heads, d, block_size, max_blocks, scale);
+  }
 }
 
 }  // namespace
 
 // q [B, H, d]; k_cache/v_cache [num_blocks, block_size, kvh, d]; block_tables [B, max_blocks];
-// seq_lens [B] int32 (>= 1). Returns [B, H, d]. All float32, contiguous, on the CPU.
+// seq_lens [B] int32 (>= 1). Returns [B, H, d] in q's dtype. q, k_cache and v_cache all float32 or
+// all bfloat16, contiguous, on the CPU.
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), "bad shapes");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
-              v_cache.scalar_type() == at::kFloat, "float32 only");
+  const auto dtype = k_cache.scalar_type();
+  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && q.scalar_type() == dtype &&
+              v_cache.scalar_type() == dtype, "float32 or bfloat16 only, the same for q, k_cache and v_cache");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
               block_tables.is_contiguous() && seq_lens.is_contiguous(), "contiguous tensors only");
   TORCH_CHECK(seq_lens.scalar_type() == at::kInt, "seq_lens must be int32");
@@ -115,22 +144,20 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   const int64_t block_size = k_cache.size(1), n_kv_heads = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == d && n_heads % n_kv_heads == 0 && block_tables.size(0) == batch &&
               seq_lens.size(0) == batch, "inconsistent sizes");
-  auto out = torch::empty_like(q);
-  const int64_t max_blocks = block_tables.size(1);
+  const auto qf = q.to(at::kFloat);   // a few KB: queries and accumulators stay float32
+  auto out = torch::empty_like(qf);
   const float s = static_cast<float>(scale);
-  if (block_tables.scalar_type() == at::kLong) {
-    dispatch(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
-             block_tables.data_ptr<int64_t>(), seq_lens.data_ptr<int32_t>(), out.data_ptr<float>(),
-           batch, n_heads, n_kv_heads, d, block_size, max_blocks, s);
+  if (dtype == at::kFloat) {
+    dispatch_tables(qf.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), block_tables,
+                    seq_lens.data_ptr<int32_t>(), out.data_ptr<float>(), batch, n_heads, n_kv_heads, d, block_size, s);
   } else {
-    TORCH_CHECK(block_tables.scalar_type() == at::kInt, "block_tables must be int32 or int64");
-    dispatch(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
-             block_tables.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), out.data_ptr<float>(),
-           batch, n_heads, n_kv_heads, d, block_size, max_blocks, s);
+    auto bits = [](const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); };
+    dispatch_tables(qf.data_ptr<float>(), bits(k_cache), bits(v_cache), block_tables, seq_lens.data_ptr<int32_t>(),
+                    out.data_ptr<float>(), batch, n_heads, n_kv_heads, d, block_size, s);
   }
-  return out;
+  return out.to(q.scalar_type());
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU, float32)");
+  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU, float32 or bfloat16 KV)");
 }

@@ -1,18 +1,17 @@
 """One pipeline stage of a Llama- or GPT-2-family model, run with selective batching.
 
 All tokens of the iteration flow as one [T, hidden] tensor through embeddings, norms, QKV/out
-projections, MLP and residual adds; only attention is split per request (attention.py); the LM
+projections, MLP and residual adds; only attention is split per request (the backend of attention/); the LM
 head runs on each request's last token only.
 """
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 import torch.nn.functional as F
 
-from orca_mq.engine.attention import AttentionMetadata, attention_torch, write_kv_torch
+from orca_mq.engine.attention import AttentionBackend, AttentionMetadata
 from orca_mq.engine.kv_cache import KVCache
 from orca_mq.engine.model_info import ModelInfo
 from orca_mq.engine.weights import StageWeights
@@ -22,26 +21,15 @@ Tensor = torch.Tensor
 
 class StageModel:
     def __init__(self, info: ModelInfo, weights: StageWeights, layers: range, max_len: int,
-                 device: torch.device, attention_backend: str = "torch") -> None:
+                 device: torch.device, attention: AttentionBackend) -> None:
         self.info, self.layers = info, layers
         self.w = weights
         self.first, self.last = weights.embed is not None and layers.start == 0, weights.final_norm is not None
         self.scale = 1.0 / math.sqrt(info.head_dim)
         self.split = [info.n_heads * info.head_dim, info.n_kv_heads * info.head_dim, info.n_kv_heads * info.head_dim]
-        self.attention_backend = attention_backend
-        self.triton = attention_backend == "triton"
-        if self.triton:  # CUDA: the fused kernels of kernels/ (checked on CPU under TRITON_INTERPRET=1)
-            import kernels
-
-            self.kernels = kernels
-            self._write_kv, self._attention = kernels.write_kv_for_engine, kernels.attention_for_engine
-        elif attention_backend == "cpu":  # the torch path with increments on the C++ paged decode kernel
-            from kernels import cpu_decode
-
-            self._write_kv = write_kv_torch
-            self._attention = functools.partial(attention_torch, decode_kernel=cpu_decode.load())
-        else:
-            self._write_kv, self._attention = write_kv_torch, attention_torch
+        self.attention = attention
+        self.attention_backend = attention.name
+        self.fused = attention.fused_ops  # Triton norm/rotary kernels (CUDA), or None: torch ops
         if info.arch == "llama":  # rotary tables in the rotate-half layout, as Hugging Face computes them
             d = info.head_dim
             inv_freq = 1.0 / (info.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
@@ -58,7 +46,7 @@ class StageModel:
         or logits [B, vocab] of each request's last token on the last stage."""
         h = self.embed(inputs, meta) if self.first else inputs
         # the torch path gathers this iteration's rotary rows once for all layers
-        rope = (self.cos[meta.positions], self.sin[meta.positions]) if self.info.arch == "llama" and not self.triton else None
+        rope = (self.cos[meta.positions], self.sin[meta.positions]) if self.info.arch == "llama" and self.fused is None else None
         for i, w in enumerate(self.w.layers):
             k_cache, v_cache = kv.layer(i)
             h = self._layer(h, w, meta, k_cache, v_cache, rope)
@@ -74,8 +62,8 @@ class StageModel:
     def _norm(self, x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
         if self.info.arch == "gpt2":
             return F.layer_norm(x, (x.shape[-1],), w, b, self.info.norm_eps)
-        if self.triton:
-            return self.kernels.rms_norm(x, w, self.info.norm_eps)
+        if self.fused is not None:
+            return self.fused.rms_norm(x, w, self.info.norm_eps)
         xf = x.float()  # F.rms_norm is not fused on CPU and is far slower than these three ops
         return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.info.norm_eps)).to(x.dtype)
 
@@ -90,10 +78,10 @@ class StageModel:
         if rope is not None:  # Q and K heads rotate together: one set of elementwise ops
             qk = _rotary(qkv[:, : self.split[0] + self.split[1]].reshape(t, -1, d), *rope)
             q, k = qk[:, : self.info.n_heads], qk[:, self.info.n_heads:]
-        elif self.triton and not gpt2:
-            q, k = self.kernels.rotary(q, k, meta.positions, self.cos, self.sin)
-        self._write_kv(k, v, k_cache, v_cache, meta)
-        o = self._attention(q, k, v, k_cache, v_cache, meta, self.scale).reshape(t, -1)
+        elif self.fused is not None and not gpt2:
+            q, k = self.fused.rotary(q, k, meta.positions, self.cos, self.sin)
+        self.attention.write_kv(k, v, k_cache, v_cache, meta)
+        o = self.attention.attend(q, k, v, k_cache, v_cache, meta, self.scale).reshape(t, -1)
         h = h + F.linear(o, w["o"], w.get("o_b"))
         if gpt2:
             x = self._norm(h, w["ln2_w"], w["ln2_b"])

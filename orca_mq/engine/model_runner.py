@@ -1,11 +1,13 @@
 """Executes one iteration plan on one pipeline stage: its layers, its KV pool, and (last stage) sampling."""
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from orca_mq.engine.attention import build_metadata
+from orca_mq.engine.attention import build_metadata, resolve
+from orca_mq.engine.dtype import native_bf16_flags, resolve_dtype
 from orca_mq.protocol.iteration import IterationPlan, IterationResult
 from orca_mq.engine.kv_cache import KVCache
 from orca_mq.engine.model import StageModel
@@ -17,6 +19,7 @@ if TYPE_CHECKING:
     from orca_mq.config import Config
 
 Tensor = torch.Tensor
+log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -36,32 +39,14 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_attention_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
-    """auto: the Triton kernels on CUDA; on the CPU the C++ decode kernel (float32) when it builds, else torch."""
-    if name not in ("auto", "torch", "cpu", "triton"):
-        raise ValueError(f"engine.attention_backend must be auto | torch | cpu | triton, got {name!r}")
-    auto = name == "auto"
-    if auto:
-        if device.type == "cuda":
-            return "triton"
-        name = "cpu" if dtype == torch.float32 else "torch"
-    if name == "cpu":
-        if device.type != "cpu" or dtype != torch.float32:
-            raise ValueError("engine.attention_backend = cpu needs engine.device = cpu and model.dtype = float32")
-        from kernels import cpu_decode
-
-        if cpu_decode.load() is None and not auto:
-            raise RuntimeError("engine.attention_backend = cpu but the CPU decode kernel cannot be built (see the log)")
-        return "cpu" if cpu_decode.load() is not None else "torch"
-    return name
-
-
 class ModelRunner:
     def __init__(self, cfg: "Config", stage: int = 0, n_stages: int = 1, info: ModelInfo | None = None) -> None:
-        if cfg.model.dtype not in DTYPES:
-            raise ValueError(f"model.dtype must be one of {sorted(DTYPES)}, got {cfg.model.dtype!r}")
         self.device = resolve_device(cfg.engine.device)
-        self.dtype = DTYPES[cfg.model.dtype]
+        dtype = resolve_dtype(cfg.model.dtype, self.device.type)
+        if cfg.model.dtype == "auto":
+            log.info("model.dtype auto: %s (%s, native bfloat16 flags: %s)", dtype, self.device.type,
+                     ", ".join(native_bf16_flags()) or "none")
+        self.dtype = DTYPES[dtype]
         torch.set_num_threads(cfg.engine.threads_per_worker)
         self.info = info or read_model_info(cfg.model.path, cfg.model.cache_dir)
         self.stage, self.n_stages = stage, n_stages
@@ -79,7 +64,7 @@ class ModelRunner:
             weights.lm_head = weights.embed  # one copy of a tied head
         self.block_size = cfg.engine.block_size
         self.model = StageModel(self.info, weights, layers, self.info.max_model_len(cfg), self.device,
-                                resolve_attention_backend(cfg.engine.attention_backend, self.device, self.dtype))
+                                resolve(cfg.engine.attention_backend, self.device, self.dtype))
         self.kv = KVCache.allocate(len(layers), cfg.engine.n_slots // self.block_size, self.block_size,
                                    self.info.n_kv_heads, self.info.head_dim, self.dtype, self.device)
         self.host_blocks = cfg.engine.host_slots // self.block_size

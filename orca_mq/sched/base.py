@@ -36,6 +36,7 @@ class Scheduler:
 
     def __init__(self, cfg: "Config", info: "ModelInfo") -> None:
         self.max_bs = cfg.scheduler.max_bs
+        self.token_budget = cfg.scheduler.max_num_batched_tokens  # 0: no budget, whole prompts (ORCA)
         self.n_workers = cfg.engine.n_workers
         self.block_manager = BlockManager(cfg.engine.n_slots // cfg.engine.block_size, cfg.engine.block_size)
         self.eos_token_ids = set(info.eos_token_ids)
@@ -43,8 +44,8 @@ class Scheduler:
         self.in_flight: dict[int, list[Request]] = {}
         self.iteration = 0
         self.record: deque[tuple[int, list[str]]] = deque(maxlen=RECORD_WINDOW)  # (iteration, request ids) for FCFS checks
-        if self.max_bs < 1 or self.n_workers < 1:
-            raise ValueError("max_bs and n_workers must be >= 1")
+        if self.max_bs < 1 or self.n_workers < 1 or self.token_budget < 0:
+            raise ValueError("max_bs and n_workers must be >= 1, max_num_batched_tokens >= 0")
 
     # ------------------------------------------------------------ pool
 
@@ -85,12 +86,13 @@ class Scheduler:
         """The next iteration, or None when the pipeline is full or nothing can run."""
         if len(self.in_flight) >= self.n_workers:
             return None
-        batch = self.select(now)
+        batch = self.fit_budget(self.select(now))
         if not batch:
             return None
+        self.admitted(batch, now)
         seqs = []
         for req in batch:
-            tokens, start = req.next_tokens(self.prompt_chunk(req))
+            tokens, start = req.next_tokens(req.chunk or None)
             if req.phase is Phase.INITIATION:
                 req.n_prompt_fed = start + len(tokens)
             table = self.block_manager.ensure(req.req_id, start + len(tokens))
@@ -102,6 +104,26 @@ class Scheduler:
         self.in_flight[plan.iteration] = batch
         self.record.append((plan.iteration, [r.req_id for r in batch]))
         return plan
+
+    def fit_budget(self, batch: list[Request]) -> list[Request]:
+        """Sarathi-Serve's stall-free batching under a token budget (scheduler.max_num_batched_tokens):
+        every increment request in the batch gets its one token first, then the prompts share what is
+        left, in batch order, a chunk each; a prompt left with no budget waits for a later iteration.
+        Sets each request's `chunk`."""
+        left = self.token_budget - sum(r.phase is Phase.INCREMENT for r in batch) if self.token_budget else None
+        kept = []
+        for req in batch:
+            req.chunk = 0
+            if req.phase is Phase.INITIATION:
+                policy = self.prompt_chunk(req)
+                req.chunk = req.prompt_left if policy is None else min(policy, req.prompt_left)
+                if left is not None:
+                    req.chunk = min(req.chunk, max(left, 0))
+                    left -= req.chunk
+                if req.chunk == 0:
+                    continue
+            kept.append(req)
+        return kept
 
     def process_result(self, result: IterationResult, now: float) -> list[TokenEvent]:
         batch = self.in_flight.pop(result.iteration, None)
@@ -160,8 +182,12 @@ class Scheduler:
         raise NotImplementedError
 
     def prompt_chunk(self, req: Request) -> int | None:
-        """How many prompt tokens a request in INITIATION feeds this iteration (None: all, as ORCA does)."""
+        """How many prompt tokens a request in INITIATION may feed this iteration, before the token
+        budget (None: all, as ORCA does)."""
         return None
+
+    def admitted(self, batch: list[Request], now: float) -> None:
+        """The batch of the iteration being planned, after the token budget dropped what did not fit."""
 
     def release(self, req: Request) -> None:
         """A request left the pool: return whatever the policy holds for it."""

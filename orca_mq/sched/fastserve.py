@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
+from orca_mq.engine.dtype import DTYPE_BYTES, resolve_dtype
 from orca_mq.sched.block_manager import BlockManager
 from orca_mq.protocol.iteration import IterationPlan
 from orca_mq.sched.kv_policy import KV_POLICIES, SwapCounts
@@ -33,7 +34,6 @@ if TYPE_CHECKING:
     from orca_mq.config import Config
     from orca_mq.engine.model_info import ModelInfo
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 KEPT_METRICS = 10_000   # finished requests whose metrics stay available
 
 
@@ -65,11 +65,12 @@ class FastServeScheduler(Scheduler):
         self.profile_max_len = profile_max_len(cfg, info)
         self.host_block_manager = BlockManager(max(1, eng.host_slots // eng.block_size), eng.block_size)
         self.kv = KV_POLICIES[fs.kv_policy](self.block_manager, self.host_block_manager, self.max_bs)
-        self.block_bytes = 2 * info.n_layers * eng.block_size * info.n_kv_heads * info.head_dim * DTYPE_BYTES[cfg.model.dtype]
+        dtype = resolve_dtype(cfg.model.dtype, eng.device)
+        self.block_bytes = 2 * info.n_layers * eng.block_size * info.n_kv_heads * info.head_dim * DTYPE_BYTES[dtype]
         self.waits: dict[str, Waits] = {}
         self.finished: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self.log = _logger()
-        self.use_profile(profile or IterationProfile.estimate(info, cfg.model.dtype))
+        self.use_profile(profile or IterationProfile.estimate(info, dtype))
 
     def profiler(self) -> Profiler:
         """Skip-join needs this engine's own iteration times, measured before any request."""
@@ -87,8 +88,9 @@ class FastServeScheduler(Scheduler):
         self.log.info("fastserve quanta", quanta_s=[round(q, 4) for q in self.mlfq.quanta], kv_policy=self.fs.kv_policy)
 
     def next_iteration_time(self, req: Request) -> float:
-        if req.n_iterations == 0:
-            return self.profile.initiation_time(len(req.prompt_token_ids))
+        """Its next iteration: the next prompt chunk (the whole prompt without a token budget), or an increment."""
+        if req.prompt_pending:
+            return self.profile.initiation_time(min(req.prompt_left, self.token_budget or req.prompt_left))
         return self.profile.increment_time(self.max_bs)
 
     # ------------------------------------------------------------ pool
@@ -127,7 +129,9 @@ class FastServeScheduler(Scheduler):
             self.log.debug("starvation promotion", request_id=rid, queue=1)
         order = [self.pool[rid] for rid in self.mlfq.order(list(nxt))]
         enst = self.mlfq.enst(list(self.pool), self.max_bs, now)
-        batch = self.kv.select(order, enst, self.free_target())
+        return self.kv.select(order, enst, self.free_target(), self.token_budget or None)
+
+    def admitted(self, batch: list[Request], now: float) -> None:
         for req in batch:
             waited = now - self.mlfq.jobs[req.req_id].ready_since
             w = self.waits[req.req_id]
@@ -135,7 +139,6 @@ class FastServeScheduler(Scheduler):
                 w.preempted_s += waited
             else:
                 w.queued_s += waited
-        return batch
 
     def free_target(self) -> int:
         """Device blocks kept free: max(K, burst). A burst of arrivals skip-joins the top queues, so
@@ -148,13 +151,12 @@ class FastServeScheduler(Scheduler):
 
     def after_iteration(self, batch: list[Request], now: float) -> None:
         """Token-level preemption: each job returns to its queue, charged the predicted time of its
-        iteration (its initiation, or an increment at this batch size)."""
+        iteration (its prompt chunk, or an increment at this batch size)."""
         for req in batch:
             job = self.mlfq.jobs.get(req.req_id)
             if job is None:  # finished
                 continue
-            first = req.n_iterations == 1
-            service = self.profile.initiation_time(len(req.prompt_token_ids)) if first else self.profile.increment_time(len(batch))
+            service = self.profile.initiation_time(req.chunk) if req.chunk else self.profile.increment_time(len(batch))
             queue = job.queue
             self.mlfq.charge(req.req_id, service, self.next_iteration_time(req), now)
             if job.queue != queue:

@@ -51,9 +51,11 @@ class DeferKV:
         """Blocks all started jobs may need at most, together."""
         return self.device.num_blocks
 
-    def select(self, order: list[Request], enst: dict[str, float], reserve: int) -> list[Request]:
+    def select(self, order: list[Request], enst: dict[str, float], reserve: int,
+               max_prompt_tokens: int | None = None) -> list[Request]:
         """The batch: jobs in priority order, up to max_bs, each with its KV on the device for this
-        iteration (uploaded by this plan if need be) and room for its new tokens."""
+        iteration (uploaded by this plan if need be) and room for its new tokens (at most
+        `max_prompt_tokens` of a prompt: a chunk of it under a token budget)."""
         batch: list[Request] = []
         taken: set[str] = set()
         admitting, n_reserved = True, sum(self.reserved.values())
@@ -68,7 +70,7 @@ class DeferKV:
             if new and (not admitting or n_reserved + size > self.capacity):
                 admitting = False  # no later job starts before this one: big jobs are not starved by small ones
                 continue
-            tokens, start = req.next_tokens()
+            tokens, start = req.next_tokens(max_prompt_tokens)
             need = self.device.blocks_for(start + len(tokens)) - len(self.device.table(rid))
             taken.add(rid)  # from here on, not a victim
             if need > self.device.num_free_blocks and not self.make_room(need, order, taken, enst):

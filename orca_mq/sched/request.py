@@ -26,6 +26,7 @@ class Request:
     aborted: bool = False          # abort asked while running: finish when its iteration returns
     n_iterations: int = 0
     n_prompt_fed: int = 0          # prompt tokens given to the engine so far (all of them after one ORCA initiation)
+    chunk: int = 0                 # prompt tokens its latest iteration feeds (0: an increment)
     first_token_time: float | None = None
     finish_time: float | None = None
     finish_reason: str | None = None
@@ -38,6 +39,10 @@ class Request:
     def max_total_tokens(self) -> int:
         """ORCA's max_tokens: input tokens + max generated tokens, what the KV reservation covers."""
         return len(self.prompt_token_ids) + self.params.max_tokens
+
+    @property
+    def prompt_left(self) -> int:
+        return len(self.prompt_token_ids) - self.n_prompt_fed
 
     @property
     def prompt_pending(self) -> bool:

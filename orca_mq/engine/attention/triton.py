@@ -1,0 +1,42 @@
+"""The Triton kernels of kernels/ (CUDA; on the CPU only under TRITON_INTERPRET=1, for tests):
+one launch covers the whole iteration, and the model's norms and rotary use the fused kernels too."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+from typing import ClassVar
+
+import torch
+
+from orca_mq.engine.attention.base import BackendUnavailable, register
+from orca_mq.engine.attention.metadata import AttentionMetadata
+
+Tensor = torch.Tensor
+
+
+@register("triton")
+@dataclass(slots=True)
+class TritonAttention:
+    name: ClassVar[str] = "triton"
+    devices: ClassVar[tuple[str, ...]] = ("cuda",)
+    fused_ops: ModuleType | None   # kernels: rms_norm and rotary for the model's other ops
+
+    @classmethod
+    def create(cls, device: torch.device, dtype: torch.dtype) -> "TritonAttention":
+        import kernels  # imports no triton until a kernel is used
+
+        if not kernels.triton_usable(device):
+            raise BackendUnavailable(f"Triton kernels cannot run on {device} (no triton, or a CPU without TRITON_INTERPRET=1)")
+        return cls(kernels)
+
+    def write_kv(self, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata) -> None:
+        from kernels.kv_write_kernel import write_kv
+
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
+               meta: AttentionMetadata, scale: float) -> Tensor:
+        """k/v are unused: this iteration's are already in the cache."""
+        from kernels.attention_kernel import ragged_paged_attention
+
+        return ragged_paged_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_q_lens, meta.seq_lens, scale)
