@@ -76,7 +76,8 @@ def test_bad_client_frames_get_errors_and_the_broker_survives(broker):
         assert isinstance(msg, Error), frame
     assert msg.request_id == "r1"  # the last one named its request: that request is over
     client.send(encode(Ping(7)))
-    assert decode(_recv(client)[0], TO_CLIENT) == Pong(7)
+    pong = decode(_recv(client)[0], TO_CLIENT)
+    assert isinstance(pong, Pong) and pong.nonce == 7 and pong.server and pong.restarts == 0
     assert not frontend.poll(100), "nothing malformed may reach the frontend"
 
 
