@@ -213,7 +213,7 @@ def test_health_is_503_until_the_server_answers(tmp_path):
     cfg = load_config(overrides={"server.http_address": f"127.0.0.1:{port}", "log.dir": str(tmp_path),
                                  "server.frontend_address": f"tcp://127.0.0.1:{free_port()}",
                                  "server.backend_address": f"ipc://{tmp_path}/backend"})
-    proc = subprocess.Popen([sys.executable, "-m", "orca_mq.server.http_api", "--config-json", json.dumps(cfg.to_dict())],
+    proc = subprocess.Popen([sys.executable, "-m", "orca_mq.api.server", "--config-json", json.dumps(cfg.to_dict())],
                             cwd=ROOT, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 120

@@ -7,8 +7,8 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from orca_mq.bench.metrics import parse_goodput, summarize
-from orca_mq.server.http_stream import StopStrings, classify
-from orca_mq.server.metrics import ApiMetrics
+from orca_mq.api.stream import StopStrings, classify
+from orca_mq.api.metrics import ApiMetrics
 from orca_mq.server.telemetry import Telemetry
 
 

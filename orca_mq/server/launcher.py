@@ -115,7 +115,7 @@ class Launcher:
             self._spawn("frontend", "engine", "orca_mq.server.frontend")
             waiting |= {"frontend", "scheduler", *(f"worker{i}" for i in range(n))}
         if group in ("broker", "http") and self.cfg.server.http_address:
-            self._spawn("http", "http", "orca_mq.server.http_api")
+            self._spawn("http", "http", "orca_mq.api.server")
             waiting.add("http")
         while waiting:
             self._check_startup(deadline, ", ".join(sorted(waiting)))

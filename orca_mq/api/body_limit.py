@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from orca_mq.server.http_stream import ApiError
-from orca_mq.server.openai_schemas import error_body
+from orca_mq.api.stream import ApiError
+from orca_mq.api.schemas import error_body
 
 Scope = dict[str, Any]
 Receive = Any

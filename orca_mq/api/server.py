@@ -5,7 +5,7 @@
 
 Generation requests go over the normal ZeroMQ protocol (orca_mq.client.AsyncClient), so the
 frontend tokenizes, applies the chat template and validates exactly as for ZeroMQ clients.
-Run by the launcher as `python -m orca_mq.server.http_api --config-json ...` when
+Run by the launcher as `python -m orca_mq.api.server --config-json ...` when
 `server.http_address` is set; it reports Ready once it listens.
 """
 from __future__ import annotations
@@ -33,17 +33,17 @@ from pydantic import BaseModel
 from orca_mq.client import AsyncClient
 from orca_mq.config import Config
 from orca_mq.engine.model_files import resolve_model_path
-from orca_mq.engine.weights import read_model_info
+from orca_mq.engine.model_info import read_model_info
 from orca_mq.logs import setup_logging
 from orca_mq.protocol.control_msgs import Ready
-from orca_mq.server.http_body_limit import BodyLimit
-from orca_mq.server.http_stream import ApiError, Generation, StopStrings, join, until_disconnect
-from orca_mq.server.metrics import ApiMetrics
-from orca_mq.server.openai_schemas import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,
+from orca_mq.api.body_limit import BodyLimit
+from orca_mq.api.stream import ApiError, Generation, StopStrings, join, until_disconnect
+from orca_mq.api.metrics import ApiMetrics
+from orca_mq.api.schemas import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,
                                            ChatCompletionChunk, ChatCompletionRequest, ChatDelta, Completion,
                                            CompletionChoice, CompletionRequest, ModelCard, ModelList, Usage,
                                            error_body, new_id)
-from orca_mq.server.prompt_len import PromptCounter
+from orca_mq.api.prompt_len import PromptCounter
 from orca_mq.server.zmq_queue import BrokerLink
 
 STATS_TIMEOUT = 3.0    # a scheduler that does not answer stats within this is reported unavailable
@@ -65,7 +65,7 @@ class Api:
         self.log = setup_logging("http", cfg.log)
         path = resolve_model_path(cfg.model.path)
         self.model_name = path.stem if path.is_file() else path.name
-        self.max_model_len = read_model_info(cfg.model.path).max_model_len(cfg)
+        self.max_model_len = read_model_info(cfg.model.path, cfg.model.cache_dir).max_model_len(cfg)
         self.prompts = PromptCounter(cfg)
         self.client = AsyncClient(cfg.server.frontend_address)
         self.metrics = ApiMetrics(self.model_name)

@@ -5,15 +5,15 @@ from __future__ import annotations
 from typing import Any
 
 from orca_mq.config import Config
-from orca_mq.engine.weights import read_model_info
+from orca_mq.engine.model_info import read_model_info
 from orca_mq.tokenizer import load_tokenizer
 
 
 class PromptCounter:
     def __init__(self, cfg: Config) -> None:
-        self.tokenizer = load_tokenizer(cfg.model.path)
+        self.tokenizer = load_tokenizer(cfg.model.path, cfg.model.cache_dir)
         bs = cfg.engine.block_size
-        self.budget = min(read_model_info(cfg.model.path).max_model_len(cfg), cfg.engine.n_slots // bs * bs)
+        self.budget = min(read_model_info(cfg.model.path, cfg.model.cache_dir).max_model_len(cfg), cfg.engine.n_slots // bs * bs)
 
     def remaining(self, prompt: dict[str, Any]) -> int:
         """Context left after the prompt (at least 1: a prompt too long is the frontend's to refuse)."""

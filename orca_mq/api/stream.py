@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 from starlette.requests import Request
 
 from orca_mq.client import AsyncClient
-from orca_mq.server.metrics import ApiMetrics
+from orca_mq.api.metrics import ApiMetrics
 
 T = TypeVar("T")
 
