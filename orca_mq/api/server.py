@@ -10,19 +10,16 @@ Run by the launcher as `python -m orca_mq.api.server --config-json ...` when
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import json
 import os
 import signal
-import sys
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import uvicorn
-import uvloop
 import zmq.asyncio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -44,6 +41,7 @@ from orca_mq.api.schemas import (AssistantMessage, ChatChoice, ChatChunkChoice, 
                                            CompletionChoice, CompletionRequest, ModelCard, ModelList, Usage,
                                            error_body, new_id)
 from orca_mq.api.prompt_len import PromptCounter
+from orca_mq.server.process import process_main
 from orca_mq.server.zmq_queue import BrokerLink
 
 STATS_TIMEOUT = 3.0    # a scheduler that does not answer stats within this is reported unavailable
@@ -240,11 +238,8 @@ async def _main(cfg: Config) -> int:
     return 0 if server.started else 1
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="orca-mq OpenAI-compatible HTTP API")
-    parser.add_argument("--config-json", required=True)
-    args = parser.parse_args(argv)
-    sys.exit(uvloop.run(_main(Config.from_dict(json.loads(args.config_json)))))
+def main() -> None:
+    process_main("orca-mq OpenAI-compatible HTTP API", lambda cfg, _: _main(cfg))
 
 
 if __name__ == "__main__":

@@ -16,14 +16,10 @@ can end the loop. Its counters join every stats reply under "broker".
 """
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 import uuid
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import uvloop
 import zmq
 import zmq.asyncio
 
@@ -36,6 +32,7 @@ from orca_mq.protocol.common_msgs import INVALID_REQUEST, OVERLOADED, PROTOCOL, 
 from orca_mq.sampling_params import InvalidRequest
 from orca_mq.validation import check_request_id
 from orca_mq.protocol.control_msgs import ClientGone, Fatal, Resume
+from orca_mq.server.process import process_main
 from orca_mq.server.zmq_queue import BROKER, CLIENT, PEER, serve
 
 FRONTEND = b"frontend"
@@ -222,16 +219,9 @@ def _failed(request_id: str, code: str, text: str) -> Output:
     return Output(request_id, [], "", finished=True, finish_reason="error", error=text, code=code)
 
 
-async def _main(cfg: Config, restarts: int) -> int:
-    return await Broker(cfg, restarts).run()
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="orca-mq broker")
-    parser.add_argument("--config-json", required=True)
-    parser.add_argument("--restarts", type=int, default=0)
-    args = parser.parse_args(argv)
-    sys.exit(uvloop.run(_main(Config.from_dict(json.loads(args.config_json)), args.restarts)))
+def main() -> None:
+    process_main("orca-mq broker", lambda cfg, args: Broker(cfg, args.restarts).run(),
+                 ("--restarts", {"type": int, "default": 0, "help": "restarts so far (reported in stats)"}))
 
 
 if __name__ == "__main__":

@@ -13,18 +13,14 @@ their KV at the scheduler's next iteration.
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import os
-import sys
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-import uvloop
 import zmq.asyncio
 
 from orca_mq.config import Config
@@ -41,6 +37,7 @@ from orca_mq.tokenizer import load_tokenizer
 from orca_mq.validation import validate_request
 from orca_mq.engine.model_info import read_model_info
 from orca_mq.server.prompts import Prompts
+from orca_mq.server.process import process_main
 from orca_mq.server.zmq_queue import CLIENT, BrokerLink, Envelope, serve
 
 FROM_PROCESSES = channel(TokenBatch, StatsResult, Drain, AbortAll, ClientGone, Error)
@@ -255,15 +252,8 @@ class Frontend:
             await self.link.to_peer("launcher", Drained())
 
 
-async def _main(cfg: Config) -> int:
-    return await Frontend(cfg).run()
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="orca-mq frontend")
-    parser.add_argument("--config-json", required=True)
-    args = parser.parse_args(argv)
-    sys.exit(uvloop.run(_main(Config.from_dict(json.loads(args.config_json)))))
+def main() -> None:
+    process_main("orca-mq frontend", lambda cfg, _: Frontend(cfg).run())
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ prints its ready line) and stop it with `ServerHandle.stop`.
 """
 from __future__ import annotations
 
+import argparse
 import ctypes
 import json
 import os
@@ -15,10 +16,12 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
+
+from orca_mq.config import Config
 
 ROOT = Path(__file__).resolve().parents[2]   # children import orca_mq, workers and kernels from here
 READY_LINE = "orca-mq ready on "
@@ -132,3 +135,17 @@ def spawn(sets: Mapping[str, Any], stderr_path: Path, *, config: str | None = No
                 return handle
     handle.stop()
     raise RuntimeError(f"server not ready (exit code {proc.returncode}); its stderr ends:\n{handle.stderr()[-4000:]}")
+
+
+def process_main(description: str, run: Callable[[Config, argparse.Namespace], Coroutine[Any, Any, int]],
+                 *options: tuple[str, dict[str, Any]]) -> None:
+    """The entry point of every asyncio process the launcher starts: `--config-json` (and `options`)
+    in, `run(cfg, args)` on uvloop, its result as the exit status."""
+    import uvloop
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--config-json", required=True)
+    for flag, kwargs in options:
+        parser.add_argument(flag, **kwargs)
+    args = parser.parse_args()
+    sys.exit(uvloop.run(run(Config.from_dict(json.loads(args.config_json)), args)))

@@ -7,18 +7,14 @@ an iteration's tokens, retire/append them and stream them to the frontend at onc
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import os
-import sys
 import time
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-import uvloop
 import zmq
 import zmq.asyncio
 
@@ -36,6 +32,7 @@ from orca_mq.sched.profiler import Profiler
 from orca_mq.sched.request import Request
 from orca_mq.engine.model_info import read_model_info
 from orca_mq.server.telemetry import Telemetry
+from orca_mq.server.process import process_main
 from orca_mq.server.zmq_queue import BrokerLink, Envelope, control_address, serve
 
 ACCEPTED = channel(AddRequest, AbortRequest, StatsQuery, IterationDone, WorkerStats, Error)
@@ -205,16 +202,9 @@ class SchedulerProcess:
         await self.link.to_peer(pending.source, StatsResult(q.query_id, stats))
 
 
-async def _main(cfg: Config, run_dir: str) -> int:
-    return await SchedulerProcess(cfg, run_dir).run()
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="orca-mq iteration scheduler")
-    parser.add_argument("--config-json", required=True)
-    parser.add_argument("--run-dir", required=True, help="directory of the workers' control sockets")
-    args = parser.parse_args(argv)
-    sys.exit(uvloop.run(_main(Config.from_dict(json.loads(args.config_json)), args.run_dir)))
+def main() -> None:
+    process_main("orca-mq iteration scheduler", lambda cfg, args: SchedulerProcess(cfg, args.run_dir).run(),
+                 ("--run-dir", {"required": True, "help": "directory of the workers' control sockets"}))
 
 
 if __name__ == "__main__":
