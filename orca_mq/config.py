@@ -28,6 +28,7 @@ class ModelConfig:
 @dataclass(slots=True)
 class EngineConfig:
     n_workers: int = 1
+    tp_size: int = 1
     threads_per_worker: int = 2
     device: Device = "auto"
     attention_backend: AttentionBackend = "auto"
@@ -61,6 +62,10 @@ class ServerConfig:
     worker_base_port: int = 29500
     drain_timeout: float = 30.0
     ready_timeout: float = 300.0
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    node_timeout: float = 10.0
 
 
 @dataclass(slots=True)

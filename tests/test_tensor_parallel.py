@@ -68,7 +68,8 @@ def _rank_main(rank: int, n_stages: int, tp: int, port: int, cfg_dict: dict[str,
                job: Callable[[Step, ModelRunner, Any], Any], payload: Any, out: Any) -> None:
     """One worker: joins the grid and runs its stage and rank of the job; the last stage's TP rank 0 reports."""
     stage, tp_rank = divmod(rank, tp)
-    plane = DataPlane(stage, n_stages, torch.device("cpu"), ("127.0.0.1", port), tp_rank, tp, timeout=JOIN_TIMEOUT)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False)
+    plane = DataPlane(stage, n_stages, torch.device("cpu"), store, tp_rank, tp, timeout=JOIN_TIMEOUT)
     runner = ModelRunner(Config.from_dict(cfg_dict), stage, n_stages, tp=plane.tp)
 
     def step(plan: IterationPlan) -> torch.Tensor:

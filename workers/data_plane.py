@@ -25,7 +25,7 @@ STORE_PREFIX = "dist/"
 
 
 class DataPlane:
-    def __init__(self, stage: int, n_stages: int, device: torch.device, master: tuple[str, int],
+    def __init__(self, stage: int, n_stages: int, device: torch.device, store: dist.Store | None,
                  tp_rank: int = 0, tp_size: int = 1, timeout: float = 600.0) -> None:
         self.stage, self.n_stages, self.tp_size = stage, n_stages, tp_size
         self.rank = stage * tp_size + tp_rank
@@ -34,7 +34,7 @@ class DataPlane:
         world = n_stages * tp_size
         if world == 1:
             return
-        store = dist.TCPStore(master[0], master[1], is_master=False, timeout=timedelta(seconds=timeout))
+        assert store is not None, "more than one worker needs the rendezvous store"
         dist.init_process_group(
             "nccl" if device.type == "cuda" else "gloo",
             store=dist.PrefixStore(STORE_PREFIX, store), rank=self.rank, world_size=world,

@@ -13,6 +13,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from orca_mq.protocol.iteration import IterationPlan, IterationResult
 from orca_mq.logs import summarize_ms
 from orca_mq.engine.model_runner import ModelRunner
@@ -64,11 +66,13 @@ class StageExecutor:
             hidden = self.data_plane.recv(plan.iteration, shape, self.runner.dtype, self.runner.device)
         start = time.time()
         out = self.runner.execute(plan, hidden)
-        if self.last:
-            assert isinstance(out, IterationResult)
+        if self.last:  # TP ranks other than 0 hold the same logits and report nothing
             end = time.time()
-            self.on_result(out, start, end)
+            if out is not None:
+                assert isinstance(out, IterationResult)
+                self.on_result(out, start, end)
         else:
+            assert isinstance(out, torch.Tensor)
             self.data_plane.send(plan.iteration, out)
             end = time.time()
         with self._lock:

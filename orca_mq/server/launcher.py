@@ -6,6 +6,8 @@ SIGINT/SIGTERM: drain (new requests are refused; in-flight ones may finish for
 `server.drain_timeout` seconds, then are aborted), stop every child, exit 0.
 If a child dies: the broker sends every in-flight request an `error` final message, the other
 children are stopped, and the launcher exits with status 1.
+Many hosts (orca_mq/server/nodes.py): the launcher runs once per node; node 0 runs everything above
+and its share of the workers, the others only their workers. A node that dies counts as a dead child.
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ from orca_mq.protocol import ProtocolError, decode
 from orca_mq.protocol.client_msgs import Error, Ping, Pong
 from orca_mq.protocol.codec import channel
 from orca_mq.protocol.control_msgs import AbortAll, Drain, Drained, Fatal, Ready
+from orca_mq.server.nodes import STOPPED, NodeError, NodeGroup, placement, resolve_addresses, uses_store, worker_name
 from orca_mq.server.zmq_queue import SyncBrokerLink
 
 ACCEPTED = channel(Ready, Drained, Pong, Error)
@@ -56,8 +59,11 @@ class Child:
 
 class Launcher:
     def __init__(self, cfg: Config) -> None:
+        resolve_addresses(cfg)
         self.cfg = cfg
-        self.log = setup_logging("launcher", cfg.log)
+        self.node_rank = cfg.server.node_rank
+        self.log = setup_logging(f"launcher{self.node_rank or ''}", cfg.log)
+        self.nodes: NodeGroup | None = None
         self.run_dir = tempfile.mkdtemp(prefix="orca_mq-")
         self.children: list[Child] = []
         self.ctx: zmq.Context[Any] = zmq.Context()
@@ -82,9 +88,15 @@ class Launcher:
         try:
             if not self._start():
                 return 1 if self.signals == 0 else 0
-            print(f"orca-mq ready on {self.cfg.server.frontend_address}", flush=True)
+            print(self._ready_line(), flush=True)
             return self._supervise()
+        except NodeError as e:
+            self.log.error("nodes failed to meet", error=str(e))
+            print(f"orca-mq: {e}", file=sys.stderr, flush=True)
+            return 1
         finally:
+            if self.nodes is not None and self.node_rank == 0:
+                self.nodes.report(STOPPED)
             self._stop_children()
             if self.link is not None:
                 self.link.close()
@@ -92,7 +104,8 @@ class Launcher:
             shutil.rmtree(self.run_dir, ignore_errors=True)
 
     def _start(self) -> bool:
-        n = self.cfg.engine.n_workers
+        if uses_store(self.cfg):  # host the rendezvous before anything can look for it
+            self.nodes = NodeGroup.open(self.cfg)
         self._spawn("broker", "orca_mq.server.broker")
         self.link = SyncBrokerLink(self.ctx, self.cfg.server.backend_address, "launcher")
         deadline = time.monotonic() + self.cfg.server.ready_timeout
@@ -100,13 +113,15 @@ class Launcher:
             if self._dead() or self.signals or time.monotonic() > deadline:
                 self.log.error("broker did not come up")
                 return False
-        for stage in range(n):
-            self._spawn(f"worker{stage}", "workers.main", "--stage", str(stage), "--run-dir", self.run_dir)
+        if self.nodes is not None:
+            self.nodes.join(self.log)
+        self._spawn_workers()
         self._spawn("scheduler", "orca_mq.server.scheduler_process", "--run-dir", self.run_dir)
         self._spawn("frontend", "orca_mq.server.frontend")
-        waiting = {"frontend", "scheduler", *(f"worker{i}" for i in range(n))}
+        tp = self.cfg.engine.tp_size
+        waiting = {"frontend", "scheduler", *(worker_name(*divmod(r, tp)) for r in range(self.cfg.engine.n_workers * tp))}
         while waiting:
-            if dead := self._dead():
+            if dead := self._dead() + self._dead_nodes():
                 self.log.error("a process died during startup", processes=dead)
                 return False
             if self.signals or time.monotonic() > deadline:
@@ -118,9 +133,12 @@ class Launcher:
                 self.log.info("ready", child=msg.role, child_pid=msg.pid)
         return True
 
+    def _ready_line(self) -> str:
+        return f"orca-mq ready on {self.cfg.server.frontend_address}"
+
     def _supervise(self) -> int:
         while not self.signals:
-            if dead := self._dead():
+            if dead := self._dead() + self._dead_nodes():
                 return self._fail(dead)
             self._recv(POLL)
         return self._drain()
@@ -149,6 +167,20 @@ class Launcher:
             self.link.to_broker(Fatal(reason))
             self._ping(timeout=2.0)  # the broker handles frames in order: the pong means it sent the errors
         return 1
+
+    # ------------------------------------------------------------ many hosts: placement and spawning
+
+    def _spawn_workers(self) -> None:
+        """This node's workers: its share of the stages x TP ranks, in placement order."""
+        tp = self.cfg.engine.tp_size
+        for rank, node in enumerate(placement(self.cfg.engine.n_workers, tp, self.cfg.server.nnodes)):
+            if node == self.node_rank:
+                stage, tp_rank = divmod(rank, tp)
+                self._spawn(worker_name(stage, tp_rank), "workers.main", "--stage", str(stage),
+                            "--tp-rank", str(tp_rank), "--run-dir", self.run_dir)
+
+    def _dead_nodes(self) -> list[str]:
+        return self.nodes.poll() if self.nodes is not None else []
 
     def _dead(self) -> list[str]:
         return [f"{c.role} (pid {c.proc.pid}, exit {c.proc.returncode})" for c in self.children if c.proc.poll() is not None]
@@ -235,15 +267,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-f", "--follow", action="store_true", help="logs: keep printing new lines")
     parser.add_argument("-n", "--lines", type=int, default=200, help="logs: last N lines (0 = all)")
     parser.add_argument("--json", action="store_true", help="logs: print the raw JSON lines")
+    for flag, key in _NODE_FLAGS.items():  # torchrun-style shorthands of the [server] keys
+        parser.add_argument(flag, dest=key, default=None, metavar=flag[2:].upper(), help=f"= --set {key}=...")
     args = parser.parse_args(argv)
-    cfg = load_config(args.config, args.set)
+    cfg = load_config(args.config, args.set + [f"{k}={v}" for k in _NODE_FLAGS.values() if (v := getattr(args, k)) is not None])
     if args.command == "logs":
         try:
             show_logs(cfg, args.follow, args.lines, args.json)
         except KeyboardInterrupt:
             pass
         return 0
-    return Launcher(cfg).run()
+    if cfg.server.node_rank == 0:
+        return Launcher(cfg).run()
+    from orca_mq.server.node_launcher import NodeLauncher  # it subclasses Launcher
+
+    return NodeLauncher(cfg).run()
+
+
+_NODE_FLAGS = {"--nnodes": "server.nnodes", "--node-rank": "server.node_rank",
+               "--master-addr": "server.master_addr", "--master-port": "server.worker_base_port"}
 
 
 if __name__ == "__main__":
