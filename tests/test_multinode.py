@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from orca_mq.client import AsyncClient, Client
+from orca_mq.server.nodes import STOPPED, NodeGroup, placement
 from serving_harness import ROOT, Server, alive, children_of, free_port, start_server
 
 pytestmark = pytest.mark.e2e
@@ -124,3 +125,43 @@ def test_a_missing_node_is_a_clear_error(rank, tmp_path):
         proc.kill()
     expected = "node(s) [1] did not join within server.ready_timeout=12s" if rank == 0 else "cannot reach node 0's rendezvous"
     assert expected in (tmp_path / "stderr").read_text()
+
+
+def test_placement_keeps_stages_whole_where_they_fit():
+    assert placement(4, 2, 2) == [0, 0, 0, 0, 1, 1, 1, 1]      # 2 stages x TP 2 per node
+    assert placement(3, 1, 2) == [0, 0, 1]
+    assert placement(1, 4, 2) == [0, 0, 1, 1]                   # fewer stages than nodes: the TP group spans them
+    with pytest.raises(ValueError, match="cannot fill"):
+        placement(1, 1, 2)
+
+
+def test_heartbeats_and_failure_reports(tmp_path):
+    """Node 0 declares a node dead when its heartbeat stalls for node_timeout, or when it reports a failure."""
+    from orca_mq.config import load_config
+
+    def cfg(rank: int):
+        return load_config(overrides={"server.nnodes": 3, "server.node_rank": rank, "server.node_timeout": 2.0,
+                                      "server.worker_base_port": port, "server.ready_timeout": 10.0})
+
+    port = free_port()
+    node0 = NodeGroup.open(cfg(0))
+    others = [NodeGroup.open(cfg(r)) for r in (1, 2)]
+    for n in others:
+        n.store.set(f"launch/node{n.rank}", "test")
+    node0.join(_NullLog())
+    others[1].report("worker2 (pid 1, exit 1) died")
+    deadline = time.monotonic() + 3.0
+    while time.monotonic() < deadline:  # node 1 keeps beating, node 2 has reported its failure
+        assert others[0].poll() == []
+        assert node0.poll() == ["node 2 (worker2 (pid 1, exit 1) died)"]
+        time.sleep(0.1)
+    time.sleep(2.5)  # node 1 stops beating
+    dead = node0.poll()
+    assert len(dead) == 2 and dead[0].startswith("node 1 (no heartbeat for ") and dead[1].startswith("node 2 (worker2")
+    node0.report(STOPPED)
+    assert others[0].poll() == [STOPPED]
+
+
+class _NullLog:
+    def info(self, *args: object, **kwargs: object) -> None:
+        pass

@@ -4,7 +4,7 @@ The launcher runs once per node, torchrun-style (`--nnodes N --node-rank R --mas
 --master-port PORT`). Node 0's launcher hosts a TCP store at HOST:PORT: the launchers meet there,
 the workers' torch.distributed rendezvous runs on it (workers/data_plane.py), and workers publish
 the TCP addresses of their control sockets when their upstream sits on another node. Every other
-node's launcher adds to a heartbeat counter once a second and watches a stop key; node 0 declares
+node's launcher adds to a heartbeat counter 4 times per `server.node_timeout` and watches a stop key; node 0 declares
 a node dead when its counter stalls for `server.node_timeout` seconds, or when that node reports
 a dead child, and then fails every in-flight request like any other process death.
 """
@@ -20,7 +20,6 @@ import torch.distributed as dist
 
 from orca_mq.config import Config
 
-BEAT_EVERY = 1.0
 RENDEZVOUS = "launch/rendezvous"
 STOP = "launch/stop"
 STOPPED = "node 0 stopped"
@@ -132,7 +131,7 @@ class NodeGroup:
         now = time.monotonic()
         try:
             if self.rank != 0:
-                if now - self._last_beat >= BEAT_EVERY:
+                if now - self._last_beat >= self.cfg.server.node_timeout / 4:
                     self.store.add(f"launch/beat{self.rank}", 1)
                     self._last_beat = now
                 return [self.store.get(STOP).decode()] if self.store.check([STOP]) else []
