@@ -1,7 +1,8 @@
 """Many hosts, on one machine: two launcher invocations act as two nodes over loopback TCP.
 
-Node 0 runs the broker, frontend, scheduler and pipeline stage 0; node 1 runs stage 1, reaching
-node 0's broker and rendezvous over TCP and taking its control frames over TCP. Checked: greedy
+One stage with tp_size 2 over two nodes: node 0 runs the broker, frontend, scheduler and TP rank 0;
+node 1 runs TP rank 1, reaching node 0's broker and rendezvous over TCP, taking its control frames
+over TCP from rank 0 and all-reducing with it over gloo on TCP. Checked: greedy
 tokens equal transformers'; a node killed mid-run gives every in-flight request an error final and
 stops node 0 (exit 1); a node that never joins (or a node 0 that never comes up) is a clear error.
 """
@@ -46,12 +47,12 @@ class TwoNodes:
 def two_nodes(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("two_nodes")
     shared = {"server.worker_base_port": free_port(), "server.backend_address": f"tcp://127.0.0.1:{free_port()}",
-              "server.nnodes": 2, "server.node_timeout": 3.0, "engine.n_workers": 2,
+              "server.nnodes": 2, "server.node_timeout": 3.0, "engine.tp_size": 2,
               "engine.threads_per_worker": 1, "engine.n_slots": 4096}
     # node 1 first: it waits for node 0's rendezvous, as a host started early would
     node1 = _launch({**shared, "server.node_rank": 1, "log.dir": str(tmp / "node1_logs")}, tmp / "node1.stderr")
     try:
-        node0 = start_server(tmp / "node0", n_workers=2, **shared)
+        node0 = start_server(tmp / "node0", n_workers=1, **shared)
     except BaseException:
         node1.kill()
         raise
@@ -68,8 +69,8 @@ def two_nodes(tmp_path_factory):
 def test_two_nodes_serve_greedy_like_transformers(two_nodes, hf_reference):
     from orca_mq.tokenizer import load_tokenizer
 
-    assert any("--stage 1" in cmd for cmd in two_nodes.node1_workers.values())
-    assert not any("--stage 1" in cmd for cmd in two_nodes.node0.children.values())
+    assert any("--tp-rank 1" in cmd for cmd in two_nodes.node1_workers.values())
+    assert not any("--tp-rank 1" in cmd for cmd in two_nodes.node0.children.values())
     tok = load_tokenizer()
     with Client(two_nodes.node0.address) as client:
         for prompt in PROMPTS:
