@@ -2,14 +2,11 @@
 single-process engine's logits, and on the embedded model transformers' greedy tokens."""
 from __future__ import annotations
 
-import multiprocessing as mp
 import random
-from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from orca_mq.config import Config, load_config
 from orca_mq.engine.model_runner import ModelRunner
@@ -17,9 +14,7 @@ from orca_mq.engine.parallel import shard_spec
 from orca_mq.engine.weights import read_model_info
 from orca_mq.protocol.iteration import IterationPlan, SeqWork
 from orca_mq.sched.block_manager import BlockManager
-from workers.data_plane import DataPlane
-
-JOIN_TIMEOUT = 240.0
+from workers.local_grid import Step, run_grid
 
 
 def _cfg(model: str, block_size: int = 8, n_slots: int = 2048) -> Config:
@@ -42,9 +37,6 @@ def _mixed_plans(vocab: int, num_blocks: int, block_size: int, seed: int) -> tup
     return [IterationPlan(0, warm), IterationPlan(1, mixed)], [s.req_id for s in mixed]
 
 
-Step = Callable[[IterationPlan], torch.Tensor]
-
-
 def _logits_job(step: Step, runner: ModelRunner, plans: list[IterationPlan]) -> Any:
     return [step(p) for p in plans][-1].numpy()
 
@@ -64,51 +56,6 @@ def _greedy_job(step: Step, runner: ModelRunner, job: tuple[list[list[int]], int
     return tokens
 
 
-def _rank_main(rank: int, n_stages: int, tp: int, port: int, cfg_dict: dict[str, Any],
-               job: Callable[[Step, ModelRunner, Any], Any], payload: Any, out: Any) -> None:
-    """One worker: joins the grid and runs its stage and rank of the job; the last stage's TP rank 0 reports."""
-    stage, tp_rank = divmod(rank, tp)
-    store = dist.TCPStore("127.0.0.1", port, is_master=False)
-    plane = DataPlane(stage, n_stages, torch.device("cpu"), store, tp_rank, tp, timeout=JOIN_TIMEOUT)
-    runner = ModelRunner(Config.from_dict(cfg_dict), stage, n_stages, tp=plane.tp)
-
-    def step(plan: IterationPlan) -> torch.Tensor:
-        hidden = plane.recv(plan.iteration, (plan.num_tokens, runner.hidden_size), runner.dtype, runner.device) \
-            if stage > 0 else None
-        result = runner.forward(plan, hidden)
-        if not runner.last:
-            plane.send(plan.iteration, result)
-        return result
-
-    result = job(step, runner, payload)
-    if runner.last and tp_rank == 0:
-        out.put(result)
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-
-
-def _run_grid(n_stages: int, tp: int, cfg: Config, job: Callable[[Step, ModelRunner, Any], Any], payload: Any) -> Any:
-    """Host the rendezvous (as node 0's launcher does), start n_stages x tp worker processes, collect."""
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(r, n_stages, tp, store.port, cfg.to_dict(), job, payload, out))
-             for r in range(n_stages * tp)]
-    for p in procs:
-        p.start()
-    try:
-        result = out.get(timeout=JOIN_TIMEOUT)
-        for p in procs:
-            p.join(timeout=60)
-        assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-        return result
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-
-
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 @pytest.mark.parametrize("n_stages,tp", [(1, 2), (2, 2)])
 def test_tp_logits_match_single_process(arch, n_stages, tp, tiny_llama_dir, tiny_gpt2_dir):
@@ -116,9 +63,24 @@ def test_tp_logits_match_single_process(arch, n_stages, tp, tiny_llama_dir, tiny
     single = ModelRunner(cfg)
     plans, order = _mixed_plans(single.info.vocab_size, single.kv.num_blocks, single.block_size, seed=5)
     expected = [single.forward(p) for p in plans][-1]
-    got = torch.from_numpy(_run_grid(n_stages, tp, cfg, _logits_job, plans))
+    got = torch.from_numpy(run_grid(n_stages, tp, cfg, _logits_job, plans))
     assert got.shape == expected.shape == (len(order), single.info.vocab_size)
     assert (got - expected).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("heads,kv,size", [(9, 3, 2), (4, 2, 4), (8, 8, 3), (12, 4, 8)])
+def test_shard_specs_cover_every_head_once(heads, kv, size, tiny_llama_dir):
+    """Query heads are partitioned; each rank's KV heads are exactly those its query heads read."""
+    from dataclasses import replace
+
+    info = replace(read_model_info(str(tiny_llama_dir)), n_heads=heads, n_kv_heads=kv, hidden_size=heads * 16)
+    specs = [shard_spec(info, r, size) for r in range(size)]
+    assert sorted(h for s in specs for h in s.heads) == list(range(heads))
+    for s in specs:
+        assert s.heads and {h // (heads // kv) for h in s.heads} == set(s.kv_heads)
+    assert sorted(c for s in specs for c in s.ffn) == list(range(info.intermediate_size))
+    with pytest.raises(ValueError, match="multiple"):
+        shard_spec(replace(info, n_heads=4, n_kv_heads=2), 0, 3)
 
 
 def test_replicated_kv_heads_match(tiny_llama_dir):
@@ -130,7 +92,7 @@ def test_replicated_kv_heads_match(tiny_llama_dir):
     single = ModelRunner(cfg)
     plans, _ = _mixed_plans(info.vocab_size, single.kv.num_blocks, single.block_size, seed=9)
     expected = [single.forward(p) for p in plans][-1]
-    assert (torch.from_numpy(_run_grid(1, 4, cfg, _logits_job, plans)) - expected).abs().max().item() <= 1e-4
+    assert (torch.from_numpy(run_grid(1, 4, cfg, _logits_job, plans)) - expected).abs().max().item() <= 1e-4
 
 
 @pytest.mark.e2e
@@ -141,7 +103,7 @@ def test_tp2_greedy_matches_transformers_on_embedded_model(hf_reference):
     tok = load_tokenizer()
     prompts = [tok.encode(p) for p in ("The capital of France is", "def fibonacci(n):", "1, 2, 3, 4,")]
     steps = 12
-    got = _run_grid(1, 2, load_config(overrides={"engine.threads_per_worker": 1}), _greedy_job, (prompts, steps))
+    got = run_grid(1, 2, load_config(overrides={"engine.threads_per_worker": 1}), _greedy_job, (prompts, steps))
     for ids, ours in zip(prompts, got):
         ref = hf_reference.generate(torch.tensor([ids]), max_new_tokens=steps, min_new_tokens=steps, do_sample=False)
         assert ours == ref[0, len(ids):].tolist()
