@@ -114,7 +114,7 @@ class Launcher:
                 self.log.error("broker did not come up")
                 return False
         if self.nodes is not None:
-            self.nodes.join(self.log)
+            self.nodes.join(self.log, lambda: self.signals > 0)
         self._spawn_workers()
         self._spawn("scheduler", "orca_mq.server.scheduler_process", "--run-dir", self.run_dir)
         self._spawn("frontend", "orca_mq.server.frontend")

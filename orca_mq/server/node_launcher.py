@@ -15,7 +15,7 @@ from orca_mq.server.nodes import STOPPED, NodeGroup
 class NodeLauncher(Launcher):
     def _start(self) -> bool:
         self.nodes = NodeGroup.open(self.cfg)
-        self.nodes.join(self.log)
+        self.nodes.join(self.log, lambda: self.signals > 0)
         self._spawn_workers()
         return True
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -95,7 +96,7 @@ class NodeGroup:
         rank = cfg.server.node_rank
         return cls(cfg, connect_store(cfg, is_master=rank == 0), rank, cfg.server.nnodes)
 
-    def join(self, log: Any) -> None:
+    def join(self, log: Any, interrupted: Callable[[], bool] = lambda: False) -> None:
         """Every node announces itself; node 0 waits `ready_timeout` for all, then tells each the outcome."""
         timeout = self.cfg.server.ready_timeout
         if self.rank != 0:
@@ -106,11 +107,12 @@ class NodeGroup:
             return
         deadline = time.monotonic() + timeout
         missing = list(range(1, self.nnodes))
-        while missing and time.monotonic() < deadline:
+        while missing and time.monotonic() < deadline and not interrupted():
             missing = [r for r in missing if not self.store.check([f"launch/node{r}"])]
             time.sleep(0.2)
         if missing:
-            reason = f"node(s) {missing} did not join within server.ready_timeout={timeout:g}s"
+            reason = (f"node 0 was interrupted while waiting for node(s) {missing}" if interrupted() else
+                      f"node(s) {missing} did not join within server.ready_timeout={timeout:g}s")
             self.store.set(RENDEZVOUS, reason)
             raise NodeError(reason)
         self.store.set(RENDEZVOUS, "ok")
