@@ -37,7 +37,8 @@ def main(argv: list[str] | None = None) -> None:
         rank = args.stage * tp + args.tp_rank
         torch.cuda.set_device(nodes[:rank].count(nodes[rank]) % torch.cuda.device_count())
     # the data plane first: the stage's TP group must exist before the runner shards its weights
-    data_plane = DataPlane(args.stage, n, device, store, args.tp_rank, tp, timeout=cfg.server.ready_timeout)
+    # the timeout also bounds every recv and all-reduce: an iteration's peers are never that far apart
+    data_plane = DataPlane(args.stage, n, device, store, args.tp_rank, tp, timeout=max(600.0, cfg.server.ready_timeout))
     runner = ModelRunner(cfg, stage=args.stage, n_stages=n, tp=data_plane.tp)
     if policy_class(cfg.scheduler.policy).swaps_kv:  # copy the plans' KV offloads/uploads on their own thread
         runner.swapper = KVSwapper(runner.kv, runner.host_blocks)
