@@ -103,12 +103,13 @@ def main() -> None:
                                      "engine.threads_per_worker": max(1, args.cores // (pp * tp))})
         t0 = time.perf_counter()
         r = run_grid(pp, tp, cfg, _bench_job, args.repeat, timeout=1800.0)
-        results.append({"pp": pp, "tp": tp, "threads_per_worker": cfg.engine.threads_per_worker, **r})
+        results.append({"pp": pp, "tp": tp, "threads_per_worker": cfg.engine.threads_per_worker,
+                        "loadavg_1min_after": os.getloadavg()[0], **r})  # a shared machine's load skews every figure
         print(f"PP {pp} x TP {tp} done in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     print(f"{'grid':<12}" + "".join(f"{name:>36}" for name, _ in CASES))
     for r in results:
         cells = [f"{c['iteration_ms']:8.1f} ms (all-reduce {c['allreduce_ms']:6.1f})" for c in r["cases"].values()]
-        print(f"PP{r['pp']} x TP{r['tp']:<5}" + "".join(f"{c:>36}" for c in cells))
+        print(f"PP{r['pp']} x TP{r['tp']:<5}" + "".join(f"{c:>36}" for c in cells) + f"   load {r['loadavg_1min_after']:.1f}")
     for r in results:
         if r["micro_allreduce_ms"]:
             micro = ", ".join(f"{t} tok {ms:.2f} ms" for t, ms in r["micro_allreduce_ms"].items())
