@@ -56,8 +56,7 @@ def _greedy_job(step: Step, runner: ModelRunner, job: tuple[list[list[int]], int
     return tokens
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
-@pytest.mark.parametrize("n_stages,tp", [(1, 2), (2, 2)])
+@pytest.mark.parametrize("arch,n_stages,tp", [("llama", 1, 2), ("gpt2", 1, 2), ("llama", 2, 2)])
 def test_tp_logits_match_single_process(arch, n_stages, tp, tiny_llama_dir, tiny_gpt2_dir):
     cfg = _cfg(str(tiny_llama_dir if arch == "llama" else tiny_gpt2_dir))
     single = ModelRunner(cfg)
