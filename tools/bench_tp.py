@@ -95,21 +95,23 @@ def main() -> None:
     ap.add_argument("--model", default="", help="model path (default: the embedded SmolLM2-135M)")
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--cores", type=int, default=os.cpu_count() or 2)
+    ap.add_argument("--grids", default=",".join(f"{pp}x{tp}" for pp, tp in GRIDS), help="PPxTP,... e.g. 1x1,1x2")
+    ap.add_argument("--threads", type=int, default=0, help="threads per worker (default: cores // ranks)")
     ap.add_argument("--out", default="results/bench_tp.json")
     args = ap.parse_args()
     results = []
-    for pp, tp in GRIDS:
+    for pp, tp in (tuple(int(x) for x in g.split("x")) for g in args.grids.split(",")):
         cfg = load_config(overrides={"model.path": args.model, "engine.n_slots": 16384,
-                                     "engine.threads_per_worker": max(1, args.cores // (pp * tp))})
+                                     "engine.threads_per_worker": args.threads or max(1, args.cores // (pp * tp))})
         t0 = time.perf_counter()
         r = run_grid(pp, tp, cfg, _bench_job, args.repeat, timeout=1800.0)
         results.append({"pp": pp, "tp": tp, "threads_per_worker": cfg.engine.threads_per_worker,
                         "loadavg_1min_after": os.getloadavg()[0], **r})  # a shared machine's load skews every figure
         print(f"PP {pp} x TP {tp} done in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
-    print(f"{'grid':<12}" + "".join(f"{name:>36}" for name, _ in CASES))
+    print(f"{'grid':<18}" + "".join(f"{name:>36}" for name, _ in CASES))
     for r in results:
         cells = [f"{c['iteration_ms']:8.1f} ms (all-reduce {c['allreduce_ms']:6.1f})" for c in r["cases"].values()]
-        print(f"PP{r['pp']} x TP{r['tp']:<5}" + "".join(f"{c:>36}" for c in cells) + f"   load {r['loadavg_1min_after']:.1f}")
+        print(f"PP{r['pp']} x TP{r['tp']} x {r['threads_per_worker']}thr  " + "".join(f"{c:>36}" for c in cells) + f"   load {r['loadavg_1min_after']:.1f}")
     for r in results:
         if r["micro_allreduce_ms"]:
             micro = ", ".join(f"{t} tok {ms:.2f} ms" for t, ms in r["micro_allreduce_ms"].items())
