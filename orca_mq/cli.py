@@ -20,6 +20,8 @@ from orca_mq import __version__
 from orca_mq.config import DEFAULT_CONFIG_PATH, Config, load_config
 
 COMMANDS = ("serve", "client", "logs", "bench")
+NODE_FLAGS = {"--nnodes": "server.nnodes", "--node-rank": "server.node_rank",
+              "--master-addr": "server.master_addr", "--master-port": "server.worker_base_port"}
 
 
 def _sections() -> str:
@@ -41,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     _config_args(serve)
     serve.add_argument("--model", help="GGUF file or Hugging Face directory (model.path)")
     serve.add_argument("--port", type=int, help="client port on 127.0.0.1 (server.frontend_address)")
+    for flag, key in NODE_FLAGS.items():  # torchrun-style shorthands of [server] keys, for many hosts
+        serve.add_argument(flag, dest=key, default=None, metavar=flag[2:].upper(), help=f"= --set {key}=...")
     client = sub.add_parser("client", help="send one request and stream the text")
     client.add_argument("--prompt", required=True)
     client.add_argument("--chat", action="store_true", help="treat the prompt as a user message (chat template)")
@@ -67,6 +71,7 @@ def _config(args: argparse.Namespace) -> Config:
         sets.append(f"model.path={Path(args.model).expanduser().resolve()}")
     if getattr(args, "port", None):
         sets.append(f"server.frontend_address=tcp://127.0.0.1:{args.port}")
+    sets += [f"{key}={v}" for key in NODE_FLAGS.values() if (v := getattr(args, key, None)) is not None]
     try:
         return load_config(args.config, sets)
     except (KeyError, ValueError, OSError, tomllib.TOMLDecodeError) as e:
@@ -88,9 +93,12 @@ def _check_free(address: str) -> None:
 
 def _serve(args: argparse.Namespace) -> int:
     cfg = _config(args)
-    _check_free(cfg.server.frontend_address)
-    if cfg.server.http_address:
-        _check_free(f"tcp://{cfg.server.http_address}")
+    if cfg.server.nnodes > 1 and not cfg.server.worker_base_port:
+        raise SystemExit("orca-mq: --master-port (server.worker_base_port) is required with --nnodes > 1")
+    if cfg.server.node_rank == 0:
+        _check_free(cfg.server.frontend_address)
+        if cfg.server.http_address:
+            _check_free(f"tcp://{cfg.server.http_address}")
     if not cfg.model.path:
         from orca_mq.engine.model_files import embedded_model_path
         try:
@@ -99,9 +107,13 @@ def _serve(args: argparse.Namespace) -> int:
             raise SystemExit(f"orca-mq: {e}") from None
     elif not Path(cfg.model.path).exists():
         raise SystemExit(f"orca-mq: model.path does not exist: {cfg.model.path}")
-    from orca_mq.server.launcher import Launcher
+    if cfg.server.node_rank == 0:
+        from orca_mq.server.launcher import Launcher
 
-    return Launcher(cfg).run()
+        return Launcher(cfg).run()
+    from orca_mq.server.node_launcher import NodeLauncher
+
+    return NodeLauncher(cfg).run()
 
 
 def _client(args: argparse.Namespace) -> int:

@@ -29,6 +29,7 @@ class ModelConfig:
 @dataclass(slots=True)
 class EngineConfig:
     n_workers: int = 1
+    tp_size: int = 1
     threads_per_worker: int = 2
     device: Device = "auto"
     attention_backend: AttentionBackend = "auto"
@@ -72,6 +73,10 @@ class ServerConfig:
     http_address: str = "127.0.0.1:8000"
     http_max_connections: int = 1024
     http_max_body_bytes: int = 4_194_304
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    node_timeout: float = 10.0
 
 
 @dataclass(slots=True)

@@ -28,7 +28,7 @@ class LLM:
         self.cfg = load_config(config, {k.replace("__", "."): v for k, v in overrides.items()})
         if model is not None:
             self.cfg.model.path = model
-        self.cfg.engine.n_workers = 1
+        self.cfg.engine.n_workers = self.cfg.engine.tp_size = 1
         self.info = read_model_info(self.cfg.model.path, self.cfg.model.cache_dir)
         self.tokenizer = load_tokenizer(self.cfg.model.path, self.cfg.model.cache_dir)
         self.runner = ModelRunner(self.cfg, info=self.info)

@@ -1,7 +1,8 @@
 """A worker's controller: the asyncio control loop of one pipeline stage.
 
-For every control frame it first forwards the raw bytes to the next stage — before decoding,
-before any computation — so downstream stages get their frames as early as possible, then hands
+For every control frame it first forwards the raw bytes down the control chain (its stage's other
+TP ranks and the next stage; workers/control_chain.py) — before decoding, before any computation —
+so downstream workers get their frames as early as possible, then hands
 the plan to the compute thread and goes back to listening; it never waits on kernels. It also
 answers stats queries and ships the last stage's tokens to the scheduler, both through the broker.
 A malformed control frame reaches every stage the same way and each rejects it identically.
@@ -12,7 +13,7 @@ import asyncio
 import os
 from typing import Any
 
-import zmq
+import torch.distributed as dist
 import zmq.asyncio
 
 from orca_mq.config import Config
@@ -23,7 +24,8 @@ from orca_mq.protocol.common_msgs import PROTOCOL, Error
 from orca_mq.protocol.codec import channel
 from orca_mq.protocol.control_msgs import Ready
 from orca_mq.protocol.engine_msgs import ControlFrame, IterationDone, WorkerStats, WorkerStatsQuery
-from orca_mq.server.zmq_queue import BrokerLink, control_address, serve
+from orca_mq.server.zmq_queue import BrokerLink, serve
+from workers.control_chain import ControlChain
 from workers.data_plane import DataPlane
 from workers.stage_executor import StageExecutor
 
@@ -32,20 +34,13 @@ FROM_BROKER = channel(WorkerStatsQuery, Error)
 
 
 class Controller:
-    def __init__(self, cfg: Config, stage: int, run_dir: str, log: Any) -> None:
+    def __init__(self, cfg: Config, name: str, stage: int, tp_rank: int, run_dir: str, log: Any,
+                 store: dist.Store | None) -> None:
         self.stage = stage
-        self.name = f"worker{stage}"
+        self.name = name
         self.log = log
         self.ctx = zmq.asyncio.Context()
-        self.pull = self.ctx.socket(zmq.PULL)
-        self.pull.setsockopt(zmq.RCVHWM, 0)
-        self.pull.bind(control_address(run_dir, stage))
-        self.push: zmq.asyncio.Socket | None = None
-        if stage < cfg.engine.n_workers - 1:
-            self.push = self.ctx.socket(zmq.PUSH)
-            self.push.setsockopt(zmq.SNDHWM, 0)
-            self.push.setsockopt(zmq.LINGER, 0)
-            self.push.connect(control_address(run_dir, stage + 1))
+        self.chain = ControlChain(self.ctx, cfg, run_dir, (stage, tp_rank), store)
         self.link = BrokerLink(self.ctx, cfg.server.backend_address, self.name)
         self.executor: StageExecutor | None = None
         self.runner: ModelRunner | None = None
@@ -66,9 +61,7 @@ class Controller:
         await self.link.to_peer("launcher", Ready(self.name, os.getpid()))
         code = await serve([self._control_loop(), self._broker_loop(), self._compute_watch()], self.log)
         self.executor.stop()
-        for sock in (self.pull, self.push):
-            if sock is not None:
-                sock.close(linger=0)
+        self.chain.close()
         self.link.close()
         self.ctx.term()
         return code
@@ -80,9 +73,8 @@ class Controller:
     async def _control_loop(self) -> None:
         assert self.executor is not None and self.runner is not None
         while True:
-            frame = await self.pull.recv(copy=True)
-            if self.push is not None:
-                await self.push.send(frame, copy=False)
+            frame = await self.chain.recv()
+            await self.chain.forward(frame)
             try:
                 msg = decode(frame, CONTROL)
             except ProtocolError as e:

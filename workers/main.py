@@ -1,4 +1,4 @@
-"""Entry point of one worker process: `python -m workers.main --stage I --run-dir D --config-json J`."""
+"""Entry point of one worker process: `python -m workers.main --stage I --tp-rank R --run-dir D --config-json J`."""
 from __future__ import annotations
 
 import argparse
@@ -11,28 +11,41 @@ import uvloop
 from orca_mq.config import Config
 from orca_mq.logs import setup_logging
 from orca_mq.sched import policy_class
-from orca_mq.engine.model_runner import ModelRunner
+from orca_mq.engine.model_runner import ModelRunner, resolve_device
+from orca_mq.server.nodes import connect_store, placement, uses_store, worker_name
 from workers.controller import Controller
 from workers.data_plane import DataPlane
 from workers.kv_swap import KVSwapper
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="orca-mq worker (one pipeline stage)")
+    parser = argparse.ArgumentParser(description="orca-mq worker (one tensor-parallel rank of one pipeline stage)")
     parser.add_argument("--config-json", required=True)
     parser.add_argument("--stage", type=int, required=True)
-    parser.add_argument("--run-dir", required=True, help="directory of the control sockets")
+    parser.add_argument("--tp-rank", type=int, default=0)
+    parser.add_argument("--run-dir", required=True, help="directory of this node's control sockets")
     args = parser.parse_args(argv)
     cfg = Config.from_dict(json.loads(args.config_json))
-    n = cfg.engine.n_workers
-    log = setup_logging(f"worker{args.stage}", cfg.log, stage=args.stage)
+    n, tp = cfg.engine.n_workers, cfg.engine.tp_size
+    name = worker_name(args.stage, args.tp_rank)
+    log = setup_logging(name, cfg.log, stage=args.stage)
     torch.set_num_threads(cfg.engine.threads_per_worker)
-    runner = ModelRunner(cfg, stage=args.stage, n_stages=n)
+    store = connect_store(cfg) if uses_store(cfg) else None
+    device = resolve_device(cfg.engine.device)
+    if device.type == "cuda":  # one GPU per worker of this node, in placement order (unverified here: CPU only)
+        nodes = placement(n, tp, cfg.server.nnodes)
+        rank = args.stage * tp + args.tp_rank
+        torch.cuda.set_device(nodes[:rank].count(nodes[rank]) % torch.cuda.device_count())
+    # the data plane first: the stage's TP group must exist before the runner shards its weights
+    # the timeout also bounds every recv and all-reduce: an iteration's peers are never that far apart
+    data_plane = DataPlane(args.stage, n, device, store, args.tp_rank, tp, timeout=max(600.0, cfg.server.ready_timeout))
+    runner = ModelRunner(cfg, stage=args.stage, n_stages=n, tp=data_plane.tp)
     if policy_class(cfg.scheduler.policy).swaps_kv:  # copy the plans' KV offloads/uploads on their own thread
         runner.swapper = KVSwapper(runner.kv, runner.host_blocks)
-    data_plane = DataPlane(args.stage, n, cfg.server.worker_base_port, runner.device)
-    log.info("stage loaded", n_stages=n, threads=torch.get_num_threads(), device=str(runner.device))
-    code = uvloop.run(Controller(cfg, args.stage, args.run_dir, log).run(runner, data_plane))
+    log.info("stage loaded", n_stages=n, tp_rank=args.tp_rank, tp_size=tp, threads=torch.get_num_threads(),
+             device=str(runner.device))
+    controller = Controller(cfg, name, args.stage, args.tp_rank, args.run_dir, log, store)
+    code = uvloop.run(controller.run(runner, data_plane))
     log.info("worker stopped", exit_code=code)
     # the compute thread may sit in a blocking data-plane recv: leave without joining it
     os._exit(code)

@@ -74,11 +74,13 @@ class StageExecutor:
             hidden = self.data_plane.recv(plan.iteration, shape, self.runner.dtype, self.runner.device)
         start = time.time()
         out = self._execute(plan, hidden)
-        if self.last:
-            assert isinstance(out, IterationResult)
+        if self.last:  # TP ranks other than 0 hold the same logits and report nothing
             end = time.time()
-            self.on_result(out, start, end)
+            if out is not None:
+                assert isinstance(out, IterationResult)
+                self.on_result(out, start, end)
         else:
+            assert isinstance(out, torch.Tensor)
             self.data_plane.send(plan.iteration, out)
             end = time.time()
         with self._lock:
@@ -89,7 +91,7 @@ class StageExecutor:
             self._last_end = end
             self.iterations += 1
 
-    def _execute(self, plan: IterationPlan, hidden: torch.Tensor | None) -> torch.Tensor | IterationResult:
+    def _execute(self, plan: IterationPlan, hidden: torch.Tensor | None) -> torch.Tensor | IterationResult | None:
         try:
             return self.runner.execute(plan, hidden)
         except Exception:
@@ -99,7 +101,7 @@ class StageExecutor:
                 self.failed_iterations += 1
             if self.last:
                 rids = [s.req_id for s in plan.seqs]
-                return IterationResult(plan.iteration, rids, [0] * len(rids), rids)
+                return IterationResult(plan.iteration, rids, [0] * len(rids), rids) if self.runner.tp.where.rank == 0 else None
             return torch.full((plan.num_tokens, self.runner.hidden_size), float("nan"),
                               dtype=self.runner.dtype, device=self.runner.device)
 

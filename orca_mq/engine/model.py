@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from orca_mq.engine.attention import AttentionBackend, AttentionMetadata
 from orca_mq.engine.kv_cache import KVCache
 from orca_mq.engine.model_info import ModelInfo
+from orca_mq.engine.parallel import TensorParallel
 from orca_mq.engine.weights import StageWeights
 
 Tensor = torch.Tensor
@@ -21,12 +22,14 @@ Tensor = torch.Tensor
 
 class StageModel:
     def __init__(self, info: ModelInfo, weights: StageWeights, layers: range, max_len: int,
-                 device: torch.device, attention: AttentionBackend) -> None:
+                 device: torch.device, attention: AttentionBackend, tp: TensorParallel | None = None) -> None:
         self.info, self.layers = info, layers
+        self.tp = tp or TensorParallel(info)  # this rank's heads and the stage's all-reduces (size 1: identity)
         self.w = weights
         self.first, self.last = weights.embed is not None and layers.start == 0, weights.final_norm is not None
         self.scale = 1.0 / math.sqrt(info.head_dim)
-        self.split = [info.n_heads * info.head_dim, info.n_kv_heads * info.head_dim, info.n_kv_heads * info.head_dim]
+        self.n_heads = self.tp.n_heads
+        self.split = [self.n_heads * info.head_dim, self.tp.n_kv_heads * info.head_dim, self.tp.n_kv_heads * info.head_dim]
         self.attention = attention
         self.attention_backend = attention.name
         self.fused = attention.fused_ops  # Triton norm/rotary kernels (CUDA), or None: torch ops
@@ -53,10 +56,10 @@ class StageModel:
         if not self.last:
             return h
         h = h.index_select(0, meta.last_token_idx)
-        return F.linear(self._norm(h, self.w.final_norm["w"], self.w.final_norm.get("b")), self.w.lm_head)
+        return self.tp.gather_logits(F.linear(self._norm(h, self.w.final_norm["w"], self.w.final_norm.get("b")), self.w.lm_head))
 
     def embed(self, tokens: Tensor, meta: AttentionMetadata) -> Tensor:
-        h = F.embedding(tokens, self.w.embed)
+        h = self.tp.embed(tokens, self.w.embed)
         return h + F.embedding(meta.positions, self.w.pos_embed) if self.w.pos_embed is not None else h
 
     def _norm(self, x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
@@ -77,17 +80,17 @@ class StageModel:
         v = qkv[:, -self.split[2]:].reshape(t, -1, d)
         if rope is not None:  # Q and K heads rotate together: one set of elementwise ops
             qk = _rotary(qkv[:, : self.split[0] + self.split[1]].reshape(t, -1, d), *rope)
-            q, k = qk[:, : self.info.n_heads], qk[:, self.info.n_heads:]
+            q, k = qk[:, : self.n_heads], qk[:, self.n_heads:]
         elif self.fused is not None and not gpt2:
             q, k = self.fused.rotary(q, k, meta.positions, self.cos, self.sin)
         self.attention.write_kv(k, v, k_cache, v_cache, meta)
         o = self.attention.attend(q, k, v, k_cache, v_cache, meta, self.scale).reshape(t, -1)
-        h = h + F.linear(o, w["o"], w.get("o_b"))
+        h = h + self.tp.reduce(F.linear(o, w["o"], w.get("o_b")))  # row-parallel: partial sums per rank
         if gpt2:
             x = self._norm(h, w["ln2_w"], w["ln2_b"])
-            return h + F.linear(F.gelu(F.linear(x, w["fc"], w["fc_b"]), approximate="tanh"), w["proj"], w["proj_b"])
+            return h + self.tp.reduce(F.linear(F.gelu(F.linear(x, w["fc"], w["fc_b"]), approximate="tanh"), w["proj"], w.get("proj_b")))
         gate, up = F.linear(self._norm(h, w["ffn_norm"], None), w["gate_up"]).chunk(2, dim=-1)
-        return h + F.linear(F.silu(gate) * up, w["down"])
+        return h + self.tp.reduce(F.linear(F.silu(gate) * up, w["down"]))
 
 
 def _rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

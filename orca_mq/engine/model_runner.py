@@ -11,6 +11,7 @@ from orca_mq.engine.dtype import native_bf16_flags, resolve_dtype
 from orca_mq.protocol.iteration import IterationPlan, IterationResult
 from orca_mq.engine.kv_cache import KVCache
 from orca_mq.engine.model import StageModel
+from orca_mq.engine.parallel import TensorParallel, TPGroup
 from orca_mq.engine.sampler import sample
 from orca_mq.engine.model_info import ModelInfo, read_model_info
 from orca_mq.engine.weights import load_stage_weights
@@ -40,7 +41,8 @@ def resolve_device(name: str) -> torch.device:
 
 
 class ModelRunner:
-    def __init__(self, cfg: "Config", stage: int = 0, n_stages: int = 1, info: ModelInfo | None = None) -> None:
+    def __init__(self, cfg: "Config", stage: int = 0, n_stages: int = 1, info: ModelInfo | None = None,
+                 tp: TPGroup | None = None) -> None:
         self.device = resolve_device(cfg.engine.device)
         dtype = resolve_dtype(cfg.model.dtype, self.device.type)
         if cfg.model.dtype == "auto":
@@ -52,7 +54,8 @@ class ModelRunner:
         self.stage, self.n_stages = stage, n_stages
         self.first, self.last = stage == 0, stage == n_stages - 1
         layers = self.info.stage_layers(stage, n_stages)
-        weights = load_stage_weights(self.info, layers, self.first, self.last, self.dtype, cfg.model.cache_dir)
+        self.tp = TensorParallel(self.info, tp)
+        weights = self.tp.shard(load_stage_weights(self.info, layers, self.first, self.last, self.dtype, cfg.model.cache_dir))
         for w in [*weights.layers, weights.final_norm or {}]:
             for k, t in w.items():
                 w[k] = t.to(self.device)
@@ -64,9 +67,9 @@ class ModelRunner:
             weights.lm_head = weights.embed  # one copy of a tied head
         self.block_size = cfg.engine.block_size
         self.model = StageModel(self.info, weights, layers, self.info.max_model_len(cfg), self.device,
-                                resolve(cfg.engine.attention_backend, self.device, self.dtype))
+                                resolve(cfg.engine.attention_backend, self.device, self.dtype), self.tp)
         self.kv = KVCache.allocate(len(layers), cfg.engine.n_slots // self.block_size, self.block_size,
-                                   self.info.n_kv_heads, self.info.head_dim, self.dtype, self.device)
+                                   self.tp.n_kv_heads, self.info.head_dim, self.dtype, self.device)
         self.host_blocks = cfg.engine.host_slots // self.block_size
         self.host_kv: KVCache | None = None      # FastServe offload target, allocated on the first offload
         self.swapper: Swapper | None = None      # a worker attaches its copy thread; offline, copies run inline
@@ -75,13 +78,16 @@ class ModelRunner:
     def hidden_size(self) -> int:
         return self.info.hidden_size
 
-    def execute(self, plan: IterationPlan, hidden_in: Tensor | None = None) -> Tensor | IterationResult:
+    def execute(self, plan: IterationPlan, hidden_in: Tensor | None = None) -> Tensor | IterationResult | None:
         """Stage 0 takes the plan's tokens, later stages the previous stage's hidden states.
-        Returns hidden states [T, hidden] to pass on, or on the last stage the sampled tokens."""
+        Returns hidden states [T, hidden] to pass on, or on the last stage the sampled tokens
+        (tensor-parallel rank 0 only: the other ranks hold the same logits and return None)."""
         self.swap(plan)
         out = self.forward(plan, hidden_in)
         if not self.last:
             return out
+        if self.tp.where.rank != 0:
+            return None
         tokens, failed = sample(out, plan.seqs)
         return IterationResult(plan.iteration, [s.req_id for s in plan.seqs], tokens, [plan.seqs[b].req_id for b in failed])
 

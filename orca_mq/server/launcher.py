@@ -10,6 +10,10 @@ Supervision (systemd's `Restart=on-failure` with a start limit, torchrun's elast
   identity in its pong and end their open streams with an error;
 - more than `server.max_restarts` restarts within `server.restart_window` seconds: a crash
   loop, the launcher stops everything and exits with status 1.
+Many hosts (orca_mq/server/nodes.py): the launcher runs once per node; node 0 runs everything above
+and its share of the workers, the others only theirs (node_launcher.py). There a dead process or
+node fails the in-flight requests and stops the server (exit 1): workers on other hosts are not
+restarted from here.
 SIGINT/SIGTERM: drain (new requests refused, in-flight ones may finish for `server.drain_timeout`
 seconds, then aborted), stop every child, exit 0. A second signal stops at once.
 """
@@ -32,6 +36,7 @@ from orca_mq.protocol import ProtocolError, decode
 from orca_mq.protocol.client_msgs import Error, Ping, Pong
 from orca_mq.protocol.codec import channel
 from orca_mq.protocol.control_msgs import AbortAll, Drain, Drained, Fatal, Progress, Ready, Resume
+from orca_mq.server.nodes import STOPPED, NodeError, NodeGroup, placement, resolve_addresses, uses_store, worker_name
 from orca_mq.server.process import READY_LINE, Child, free_port, start_child, stop_children
 from orca_mq.server.zmq_queue import SyncBrokerLink
 
@@ -47,10 +52,13 @@ class StartupError(RuntimeError):
 class Launcher:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
-        self.log = setup_logging("launcher", cfg.log)
+        self.node_rank = cfg.server.node_rank
+        self.log = setup_logging(f"launcher{self.node_rank or ''}", cfg.log)
         self.run_dir = tempfile.mkdtemp(prefix="orca_mq-")  # private control and backend sockets
         if not cfg.server.backend_address:
             cfg.server.backend_address = f"ipc://{self.run_dir}/backend"
+        resolve_addresses(cfg)  # many hosts: the broker's backend over TCP
+        self.nodes: NodeGroup | None = None
         self.children: list[Child] = []
         self.ctx: zmq.Context[Any] = zmq.Context()
         self.link: SyncBrokerLink | None = None
@@ -72,12 +80,18 @@ class Launcher:
     def run(self) -> int:
         try:
             self._start("broker")
-            print(f"{READY_LINE}{self.cfg.server.frontend_address}", flush=True)
+            print(self._ready_line(), flush=True)
             return self._supervise()
         except StartupError as e:
             self.say(f"error: {e}")
             return 0 if self.signals else 1
+        except NodeError as e:
+            self.log.error("nodes failed to meet", error=str(e))
+            self.say(f"error: {e}")
+            return 1
         finally:
+            if self.nodes is not None and self.node_rank == 0:
+                self.nodes.report(STOPPED)
             stop_children([c for c in self.children if c.role != "broker"], self.cfg.server.stop_grace)
             stop_children([c for c in self.children if c.role == "broker"], self.cfg.server.stop_grace)
             self.log.info("stopped", exit_codes={c.role: c.proc.returncode for c in self.children})
@@ -87,6 +101,9 @@ class Launcher:
             shutil.rmtree(self.run_dir, ignore_errors=True)
 
     # ------------------------------------------------------------ start
+
+    def _ready_line(self) -> str:
+        return f"{READY_LINE}{self.cfg.server.frontend_address}"
 
     def _spawn(self, role: str, group: str, module: str, *extra: str) -> None:
         self.children.append(start_child(role, group, module, self.child_cfg.to_dict(), *extra))
@@ -98,6 +115,8 @@ class Launcher:
         self.child_cfg = copy.deepcopy(self.cfg)
         if not self.cfg.server.worker_base_port:  # a fresh rendezvous port: the last one may linger
             self.child_cfg.server.worker_base_port = free_port()
+        if group != "http" and uses_store(self.child_cfg):  # host the rendezvous before anything looks for it
+            self.nodes = NodeGroup.open(self.child_cfg)
         deadline = time.monotonic() + self.cfg.server.ready_timeout
         if group == "broker":
             self._spawn("broker", "broker", "orca_mq.server.broker", "--restarts", str(self.n_restarts))
@@ -107,13 +126,12 @@ class Launcher:
                 self._check_startup(deadline, "the broker")
         waiting: set[str] = set()
         if group in ("broker", "engine"):
-            n = self.cfg.engine.n_workers
-            self.say(f"loading the model in {n} worker{'s' * (n > 1)}" + (" (restart)" if self.n_restarts else ""))
-            for stage in range(n):
-                self._spawn(f"worker{stage}", "engine", "workers.main", "--stage", str(stage), "--run-dir", self.run_dir)
+            if self.nodes is not None:
+                self.nodes.join(self.log, lambda: self.signals > 0)
+            waiting |= self._spawn_workers()
             self._spawn("scheduler", "engine", "orca_mq.server.scheduler_process", "--run-dir", self.run_dir)
             self._spawn("frontend", "engine", "orca_mq.server.frontend")
-            waiting |= {"frontend", "scheduler", *(f"worker{i}" for i in range(n))}
+            waiting |= {"frontend", "scheduler"}
         if group in ("broker", "http") and self.cfg.server.http_address:
             self._spawn("http", "http", "orca_mq.api.server")
             waiting.add("http")
@@ -126,7 +144,24 @@ class Launcher:
                 waiting.discard(msg.role)
                 self.say(f"{msg.role} ready")
 
+    def _spawn_workers(self) -> set[str]:
+        """This node's workers: its share of the stages x TP ranks, in placement order; their names."""
+        tp, names = self.cfg.engine.tp_size, set()
+        here = [r for r, node in enumerate(placement(self.cfg.engine.n_workers, tp, self.cfg.server.nnodes)) if node == self.node_rank]
+        self.say(f"loading the model in {len(here)} worker{'s' * (len(here) > 1)}" + (" (restart)" if self.n_restarts else ""))
+        for rank in here:
+            stage, tp_rank = divmod(rank, tp)
+            names.add(worker_name(stage, tp_rank))
+            self._spawn(worker_name(stage, tp_rank), "engine", "workers.main", "--stage", str(stage),
+                        "--tp-rank", str(tp_rank), "--run-dir", self.run_dir)
+        return names
+
+    def _dead_nodes(self) -> list[str]:
+        return self.nodes.poll() if self.nodes is not None and self.cfg.server.nnodes > 1 else []
+
     def _check_startup(self, deadline: float, what: str) -> None:
+        if lost := self._dead_nodes():
+            raise StartupError(f"{', '.join(lost)} failed during start-up")
         if dead := self._dead():
             raise StartupError(f"{', '.join(c.role for c in dead)} exited during start-up "
                                f"(exit {', '.join(str(c.proc.returncode) for c in dead)}); see the logs in {self.cfg.log.dir}")
@@ -139,7 +174,14 @@ class Launcher:
 
     def _supervise(self) -> int:
         while not self.signals:
-            if dead := self._dead():
+            lost, dead = self._dead_nodes(), self._dead()
+            if lost or (dead and self.cfg.server.nnodes > 1):
+                what = ", ".join(lost + [f"{c.role} (exit {c.proc.returncode})" for c in dead])
+                self.log.error("a node or process died; stopping (other hosts' workers are not restarted)", died=what)
+                self.say(f"error: {what} died; stopping")
+                self._fail_in_flight(what)
+                return 1
+            if dead:
                 if not self._restart(dead):
                     return 1
                 continue

@@ -111,9 +111,10 @@ class SyncBrokerLink:
         self.sock.close(linger=500)
 
 
-def control_address(run_dir: str, stage: int) -> str:
-    """Where worker `stage` pulls control frames (the scheduler or worker stage-1 pushes)."""
-    return f"ipc://{run_dir}/ctl{stage}"
+def control_address(run_dir: str, stage: int, tp_rank: int = 0) -> str:
+    """Where a worker on this node pulls control frames: stage 0's rank 0 from the scheduler, rank 0 of
+    a later stage from the previous stage's rank 0, other TP ranks from their stage's rank 0."""
+    return f"ipc://{run_dir}/ctl{stage}" + (f".{tp_rank}" if tp_rank else "")
 
 
 async def serve(loops: list[Coroutine[Any, Any, None]], log: Any) -> int:
