@@ -9,6 +9,7 @@ engine falls back to the torch path (gather + SDPA) and says so.
 """
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import logging
@@ -42,7 +43,7 @@ def _build_name(source: str) -> str:
 def load() -> PagedDecode | None:
     """paged_decode_attention(q [B,H,d], k_cache, v_cache [NB,bs,kvh,d], block_tables [B,nb], seq_lens [B] int32,
     scale) -> [B,H,d], float32 or bfloat16 on the CPU; None if the kernel cannot be built here."""
-    from torch.utils.cpp_extension import load_inline
+    from torch.utils.cpp_extension import _get_build_directory, load_inline
 
     try:
         import ninja  # the PyPI build tool: its binary may not be on PATH (no shim, a venv not activated)
@@ -52,8 +53,16 @@ def load() -> PagedDecode | None:
         pass  # a system ninja may still be on PATH
     try:
         source = SOURCE.read_text()
-        module = load_inline(name=_build_name(source), cpp_sources=[source], extra_cflags=CFLAGS,
-                             extra_ldflags=["-fopenmp"], no_implicit_headers=True, verbose=False)
+        name = _build_name(source)
+        build_dir = Path(_get_build_directory(name, verbose=False))
+        # torch's own lock is a plain file that a builder killed mid-build leaves behind, and every later
+        # process would wait on it forever; builders here serialize on flock, which dies with its holder,
+        # so whoever holds it may remove a leftover file lock
+        with open(build_dir.parent / f".{name}.flock", "w") as baton:
+            fcntl.flock(baton, fcntl.LOCK_EX)
+            (build_dir / "lock").unlink(missing_ok=True)
+            module = load_inline(name=name, cpp_sources=[source], extra_cflags=CFLAGS,
+                                 extra_ldflags=["-fopenmp"], no_implicit_headers=True, verbose=False)
     except Exception as e:  # noqa: BLE001 - any build failure means: use the torch path
         logging.getLogger(__name__).warning("CPU decode kernel unavailable, using gather + SDPA: %s", e)
         return None
