@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-requests", type=int, default=100, metavar="N")
     p.add_argument("--rate", type=parse_rate, default=1.0, metavar="REQ_PER_S",
                    help="mean arrival rate in req/s; inf or 0 = all requests at t=0 (default 1)")
-    p.add_argument("--cv", type=float, default=1.0, help="fastserve trace: CV of the Gamma inter-arrival times (default 1)")
+    p.add_argument("--cv", type=float, default=1.0, help="CV of the Gamma inter-arrival times (default 1 = the orca trace's Poisson)")
     p.add_argument("--zipf", type=float, default=1.0, metavar="THETA",
                    help="fastserve trace: Zipf exponent of the lengths, P(min+i) ~ 1/(i+1)^THETA (default 1)")
     p.add_argument("--input-len", type=_range_arg, default=None, metavar="MIN:MAX",
