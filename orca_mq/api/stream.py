@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 from starlette.requests import Request
 
+from orca_mq.protocol.common_msgs import ABORTED, INTERNAL, INVALID_REQUEST, OVERLOADED, PROTOCOL, UNAVAILABLE
 from orca_mq.client import AsyncClient
 from orca_mq.api.metrics import ApiMetrics
 
@@ -30,18 +31,13 @@ class ApiError(Exception):
         self.message = message
 
 
-# orca-mq's error texts (frontend, broker, client) -> HTTP status; anything else it refuses is 400
-_UNAVAILABLE = ("server is shutting down", "server error", "frontend unavailable", "server unreachable", "client closed")
+# orca-mq's stable error codes (orca_mq.protocol.common_msgs) -> HTTP status
+STATUS_BY_CODE = {INVALID_REQUEST: 400, PROTOCOL: 400, OVERLOADED: 429, UNAVAILABLE: 503, ABORTED: 503, INTERNAL: 500}
 
 
-def classify(error: str | None) -> ApiError:
-    if error is None or error.startswith("internal error"):
-        return ApiError(500, "internal server error")   # no internals in the body; the logs have them
-    if "overloaded" in error:
-        return ApiError(429, error)
-    if error.startswith(_UNAVAILABLE):
-        return ApiError(503, error)
-    return ApiError(400, error)
+def classify(code: str | None, error: str | None) -> ApiError:
+    status = STATUS_BY_CODE.get(code or INTERNAL, 500)
+    return ApiError(status, "internal server error" if status == 500 else error or code or "")  # a 500 says nothing more
 
 
 OUTCOME_BY_STATUS = {400: "invalid", 429: "overloaded", 500: "internal_error", 503: "unavailable"}
@@ -99,7 +95,7 @@ class Generation:
                     elif ev.finished:
                         text += self.stops.flush()
                 if ev.finished:
-                    self._finish(ev.finish_reason, ev.error, ev.metrics, stopped)  # raises if refused or failed
+                    self._finish(ev.finish_reason, ev.code, ev.error, ev.metrics, stopped)  # raises if refused or failed
                     yield text
                     return
                 if text or not stopped:
@@ -118,16 +114,14 @@ class Generation:
         self.token_times.extend([now] * n)
         self.completion_tokens += n
 
-    def _finish(self, reason: str | None, error: str | None, metrics: dict[str, Any] | None, stopped: bool) -> None:
+    def _finish(self, reason: str | None, code: str | None, error: str | None, metrics: dict[str, Any] | None,
+                stopped: bool) -> None:
         self.prompt_tokens = int((metrics or {}).get("prompt_tokens", 0))
         if stopped or reason in ("stop", "length"):
             self.finish_reason = "stop" if stopped else reason
             self.metrics.finished(self, time.monotonic())
             return
-        if reason == "abort":
-            err = ApiError(503, error or "request aborted by the server")
-        else:
-            err = classify(error)
+        err = classify(code or (ABORTED if reason == "abort" else None), error or f"request {reason} by the server")
         self.finish_reason = "error"
         self.metrics.outcome(OUTCOME_BY_STATUS.get(err.status, "error"))
         raise err
