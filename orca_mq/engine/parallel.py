@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from orca_mq.engine.weights import ModelInfo, StageWeights
+from orca_mq.engine.model_info import ModelInfo
+from orca_mq.engine.weights import StageWeights
 
 Tensor = torch.Tensor
 # row-parallel biases are added once (rank 0), after the all-reduce would sum them `size` times
