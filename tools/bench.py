@@ -36,11 +36,8 @@ import math
 import os
 import platform
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -49,6 +46,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from orca_mq.server.process import ServerHandle, free_port, spawn  # noqa: E402
 from orca_mq.bench.metrics import format_table, summarize
 from orca_mq.bench.trace import (
     DEFAULT_INPUT_LEN,
@@ -124,81 +122,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # ---------------------------------------------------------------- launching the system
-
-def free_tcp_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Launcher:
-    """tools/launch.py as a child process in its own session; stdout/stderr to a log file."""
-
-    def __init__(self, sets: list[str], log_path: Path, ready_timeout: float, stop_timeout: float):
-        self.cmd = [sys.executable, "-u", str(ROOT / "tools" / "launch.py")]
-        for s in sets:
-            self.cmd += ["--set", s]
-        self.log_path = log_path
-        self.ready_timeout = ready_timeout
-        self.stop_timeout = stop_timeout
-        self.ready = threading.Event()
-        self.proc: subprocess.Popen[str] | None = None
-
-    def start(self) -> None:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self.log = open(self.log_path, "w", buffering=1)
-        self.log.write("# " + " ".join(self.cmd) + "\n")
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen(self.cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=self.log, stdin=subprocess.DEVNULL,
-                                     text=True, bufsize=1, env=env, start_new_session=True)
-        threading.Thread(target=self._pump, daemon=True).start()
-        deadline = time.monotonic() + self.ready_timeout
-        while not self.ready.wait(0.2):
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"launch.py exited with code {self.proc.returncode} before it was ready; "
-                                   f"see {self.log_path}:\n{self._tail()}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"launch.py not ready after {self.ready_timeout:.0f} s; see {self.log_path}:\n{self._tail()}")
-
-    def _pump(self) -> None:
-        assert self.proc is not None and self.proc.stdout is not None
-        for line in self.proc.stdout:
-            try:
-                self.log.write(line)
-            except ValueError:  # log closed
-                pass
-            if "ready" in line:
-                self.ready.set()
-
-    def _tail(self, n: int = 20) -> str:
-        try:
-            return "".join(self.log_path.read_text(errors="replace").splitlines(keepends=True)[-n:])
-        except OSError:
-            return ""
-
-    def stop(self) -> int | None:
-        """SIGTERM the launcher, wait for it; SIGKILL its process group if it does not exit in time."""
-        if self.proc is None:
-            return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(self.stop_timeout)
-            except subprocess.TimeoutExpired:
-                print(f"bench: launch.py still running {self.stop_timeout:.0f} s after SIGTERM; killing its process group",
-                      file=sys.stderr)
-                try:
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                self.proc.wait()
-        rc = self.proc.returncode
-        time.sleep(0.1)  # let the pump thread write the last lines
-        self.log.close()
-        return rc
-
-
-# ---------------------------------------------------------------- helpers
 
 def _jsonable(x: Any) -> Any:
     """Strict JSON: non-finite floats become the strings "inf", "-inf", "nan"."""
@@ -316,37 +239,31 @@ def main(argv: list[str] | None = None) -> int:
           f"(corpus {len(corpus)} tokens, built in {time.perf_counter() - t_prep:.1f} s)", file=sys.stderr)
 
     launch_sets: list[str] = []
-    launcher = None
+    launcher: ServerHandle | None = None
     address = args.base_url if args.backend == "openai" else args.address
     if launched:
-        address = f"tcp://127.0.0.1:{free_tcp_port()}"
+        address = f"tcp://127.0.0.1:{free_port()}"
         user_keys = {s.split("=", 1)[0].strip() for s in args.sets}
-        http = f"127.0.0.1:{free_tcp_port()}" if args.backend == "openai" else ""
+        http = f"127.0.0.1:{free_port()}" if args.backend == "openai" else ""
         launch_sets = [f"scheduler.policy={args.policy}", f"scheduler.max_bs={args.max_bs}",
                        f"server.frontend_address={address}", f"server.http_address={http}"]
         if http:
             address = f"http://{http}"
-        # keep this run from colliding with any other system on the machine
-        if "server.backend_address" not in user_keys:
-            launch_sets.append(f"server.backend_address=ipc://{tempfile.gettempdir()}/orca_mq_bench_{os.getpid()}_backend")
-        if "server.worker_base_port" not in user_keys:
-            launch_sets.append(f"server.worker_base_port={free_tcp_port()}")
         if "log.dir" not in user_keys:  # the system's logs next to the result
             launch_sets.append(f"log.dir={out.resolve().with_name(out.stem + '.logs')}")
         launch_sets += list(args.sets)
         for s in launch_sets:
             cfg.set(*s.split("=", 1))
         log_path = Path(args.launch_log) if args.launch_log else out.with_name(out.stem + ".launch.log")
-        launcher = Launcher(launch_sets, log_path, args.launch_timeout, cfg.server.drain_timeout + 30.0)
 
     started_at = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     launcher_rc = None
     try:
-        if launcher is not None:
+        if launched:
             t = time.perf_counter()
-            print(f"bench: starting the system ({args.policy}, max_bs={args.max_bs}) at {address}; log {launcher.log_path}",
+            print(f"bench: starting the system ({args.policy}, max_bs={args.max_bs}) at {address}; log {log_path}",
                   file=sys.stderr)
-            launcher.start()
+            launcher = spawn(dict(item.split("=", 1) for item in launch_sets), log_path, ready_timeout=args.launch_timeout)
             print(f"bench: system ready in {time.perf_counter() - t:.1f} s", file=sys.stderr)
         records, wall_start = run_replay(address, trace, args)
     except KeyboardInterrupt:
@@ -357,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         if launcher is not None:
-            launcher_rc = launcher.stop()
+            launcher_rc = launcher.stop(cfg.server.drain_timeout + 30.0)
             print(f"bench: launch.py exited with code {launcher_rc}", file=sys.stderr)
 
     summary = summarize(records, slos)
