@@ -151,6 +151,7 @@ def main() -> None:
                               "broker_rss_mb_before": rss0, "broker_rss_mb_after": _rss_mb(broker)}
         report["huge_prompt"] = asyncio.run(_huge_prompt(server.address))
         report["overload"] = asyncio.run(_overload(server.address, capacity))
+        asyncio.run(_settled(server.address))  # the overload step's aborted requests leave first
         soak_cfg = SoakConfig(clients=args.clients, requests_per_client=args.requests_per_client, vanishing_clients=8)
         res = asyncio.run(soak(server.address, soak_cfg, args.seed))
         report["soak"] = {**dataclasses.asdict(res), "config": dataclasses.asdict(soak_cfg)}
