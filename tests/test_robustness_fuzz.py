@@ -78,7 +78,7 @@ SAMPLING = st.one_of(
 VOCAB = 512
 
 
-@settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=SAMPLING, seed=st.integers(0, 2**32 - 1), seq_len=st.integers(1, 4096))
 def test_what_validation_accepts_the_sampler_runs(data: dict[str, object], seed: int, seq_len: int) -> None:
     try:

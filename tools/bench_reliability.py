@@ -4,8 +4,8 @@
 1. fuzz: `--frames` undecodable client frames (orca_mq.bench.reliability.garbage_frames); every
    one must get an `error` reply with code `protocol`; the broker's RSS before and after;
 2. oversize: three frames of max_frame_bytes + 16 MiB; the broker's RSS must not follow;
-3. huge prompt: a short request's latency on the idle server, then sent right after a 20 MB
-   prompt (refused by size) and after a prompt long enough to need the tokenizer (~150 kB);
+3. huge prompt: a short request's latency on the idle server, then sent 50 ms after another
+   client's 20 MB prompt (refused by size) and after a ~150 kB one (tokenized, then refused);
 4. overload: capacity + 50 requests at once: how many get `overloaded`, and how fast;
 5. soak: clients with aborts and garbage frames, plus clients that vanish mid-request: exactly
    one final per request, and every KV slot free at the end.
@@ -61,13 +61,14 @@ async def _latency(client: AsyncClient) -> float:
 
 
 async def _huge_prompt(address: str) -> dict[str, Any]:
-    async with AsyncClient(address) as client:
+    """A short request from one client, alone and right after another client's huge prompt."""
+    async with AsyncClient(address) as client, AsyncClient(address) as other:
         idle = statistics.median([await _latency(client) for _ in range(5)])
         out: dict[str, Any] = {"idle_ms": idle * 1e3}
         for name, prompt in (("20MB", "word " * (4 << 20)), ("150kB", "word " * 30_000)):
             t = time.perf_counter()
-            big = asyncio.create_task(client.generate(prompt, max_tokens=1))
-            await asyncio.sleep(0)
+            big = asyncio.create_task(other.generate(prompt, max_tokens=1))
+            await asyncio.sleep(0.05)  # the huge frame is on its way
             normal = await _latency(client)
             refused = await big
             out[f"{name}_refused_ms"] = (time.perf_counter() - t) * 1e3
@@ -150,6 +151,7 @@ def main() -> None:
                               "broker_rss_mb_before": rss0, "broker_rss_mb_after": _rss_mb(broker)}
         report["huge_prompt"] = asyncio.run(_huge_prompt(server.address))
         report["overload"] = asyncio.run(_overload(server.address, capacity))
+        asyncio.run(_settled(server.address))  # the overload step's aborted requests leave first
         soak_cfg = SoakConfig(clients=args.clients, requests_per_client=args.requests_per_client, vanishing_clients=8)
         res = asyncio.run(soak(server.address, soak_cfg, args.seed))
         report["soak"] = {**dataclasses.asdict(res), "config": dataclasses.asdict(soak_cfg)}
