@@ -9,14 +9,22 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-if TYPE_CHECKING:
-    from orca_mq.api.stream import Generation
+
+class Finished(Protocol):
+    """What the metrics read of a finished generation (orca_mq.api.stream.Generation)."""
+
+    finish_reason: str | None
+    arrival: float
+    prompt_tokens: int
+    completion_tokens: int
+    token_times: list[float]
+
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                    20.0, 40.0, 80.0, 160.0, 640.0)
@@ -53,7 +61,7 @@ class ApiMetrics:
     def outcome(self, outcome: str) -> None:
         self._outcomes.labels(self.model_name, outcome).inc()
 
-    def finished(self, gen: "Generation", now: float) -> None:
+    def finished(self, gen: Finished, now: float) -> None:
         assert gen.finish_reason is not None
         self.outcome(gen.finish_reason)
         self._success.labels(self.model_name, gen.finish_reason).inc()
