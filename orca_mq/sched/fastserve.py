@@ -1,10 +1,10 @@
 """FastServe: skip-join MLFQ with preemption at token granularity and proactive KV offload/upload.
 
-The policy over the shared Scheduler base (orca_mq/scheduler.py):
+The policy over the shared Scheduler base (base.py):
 * add: skip-join, a job enters the highest queue whose quantum covers its predicted first
-  (initiation) iteration, from the start-up profile (orca_mq/profiler.py).
+  (initiation) iteration, from the start-up profile (profiler.py).
 * select: starved jobs go to Q1; then the highest-priority jobs, FCFS inside a queue, up to max_bs,
-  each with its KV placed on the device by the KV policy (orca_mq/kv_policy.py).
+  each with its KV placed on the device by the KV policy (kv_policy.py).
 * after_iteration: every job of the iteration is preempted back to its queue and charged the
   predicted time of the iteration it ran; one that used its queue's quantum is demoted.
 * schedule: the plan carries the KV policy's offloads/uploads, which every stage applies first.
