@@ -105,7 +105,7 @@ def bursty(n: int, seed: int, rate: float = 40.0) -> list[Request]:
 def assert_clean(sched: FastServeScheduler) -> None:
     stats = sched.stats()
     assert stats["free_slots"] == stats["n_slots"] and stats["host_free_slots"] == stats["host_slots"]
-    assert not sched.block_manager.tables and not sched.host_block_manager.tables and not sched.kv.reserved
+    assert not sched.block_manager.tables and not sched.host_block_manager.tables and sched.kv.n_reserved == 0
 
 
 # ---------------------------------------------------------------- MLFQ
@@ -142,13 +142,14 @@ def test_a_short_job_preempts_a_long_one_at_the_next_iteration():
 
 def test_starvation_promotion_with_extra_quantum():
     mlfq = SkipJoinMLFQ(n_queues=4, quantum=0.1, ratio=2.0, starve_limit=1.0)
-    mlfq.join("x", first_iteration_time=0.5, now=0.0)           # skip-joins Q4: 0.4 < 0.5 <= 0.8
-    assert mlfq.jobs["x"].queue == 3
-    assert mlfq.promote_starved(["x"], {"x": 0.5}, now=1.0) == []          # not yet longer than starve_limit
-    assert mlfq.promote_starved(["x"], {"x": 0.5}, now=1.01) == ["x"]
-    job = mlfq.jobs["x"]
+    x = req("x", 1, 1)
+    mlfq.join(x, first_iteration_time=0.5, now=0.0)           # skip-joins Q4: 0.4 < 0.5 <= 0.8
+    assert x.job.queue == 3
+    assert not mlfq.promote_starved(x, 0.5, now=1.0)          # not yet longer than starve_limit
+    assert mlfq.promote_starved(x, 0.5, now=1.01)
+    job = x.job
     assert (job.queue, job.budget) == (0, 0.5)   # its next iteration (0.5 s) fits: extra quantum over Q1's 0.1
-    mlfq.charge("x", 0.5, next_iteration_time=0.05, now=1.6)
+    mlfq.charge(x, 0.5, next_iteration_time=0.05, now=1.6)
     assert job.queue == 1 and [k for _, k, _ in job.history] == ["join", "promote", "demote"]
 
 
@@ -172,16 +173,17 @@ def test_no_starvation_of_a_long_job_under_a_stream_of_short_ones():
 
 def test_enst_is_min_of_promotion_and_execution_time():
     mlfq = SkipJoinMLFQ(n_queues=6, quantum=0.1, ratio=2.0, starve_limit=10.0)
-    mlfq.join("a", 0.05, now=9.0)    # Q1
-    mlfq.join("b", 0.3, now=9.4)     # Q3
-    mlfq.join("c", 5.0, now=0.0)     # Q6, close to promotion
-    mlfq.join("d", 5.0, now=9.0)     # Q6
-    enst = mlfq.enst(["a", "b", "c", "d"], max_bs=1, now=9.5)
+    jobs = [req(rid, 1, 1) for rid in "abcd"]
+    mlfq.join(jobs[0], 0.05, now=9.0)    # Q1
+    mlfq.join(jobs[1], 0.3, now=9.4)     # Q3
+    mlfq.join(jobs[2], 5.0, now=0.0)     # Q6, close to promotion
+    mlfq.join(jobs[3], 5.0, now=9.0)     # Q6
+    enst = mlfq.enst(jobs, max_bs=1, now=9.5)
     assert enst["a"] == 0.0                                   # nothing ahead
     assert enst["b"] == pytest.approx(0.1 + 0.2)              # a: rest of Q1 + Q2
     assert enst["c"] == pytest.approx(0.5)                    # T_promote (execution: 3.1 + 2.8)
     assert enst["d"] == pytest.approx(0.1 + 0.2 + 0.4 + 0.8 + 1.6 + 0.4 + 0.8 + 1.6 + 3.2)  # a + b + c ahead
-    assert mlfq.enst(["a", "b", "c", "d"], max_bs=2, now=9.5)["b"] == 0.0   # runs in the next batch
+    assert mlfq.enst(jobs, max_bs=2, now=9.5)["b"] == 0.0   # runs in the next batch
 
 
 # ---------------------------------------------------------------- KV policies
@@ -202,7 +204,8 @@ def test_offload_picks_the_largest_enst_and_upload_the_smallest():
     device, host = BlockManager(10, BS), BlockManager(100, BS)
     kv = ReactiveKV(device, host, max_bs=4)
     x, y, z = _resident(device, ("x", 10), ("y", 10), ("z", 10))   # 3 blocks each, 1 free
-    kv.reserved.update(x=4, y=4, z=4)
+    for r in (x, y, z):
+        kv.reserve(r, 4)
     new, y_blocks = req("n", 8, 4), device.table("y")
     batch = kv.select([new, x, y, z], {"n": 0.0, "x": 5.0, "y": 9.0, "z": 1.0}, reserve=0)
     assert new in batch and kv.on_host("y") and not kv.on_host("x") and not kv.on_host("z")
@@ -212,9 +215,10 @@ def test_offload_picks_the_largest_enst_and_upload_the_smallest():
     device, host = BlockManager(10, BS), BlockManager(100, BS)
     kv = ProactiveKV(device, host, max_bs=1)
     a, b, c = _resident(device, ("a", 10), ("b", 10), ("c", 10))
-    kv.reserved.update(a=4, b=4, c=4)
+    for r in (a, b, c):
+        kv.reserve(r, 4)
     for r in (b, c):
-        kv.offload(r.req_id)
+        kv.offload(r)
     kv.take_swaps()
     batch = kv.select([a, b, c], {"a": 0.0, "b": 3.0, "c": 1.0}, reserve=2)
     assert batch == [a]
@@ -228,7 +232,8 @@ def test_proactive_keeps_free_blocks_for_arrivals_reactive_does_not():
         device, host = BlockManager(10, BS), BlockManager(100, BS)
         kv = cls(device, host, max_bs=1)
         a, b, c = _resident(device, ("a", 10), ("b", 10), ("c", 10))
-        kv.reserved.update(a=4, b=4, c=4)
+        for r in (a, b, c):
+            kv.reserve(r, 4)
         assert kv.select([a, b, c], {"a": 0.0, "b": 2.0, "c": 1.0}, reserve=3) == [a]
         assert kv.on_host("b") is offloaded and not kv.on_host("c")
         assert (device.num_free_blocks >= 3) is offloaded
@@ -241,7 +246,7 @@ def test_bursty_load_keeps_every_kv_and_frees_both_pools(policy: str, n_workers:
     reserved_max = []
 
     def check(s: FastServeScheduler, plan: IterationPlan) -> None:
-        reserved_max.append(sum(s.kv.reserved.values()))
+        reserved_max.append(s.kv.n_reserved)
         if policy == "defer":
             assert not plan.swap_out and not plan.swap_in
         if policy == "reactive":  # uploads only for the plan's own jobs: no prefetch
@@ -289,6 +294,7 @@ def test_abort_frees_the_host_copy_and_keeps_metrics():
     plan = sched.schedule(now)
     assert [s.req_id for s in plan.seqs] == ["b"] and sched.kv.on_host("a") and plan.swap_out
     sched.process_result(engine.execute(plan), now + 0.02)
+    assert sched.request_metrics("a")["offloads"] == 1                          # live: read off the request
     assert sched.abort("a") is not None and sched.request_metrics("a")["offloads"] == 1
     assert sched.host_block_manager.num_free_blocks == sched.host_block_manager.num_blocks
     with pytest.raises(ValueError):

@@ -5,7 +5,7 @@ clairvoyant bound, could do for JCT on this engine.
     python tools/simulate.py --trace fastserve --rate 2 --cv 4 --zipf 1.5 --output-len 1:512 --max-bs 4 \\
         [--policies orca,fastserve,srpt] [--set section.key=value ...] [--profile FILE.json] --out FILE.json
 
-The schedulers are the serving system's own classes (orca_mq/scheduler.py, fastserve.py), fed the
+The schedulers are the serving system's own classes (orca_mq/sched/), fed the
 same trace as tools/bench.py (same spec and seed -> same lengths and arrivals). Only the engine is
 replaced: an iteration takes the time the FastServe start-up profile predicts (initiation time of
 each prompt plus one increment iteration at the batch's decode size), measured on this machine

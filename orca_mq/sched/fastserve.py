@@ -1,21 +1,21 @@
 """FastServe: skip-join MLFQ with preemption at token granularity and proactive KV offload/upload.
 
-The policy over the shared Scheduler base (orca_mq/scheduler.py):
+The policy over the shared Scheduler base (base.py):
 * add: skip-join, a job enters the highest queue whose quantum covers its predicted first
-  (initiation) iteration, from the start-up profile (orca_mq/profiler.py).
+  (initiation) iteration, from the start-up profile (profiler.py).
 * select: starved jobs go to Q1; then the highest-priority jobs, FCFS inside a queue, up to max_bs,
-  each with its KV placed on the device by the KV policy (orca_mq/kv_policy.py).
+  each with its KV placed on the device by the KV policy (kv_policy.py).
 * after_iteration: every job of the iteration is preempted back to its queue and charged the
   predicted time of the iteration it ran; one that used its queue's quantum is demoted.
 * schedule: the plan carries the KV policy's offloads/uploads, which every stage applies first.
-Per-request metrics (queue history, waiting, swaps) are kept here: `request_metrics(req_id)`.
+A job's state (MLFQ place, waits, swaps) lives on its Request; `request_metrics(req_id)` reports it,
+and keeps the report of the last KEPT_METRICS finished jobs.
 """
 from __future__ import annotations
 
 import logging
 import os
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -23,24 +23,18 @@ import structlog
 from orca_mq.engine.dtype import DTYPE_BYTES, resolve_dtype
 from orca_mq.sched.block_manager import BlockManager
 from orca_mq.protocol.iteration import IterationPlan
-from orca_mq.sched.kv_policy import KV_POLICIES, SwapCounts
-from orca_mq.sched.mlfq import JobState, SkipJoinMLFQ
+from orca_mq.sched.kv_policy import KV_POLICIES
+from orca_mq.sched.mlfq import SkipJoinMLFQ
 from orca_mq.sched.profiler import IterationProfile, Profiler, profile_max_len
 from orca_mq.sched.registry import register
 from orca_mq.sched.base import Scheduler
-from orca_mq.sched.request import Request
+from orca_mq.sched.request import Phase, Request
 
 if TYPE_CHECKING:
     from orca_mq.config import Config
     from orca_mq.engine.model_info import ModelInfo
 
 KEPT_METRICS = 10_000   # finished requests whose metrics stay available
-
-
-@dataclass(slots=True)
-class Waits:
-    queued_s: float = 0.0       # arrival -> first iteration
-    preempted_s: float = 0.0    # between its iterations, preempted by higher-priority jobs
 
 
 def _logger() -> Any:
@@ -67,7 +61,6 @@ class FastServeScheduler(Scheduler):
         self.kv = KV_POLICIES[fs.kv_policy](self.block_manager, self.host_block_manager, self.max_bs)
         dtype = resolve_dtype(cfg.model.dtype, eng.device)
         self.block_bytes = 2 * info.n_layers * eng.block_size * info.n_kv_heads * info.head_dim * DTYPE_BYTES[dtype]
-        self.waits: dict[str, Waits] = {}
         self.finished: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self.log = _logger()
         self.use_profile(profile or IterationProfile.estimate(info, dtype))
@@ -99,13 +92,12 @@ class FastServeScheduler(Scheduler):
         if self.block_manager.blocks_for(req.max_total_tokens) > self.block_manager.num_blocks:
             raise ValueError(f"request {req.req_id}: {req.max_total_tokens} tokens exceed the device KV pool")
         super().add(req)
-        q = self.mlfq.join(req.req_id, self.next_iteration_time(req), req.arrival)
-        self.waits[req.req_id] = Waits()
+        q = self.mlfq.join(req, self.next_iteration_time(req), req.arrival)
         self.log.debug("skip-join", request_id=req.req_id, queue=q + 1, prompt=len(req.prompt_token_ids))
 
     def release(self, req: Request) -> None:
-        swaps = self.kv.release(req.req_id)
-        metrics = self._metrics(self.mlfq.leave(req.req_id), self.waits.pop(req.req_id), swaps)
+        self.kv.release(req)
+        metrics = self._metrics(req)
         self.finished[req.req_id] = metrics
         while len(self.finished) > KEPT_METRICS:
             self.finished.popitem(last=False)
@@ -124,47 +116,45 @@ class FastServeScheduler(Scheduler):
 
     def select(self, now: float) -> list[Request]:
         idle = [r for r in self.pool.values() if not r.running]
-        nxt = {r.req_id: self.next_iteration_time(r) for r in idle}
-        for rid in self.mlfq.promote_starved(list(nxt), nxt, now):
-            self.log.debug("starvation promotion", request_id=rid, queue=1)
-        order = [self.pool[rid] for rid in self.mlfq.order(list(nxt))]
-        enst = self.mlfq.enst(list(self.pool), self.max_bs, now)
-        return self.kv.select(order, enst, self.free_target(), self.token_budget or None)
+        for req in idle:
+            if self.mlfq.promote_starved(req, self.next_iteration_time(req), now):
+                self.log.debug("starvation promotion", request_id=req.req_id, queue=1)
+        enst = self.mlfq.enst(list(self.pool.values()), self.max_bs, now)
+        return self.kv.select(self.mlfq.order(idle), enst, self.free_target(), self.token_budget or None)
 
     def admitted(self, batch: list[Request], now: float) -> None:
         for req in batch:
-            waited = now - self.mlfq.jobs[req.req_id].ready_since
-            w = self.waits[req.req_id]
+            waited = now - req.job.ready_since
             if req.n_iterations:
-                w.preempted_s += waited
+                req.waits.preempted_s += waited
             else:
-                w.queued_s += waited
+                req.waits.queued_s += waited
 
     def free_target(self) -> int:
         """Device blocks kept free: max(K, burst). A burst of arrivals skip-joins the top queues, so
         the burst predictor is the KV the jobs there without device KV (new or offloaded) need to run."""
         bm, burst = self.block_manager, 0
-        for rid, job in self.mlfq.jobs.items():
-            if job.queue < self.fs.burst_queues and not bm.table(rid):
-                burst += bm.blocks_for(self.pool[rid].num_tokens)
+        for req in self.pool.values():
+            if req.job.queue < self.fs.burst_queues and not bm.table(req.req_id):
+                burst += bm.blocks_for(req.num_tokens)
         return max(self.fs.min_free_blocks, burst)
 
     def after_iteration(self, batch: list[Request], now: float) -> None:
         """Token-level preemption: each job returns to its queue, charged the predicted time of its
         iteration (its prompt chunk, or an increment at this batch size)."""
         for req in batch:
-            job = self.mlfq.jobs.get(req.req_id)
-            if job is None:  # finished
+            if req.phase is Phase.FINISHED:
                 continue
             service = self.profile.initiation_time(req.chunk) if req.chunk else self.profile.increment_time(len(batch))
-            queue = job.queue
-            self.mlfq.charge(req.req_id, service, self.next_iteration_time(req), now)
-            if job.queue != queue:
-                self.log.debug("demotion", request_id=req.req_id, queue=job.queue + 1)
+            queue = req.job.queue
+            self.mlfq.charge(req, service, self.next_iteration_time(req), now)
+            if req.job.queue != queue:
+                self.log.debug("demotion", request_id=req.req_id, queue=req.job.queue + 1)
 
     # ------------------------------------------------------------ metrics
 
-    def _metrics(self, job: JobState, waits: Waits, swaps: SwapCounts) -> dict[str, Any]:
+    def _metrics(self, req: Request) -> dict[str, Any]:
+        job, waits, swaps = req.job, req.waits, req.swaps
         kinds = [kind for _, kind, _ in job.history]
         return {
             "queue_history": [[round(t, 6), kind, q + 1] for t, kind, q in job.history],   # queues numbered Q1..Qk
@@ -178,15 +168,14 @@ class FastServeScheduler(Scheduler):
         """FastServe metrics of a request, live or (one of the last KEPT_METRICS) finished; None if unknown."""
         if req_id in self.finished:
             return self.finished[req_id]
-        if req_id not in self.mlfq.jobs:
-            return None
-        return self._metrics(self.mlfq.jobs[req_id], self.waits[req_id], self.kv.counts.get(req_id, SwapCounts()))
+        req = self.pool.get(req_id)
+        return None if req is None else self._metrics(req)
 
     def stats(self) -> dict[str, Any]:
         host = self.host_block_manager
         queues = [0] * len(self.mlfq.quanta)
-        for job in self.mlfq.jobs.values():
-            queues[job.queue] += 1
+        for req in self.pool.values():
+            queues[req.job.queue] += 1
         return {**super().stats(), "host_slots": host.num_blocks * host.block_size, "host_free_slots": host.num_free_slots,
                 "host_used_slots": host.num_used_slots, "queue_lengths": queues,
-                "on_host": len(host.tables), "reserved_slots": sum(self.kv.reserved.values()) * self.block_manager.block_size}
+                "on_host": len(host.tables), "reserved_slots": self.kv.n_reserved * self.block_manager.block_size}

@@ -22,25 +22,14 @@ get device blocks in one iteration simply waits for a later one.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from orca_mq.sched.block_manager import BlockManager
 from orca_mq.sched.request import Request
-
-
-@dataclass(slots=True)
-class SwapCounts:
-    offloads: int = 0
-    uploads: int = 0
-    offload_blocks: int = 0
-    upload_blocks: int = 0
 
 
 class DeferKV:
     def __init__(self, device: BlockManager, host: BlockManager, max_bs: int) -> None:
         self.device, self.host, self.max_bs = device, host, max_bs
-        self.reserved: dict[str, int] = {}      # started jobs -> blocks of their maximum KV
-        self.counts: dict[str, SwapCounts] = {}
+        self.n_reserved = 0                     # blocks of every started job's maximum KV (req.reserved_blocks)
         self.swap_out: list[tuple[int, int]] = []
         self.swap_in: list[tuple[int, int]] = []
         self._read: list[int] = []              # host blocks this plan's uploads read: free once it is sent
@@ -58,16 +47,16 @@ class DeferKV:
         `max_prompt_tokens` of a prompt: a chunk of it under a token budget)."""
         batch: list[Request] = []
         taken: set[str] = set()
-        admitting, n_reserved = True, sum(self.reserved.values())
+        admitting = True
         for req in order:
             if len(batch) == self.max_bs:
                 break
             rid = req.req_id
             if rid in self._evicted:
                 continue
-            new = rid not in self.reserved
+            new = not req.reserved_blocks
             size = self.device.blocks_for(req.max_total_tokens)
-            if new and (not admitting or n_reserved + size > self.capacity):
+            if new and (not admitting or self.n_reserved + size > self.capacity):
                 admitting = False  # no later job starts before this one: big jobs are not starved by small ones
                 continue
             tokens, start = req.next_tokens(max_prompt_tokens)
@@ -77,15 +66,19 @@ class DeferKV:
                 taken.discard(rid)
                 continue
             if rid in self.host.tables:
-                self.upload(rid)
+                self.upload(req)
             self.device.ensure(rid, start + len(tokens))
             if new:
-                self.reserved[rid] = size
-                n_reserved += size
+                self.reserve(req, size)
             batch.append(req)
         if batch:  # swaps ride on a plan: none without one
             self.ahead_of_time(order, taken, enst, reserve)
         return batch
+
+    def reserve(self, req: Request, blocks: int) -> None:
+        """The job starts: its maximum KV counts against `capacity` until it leaves."""
+        req.reserved_blocks = blocks
+        self.n_reserved += blocks
 
     def make_room(self, need: int, order: list[Request], taken: set[str], enst: dict[str, float]) -> bool:
         return False
@@ -100,29 +93,28 @@ class DeferKV:
         self._read, self._evicted = [], set()
         return out
 
-    def offload(self, rid: str) -> None:
-        blocks = self.device.free(rid)
+    def offload(self, req: Request) -> None:
+        blocks = self.device.free(req.req_id)
         host_blocks = self.host.take(len(blocks))
-        self.host.assign(rid, host_blocks)
+        self.host.assign(req.req_id, host_blocks)
         self.swap_out.extend(zip(blocks, host_blocks))
-        self._evicted.add(rid)
-        c = self.counts.setdefault(rid, SwapCounts())
-        c.offloads, c.offload_blocks = c.offloads + 1, c.offload_blocks + len(blocks)
+        self._evicted.add(req.req_id)
+        req.swaps.offloads += 1
+        req.swaps.offload_blocks += len(blocks)
 
-    def upload(self, rid: str) -> None:
-        host_blocks = self.host.tables.pop(rid)
+    def upload(self, req: Request) -> None:
+        host_blocks = self.host.tables.pop(req.req_id)
         blocks = self.device.take(len(host_blocks))
-        self.device.assign(rid, blocks)
+        self.device.assign(req.req_id, blocks)
         self.swap_in.extend(zip(host_blocks, blocks))
         self._read.extend(host_blocks)
-        c = self.counts.setdefault(rid, SwapCounts())
-        c.uploads, c.upload_blocks = c.uploads + 1, c.upload_blocks + len(blocks)
+        req.swaps.uploads += 1
+        req.swaps.upload_blocks += len(blocks)
 
-    def release(self, rid: str) -> SwapCounts:
+    def release(self, req: Request) -> None:
         """A job left: its host blocks return to the pool (the scheduler frees its device blocks)."""
-        self.reserved.pop(rid, None)
-        self.host.free(rid)
-        return self.counts.pop(rid, SwapCounts())
+        self.n_reserved -= req.reserved_blocks
+        self.host.free(req.req_id)
 
     def on_host(self, rid: str) -> bool:
         return rid in self.host.tables
@@ -133,42 +125,47 @@ class ReactiveKV(DeferKV):
     def capacity(self) -> int:
         return max(self.device.num_blocks, self.host.num_blocks)
 
-    def victims(self, order: list[Request], taken: set[str], enst: dict[str, float]) -> list[str]:
+    def victims(self, order: list[Request], taken: set[str], enst: dict[str, float]) -> list[Request]:
         """Idle jobs with KV on the device, not in this batch, largest ENST (then lowest priority) first."""
-        idle = [(enst[r.req_id], i, r.req_id) for i, r in enumerate(order)
+        idle = [(enst[r.req_id], i) for i, r in enumerate(order)
                 if r.req_id not in taken and self.device.table(r.req_id)]
-        return [rid for _, _, rid in sorted(idle, reverse=True)]
+        return [order[i] for _, i in sorted(idle, reverse=True)]
+
+    def reserve(self, req: Request, blocks: int) -> None:
+        """The job starts: its maximum KV counts against `capacity` until it leaves."""
+        req.reserved_blocks = blocks
+        self.n_reserved += blocks
 
     def make_room(self, need: int, order: list[Request], taken: set[str], enst: dict[str, float]) -> bool:
         """Offload victims until `need` device blocks are free; none if that cannot be reached."""
         chosen, free, host_free = [], self.device.num_free_blocks, self.host.num_free_blocks
-        for rid in self.victims(order, taken, enst):
+        for victim in self.victims(order, taken, enst):
             if free >= need:
                 break
-            n = len(self.device.table(rid))
+            n = len(self.device.table(victim.req_id))
             if n <= host_free:
-                chosen.append(rid)
+                chosen.append(victim)
                 free, host_free = free + n, host_free - n
         if free < need:
             return False
-        for rid in chosen:
-            self.offload(rid)
+        for victim in chosen:
+            self.offload(victim)
         return True
 
 
 class ProactiveKV(ReactiveKV):
     def ahead_of_time(self, order: list[Request], taken: set[str], enst: dict[str, float], reserve: int) -> None:
-        for rid in self.victims(order, taken, enst):
+        for victim in self.victims(order, taken, enst):
             if self.device.num_free_blocks >= reserve:
                 break
-            if len(self.device.table(rid)) <= self.host.num_free_blocks:
-                self.offload(rid)
+            if len(self.device.table(victim.req_id)) <= self.host.num_free_blocks:
+                self.offload(victim)
         # upload only with a batch's growth (a block per job) to spare, so the job is not the next victim
-        waiting = sorted((enst[r.req_id], i, r.req_id) for i, r in enumerate(order) if r.req_id in self.host.tables)
-        for _, _, rid in waiting:
-            if self.device.num_free_blocks - len(self.host.tables[rid]) < reserve + self.max_bs:
+        waiting = sorted((enst[r.req_id], i) for i, r in enumerate(order) if r.req_id in self.host.tables)
+        for _, i in waiting:
+            if self.device.num_free_blocks - len(self.host.tables[order[i].req_id]) < reserve + self.max_bs:
                 break
-            self.upload(rid)
+            self.upload(order[i])
 
 
 KV_POLICIES: dict[str, type[DeferKV]] = {"defer": DeferKV, "reactive": ReactiveKV, "proactive": ProactiveKV}

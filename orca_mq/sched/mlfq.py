@@ -3,20 +3,16 @@
 Queues Q1..Qk (index 0..k-1, 0 = highest priority) with quantum(Qi) = quantum(Q1) * ratio^(i-1).
 A job's service in its queue is the predicted time of the iterations it ran there; it is demoted
 once that reaches the queue's quantum. Pure bookkeeping on the caller's clock: `now` is passed in.
+A job is a Request; its MLFQ state is `req.job`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+from orca_mq.sched.request import JobState
 
-@dataclass(slots=True)
-class JobState:
-    queue: int
-    entered: float                  # when it entered its queue: FCFS order inside the queue
-    ready_since: float              # when it last became runnable (arrival or its iteration's return)
-    attained: float = 0.0           # service received in the current queue
-    budget: float = 0.0             # quantum of the current queue, + extra after a starvation promotion
-    history: list[tuple[float, str, int]] = field(default_factory=list)   # (time, join|demote|promote, queue)
+if TYPE_CHECKING:
+    from orca_mq.sched.request import Request
 
 
 class SkipJoinMLFQ:
@@ -25,7 +21,6 @@ class SkipJoinMLFQ:
             raise ValueError("fastserve: need n_queues >= 1, quantum > 0, quantum_ratio >= 1, starve_limit > 0")
         self.quanta = [quantum * ratio**i for i in range(n_queues)]
         self.starve_limit = starve_limit
-        self.jobs: dict[str, JobState] = {}
 
     def skip_join_queue(self, iteration_time: float, lowest: int = 0) -> int:
         """The highest-priority queue (not above `lowest`) whose quantum covers the iteration."""
@@ -34,18 +29,15 @@ class SkipJoinMLFQ:
                 return q
         return len(self.quanta) - 1
 
-    def join(self, job_id: str, first_iteration_time: float, now: float) -> int:
+    def join(self, req: Request, first_iteration_time: float, now: float) -> int:
         q = self.skip_join_queue(first_iteration_time)
-        self.jobs[job_id] = JobState(q, now, now, budget=self.quanta[q], history=[(now, "join", q)])
+        req.job = JobState(q, now, now, budget=self.quanta[q], history=[(now, "join", q)])
         return q
 
-    def leave(self, job_id: str) -> JobState:
-        return self.jobs.pop(job_id)
-
-    def charge(self, job_id: str, service: float, next_iteration_time: float, now: float) -> None:
+    def charge(self, req: Request, service: float, next_iteration_time: float, now: float) -> None:
         """A job's iteration returned (token-level preemption): account its service and demote it
         to the queue its next iteration fits in once the current queue's quantum is used up."""
-        job = self.jobs[job_id]
+        job = req.job
         job.attained += service
         job.ready_since = now
         if job.attained < job.budget:
@@ -56,26 +48,24 @@ class SkipJoinMLFQ:
             job.history.append((now, "demote", q))
         job.queue, job.attained, job.budget = q, 0.0, self.quanta[q]
 
-    def promote_starved(self, waiting: list[str], next_iteration_time: dict[str, float], now: float) -> list[str]:
-        """Jobs below Q1 runnable for longer than starve_limit go to the tail of Q1, where every job
+    def promote_starved(self, req: Request, next_iteration_time: float, now: float) -> bool:
+        """A job below Q1 runnable for longer than starve_limit goes to the tail of Q1, where every job
         gets one quantum and drops out: so the wait after a promotion is bounded too. One
         whose next iteration exceeds Q1's quantum gets that much quantum instead, so that iteration
-        runs without demotion (FastServe's extra quantum)."""
-        promoted = []
-        for job_id in waiting:
-            job = self.jobs[job_id]
-            if job.queue and now - job.ready_since > self.starve_limit:
-                job.queue, job.entered, job.attained = 0, now, 0.0
-                job.budget = max(self.quanta[0], next_iteration_time[job_id])
-                job.history.append((now, "promote", 0))
-                promoted.append(job_id)
-        return promoted
+        runs without demotion (FastServe's extra quantum). True if it was promoted."""
+        job = req.job
+        if not job.queue or now - job.ready_since <= self.starve_limit:
+            return False
+        job.queue, job.entered, job.attained = 0, now, 0.0
+        job.budget = max(self.quanta[0], next_iteration_time)
+        job.history.append((now, "promote", 0))
+        return True
 
-    def order(self, job_ids: list[str]) -> list[str]:
-        """Priority order: highest queue first, FCFS inside a queue (ids come in arrival order)."""
-        return sorted(job_ids, key=lambda j: (self.jobs[j].queue, self.jobs[j].entered))
+    def order(self, reqs: list[Request]) -> list[Request]:
+        """Priority order: highest queue first, FCFS inside a queue (requests come in arrival order)."""
+        return sorted(reqs, key=lambda r: (r.job.queue, r.job.entered))
 
-    def enst(self, job_ids: list[str], max_bs: int, now: float) -> dict[str, float]:
+    def enst(self, reqs: list[Request], max_bs: int, now: float) -> dict[str, float]:
         """Estimated next scheduled time of each job (seconds from now), FastServe §4.2:
         ENST(i) = min(T_promote(i), T_execute(i)). T_promote is the time left before starvation
         promotion (none in Q1); T_execute is the service every job ahead of i still gets before i's turn,
@@ -88,14 +78,14 @@ class SkipJoinMLFQ:
             cum.append(cum[-1] + qt)
         count, rem = [0] * k, [0.0] * k           # jobs ahead per queue, their remaining in-queue service
         out: dict[str, float] = {}
-        for n_ahead, job_id in enumerate(self.order(job_ids)):
-            job = self.jobs[job_id]
+        for n_ahead, req in enumerate(self.order(reqs)):
+            job = req.job
             t_execute = 0.0
             if n_ahead >= max_bs:
                 qi = job.queue
                 t_execute = (rem[qi] + sum(rem[q] + count[q] * (cum[qi] - cum[q + 1]) for q in range(qi))) / max_bs
             t_promote = max(0.0, self.starve_limit - (now - job.ready_since)) if job.queue else t_execute
-            out[job_id] = min(t_promote, t_execute)
+            out[req.req_id] = min(t_promote, t_execute)
             count[job.queue] += 1
             rem[job.queue] += max(0.0, job.budget - job.attained)
         return out

@@ -19,27 +19,27 @@ class OrcaScheduler(Scheduler):
     def __init__(self, cfg: "Config", info: "ModelInfo") -> None:
         super().__init__(cfg, info)
         self.n_slots = self.block_manager.num_blocks * self.block_manager.block_size
-        self.n_rsrv = 0
-        self.reserved: dict[str, int] = {}
+        self.n_rsrv = 0  # slots reserved by the requests in the pool
 
     def select(self, now: float) -> list[Request]:
+        bm = self.block_manager
         batch: list[Request] = []
         for req in self.pool.values():  # arrival order
             if req.running:
                 continue
             if len(batch) == self.max_bs:
                 break
-            if req.phase is Phase.INITIATION and req.req_id not in self.reserved:
-                need = self.block_manager.blocks_for(req.max_total_tokens) * self.block_manager.block_size
-                if self.n_rsrv + need > self.n_slots:
+            if req.phase is Phase.INITIATION and not req.reserved_blocks:
+                blocks = bm.blocks_for(req.max_total_tokens)
+                if self.n_rsrv + blocks * bm.block_size > self.n_slots:
                     break  # strict FCFS: a later request may not pass one that does not fit
-                self.n_rsrv += need
-                self.reserved[req.req_id] = need
+                self.n_rsrv += blocks * bm.block_size
+                req.reserved_blocks = blocks
             batch.append(req)
         return batch
 
     def release(self, req: Request) -> None:
-        self.n_rsrv -= self.reserved.pop(req.req_id, 0)
+        self.n_rsrv -= req.reserved_blocks * self.block_manager.block_size
 
     def stats(self) -> dict[str, int]:
         return {**super().stats(), "reserved_slots": self.n_rsrv}

@@ -1,4 +1,5 @@
-"""A request in the scheduler's pool and its lifecycle (ORCA: INITIATION -> INCREMENT -> finished)."""
+"""A request in the scheduler's pool, its lifecycle (ORCA: INITIATION -> INCREMENT -> finished) and
+every policy's state of it: the state leaves with the request, so no policy keeps a map to clean up."""
 from __future__ import annotations
 
 import enum
@@ -12,6 +13,33 @@ class Phase(enum.Enum):
     INITIATION = "initiation"   # prompt not yet processed
     INCREMENT = "increment"     # one token per iteration
     FINISHED = "finished"
+
+
+@dataclass(slots=True)
+class JobState:
+    """Its place in FastServe's skip-join MLFQ (orca_mq/sched/mlfq.py), set when it joins."""
+    queue: int = 0
+    entered: float = 0.0            # when it entered its queue: FCFS order inside the queue
+    ready_since: float = 0.0        # when it last became runnable (arrival or its iteration's return)
+    attained: float = 0.0           # service received in the current queue
+    budget: float = 0.0             # quantum of the current queue, + extra after a starvation promotion
+    history: list[tuple[float, str, int]] = field(default_factory=list)   # (time, join|demote|promote, queue)
+
+
+@dataclass(slots=True)
+class Waits:
+    """Its waiting under FastServe (request metrics)."""
+    queued_s: float = 0.0       # arrival -> first iteration
+    preempted_s: float = 0.0    # between its iterations, preempted by higher-priority jobs
+
+
+@dataclass(slots=True)
+class SwapCounts:
+    """Its KV copies between the device and the host pool (FastServe's KV policies)."""
+    offloads: int = 0
+    uploads: int = 0
+    offload_blocks: int = 0
+    upload_blocks: int = 0
 
 
 @dataclass(slots=True)
@@ -30,6 +58,10 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     finish_reason: str | None = None
+    reserved_blocks: int = 0       # KV blocks of max_total_tokens, reserved when it starts (ORCA's n_rsrv, FastServe's admission)
+    job: JobState = field(default_factory=JobState)
+    waits: Waits = field(default_factory=Waits)
+    swaps: SwapCounts = field(default_factory=SwapCounts)
 
     @property
     def num_tokens(self) -> int:
