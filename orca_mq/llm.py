@@ -53,7 +53,7 @@ class LLM:
             self.scheduler.add(r)
         self.run_until_done()
         return [
-            RequestOutput(r.req_id, self.tokenizer.decode(r.output_token_ids, skip_special_tokens=True),
+            RequestOutput(r.request_id, self.tokenizer.decode(r.output_token_ids, skip_special_tokens=True),
                           r.output_token_ids, r.finish_reason, prompt_token_ids=r.prompt_token_ids)
             for r in reqs
         ]

@@ -36,7 +36,7 @@ def _mixed_iteration_logits(runner: ModelRunner, prefills: list[list[int]], deco
     mixed += [SeqWork(f"p{i}", seq, 0, list(bm.ensure(f"p{i}", len(seq)))) for i, seq in enumerate(prefills)]
     rng.shuffle(mixed)
     logits = runner.forward(IterationPlan(1, mixed))
-    order = {s.req_id: b for b, s in enumerate(mixed)}
+    order = {s.request_id: b for b, s in enumerate(mixed)}
     names = [f"p{i}" for i in range(len(prefills))] + [f"d{i}" for i in range(len(decodes))]
     return logits[[order[n] for n in names]]
 
@@ -125,9 +125,9 @@ def _serve_logits(model_dir, budget: int, prompts: list[list[int]], max_tokens: 
         mixed += any(s.start_pos and len(s.token_ids) > 1 for s in plan.seqs) and any(
             len(s.token_ids) == 1 for s in plan.seqs)
         for s, row in zip(plan.seqs, out):
-            if not sched.pool[s.req_id].prompt_pending:
-                logits.setdefault(s.req_id, []).append(row)
-        sched.process_result(IterationResult(plan.iteration, [s.req_id for s in plan.seqs], out.argmax(-1).tolist()), 0.0)
+            if not sched.pool[s.request_id].prompt_pending:
+                logits.setdefault(s.request_id, []).append(row)
+        sched.process_result(IterationResult(plan.iteration, [s.request_id for s in plan.seqs], out.argmax(-1).tolist()), 0.0)
     return logits, mixed
 
 

@@ -58,10 +58,10 @@ class FakeEngine:
             for pos in range(s.seq_len):
                 block = self.device.setdefault(s.block_table[pos // BS], [None] * BS)
                 if pos < s.start_pos:
-                    assert block[pos % BS] == (s.req_id, pos), f"iteration {plan.iteration}: {s.req_id} lost its KV at {pos}"
+                    assert block[pos % BS] == (s.request_id, pos), f"iteration {plan.iteration}: {s.request_id} lost its KV at {pos}"
                 else:
-                    block[pos % BS] = (s.req_id, pos)
-        return IterationResult(plan.iteration, [s.req_id for s in plan.seqs], [7] * len(plan.seqs))
+                    block[pos % BS] = (s.request_id, pos)
+        return IterationResult(plan.iteration, [s.request_id for s in plan.seqs], [7] * len(plan.seqs))
 
 
 def duration(plan: IterationPlan) -> float:
@@ -77,7 +77,7 @@ def run(sched: FastServeScheduler, arrivals: list[Request], check=None) -> list[
         while pending and pending[0].arrival <= now:
             sched.add(pending.popleft())
         while (plan := sched.schedule(now)) is not None:
-            assert not any(sched.kv.on_host(s.req_id) for s in plan.seqs), "a job ran with its KV on the host"
+            assert not any(sched.kv.on_host(s.request_id) for s in plan.seqs), "a job ran with its KV on the host"
             if check:
                 check(sched, plan)
             plans.append(plan)
@@ -133,7 +133,7 @@ def test_demotion_after_the_quantum_and_token_level_preemption():
 def test_a_short_job_preempts_a_long_one_at_the_next_iteration():
     sched = make(**{"scheduler.max_bs": 1})
     plans = run(sched, [req("long", 5, 40), req("short", 5, 3, arrival=0.1)])
-    order = [p.seqs[0].req_id for p in plans]
+    order = [p.seqs[0].request_id for p in plans]
     first_short = order.index("short")
     assert order[first_short: first_short + 3] == ["short"] * 3 and "long" in order[first_short + 3:]
     assert plans[first_short].iteration - 1 == max(p.iteration for p in plans[:first_short])
@@ -161,7 +161,7 @@ def test_no_starvation_of_a_long_job_under_a_stream_of_short_ones():
         t, ends = 0.0, []
         for p in run(sched, [req("long", 60, 30), *shorts]):
             t += duration(p)
-            if p.seqs[0].req_id == "long":
+            if p.seqs[0].request_id == "long":
                 ends.append(t)
         return [e for e in ends if e < 3.0], sched
 
@@ -254,25 +254,25 @@ def test_bursty_load_keeps_every_kv_and_frees_both_pools(policy: str, n_workers:
 
     arrivals = bursty(80, seed=n_workers)
     plans = run(sched, arrivals, check)
-    assert {r.req_id for r in arrivals} == {rid for p in plans for rid in (q.req_id for q in p.seqs)}
-    assert all(sched.request_metrics(r.req_id) is not None for r in arrivals)
+    assert {r.request_id for r in arrivals} == {rid for p in plans for rid in (q.request_id for q in p.seqs)}
+    assert all(sched.request_metrics(r.request_id) is not None for r in arrivals)
     assert_clean(sched)
-    offloads = sum(sched.request_metrics(r.req_id)["offloads"] for r in arrivals)
+    offloads = sum(sched.request_metrics(r.request_id)["offloads"] for r in arrivals)
     prefetched = sum(len({d for _, d in p.swap_in} - {b for q in p.seqs for b in q.block_table}) for p in plans)
     if policy == "defer":
         assert offloads == 0 and max(reserved_max) <= 40
     else:
         assert offloads > 0 and max(reserved_max) > 40   # more jobs started than the device could hold
         assert policy == "proactive" or prefetched == 0
-        m = next(sched.request_metrics(r.req_id) for r in arrivals if sched.request_metrics(r.req_id)["offloads"])
+        m = next(sched.request_metrics(r.request_id) for r in arrivals if sched.request_metrics(r.request_id)["offloads"])
         assert m["offload_bytes"] == m["offload_bytes"] // sched.block_bytes * sched.block_bytes > 0
 
 
 def test_defer_new_jobs_wait_for_free_blocks():
     sched = make(**{"fastserve.kv_policy": "defer", "engine.n_slots": 16 * BS})
     plans = run(sched, [req("big", 8, 40), req("next", 8, 16, arrival=0.001)])   # 12 + 6 blocks > 16
-    first_next = next(i for i, p in enumerate(plans) if p.seqs[0].req_id == "next")
-    assert all(p.seqs[0].req_id == "big" for p in plans[:first_next]) and len(plans[:first_next]) == 40
+    first_next = next(i for i, p in enumerate(plans) if p.seqs[0].request_id == "next")
+    assert all(p.seqs[0].request_id == "big" for p in plans[:first_next]) and len(plans[:first_next]) == 40
     assert_clean(sched)
 
 
@@ -280,7 +280,7 @@ def test_full_host_pool_makes_new_jobs_wait_and_loses_nothing():
     sched = make(**{"engine.n_slots": 28 * BS, "engine.host_slots": 8 * BS})   # host smaller than the device
     arrivals = bursty(40, seed=3)
     run(sched, arrivals)
-    assert all(sched.request_metrics(r.req_id) is not None for r in arrivals)
+    assert all(sched.request_metrics(r.request_id) is not None for r in arrivals)
     assert_clean(sched)
 
 
@@ -292,7 +292,7 @@ def test_abort_frees_the_host_copy_and_keeps_metrics():
     sched.process_result(engine.execute(sched.schedule(now)), now := now + 0.02)   # a holds 5 of 8 blocks
     sched.add(req("b", 13, 4, arrival=now))                                     # b needs 4: a is offloaded
     plan = sched.schedule(now)
-    assert [s.req_id for s in plan.seqs] == ["b"] and sched.kv.on_host("a") and plan.swap_out
+    assert [s.request_id for s in plan.seqs] == ["b"] and sched.kv.on_host("a") and plan.swap_out
     sched.process_result(engine.execute(plan), now + 0.02)
     assert sched.request_metrics("a")["offloads"] == 1                          # live: read off the request
     assert sched.abort("a") is not None and sched.request_metrics("a")["offloads"] == 1
@@ -341,7 +341,7 @@ def test_token_budget_bursty_load_keeps_every_kv(policy: str):
     sched = make(**{"fastserve.kv_policy": policy, "engine.n_slots": 40 * BS, "scheduler.max_num_batched_tokens": 8})
 
     def check(s: FastServeScheduler, plan: IterationPlan) -> None:
-        increments = sum(q.start_pos >= len(s.pool[q.req_id].prompt_token_ids) for q in plan.seqs)
+        increments = sum(q.start_pos >= len(s.pool[q.request_id].prompt_token_ids) for q in plan.seqs)
         assert plan.num_tokens <= max(8, increments)
         # a chunked prompt's KV blocks cover its chunk, not the whole prompt
         assert all(len(q.block_table) <= s.block_manager.blocks_for(q.seq_len + 8) for q in plan.seqs)
@@ -349,5 +349,5 @@ def test_token_budget_bursty_load_keeps_every_kv(policy: str):
     arrivals = bursty(60, seed=5)
     plans = run(sched, arrivals, check)
     assert any(q.start_pos and len(q.token_ids) > 1 for p in plans for q in p.seqs)   # prompts were chunked
-    assert all(sched.request_metrics(r.req_id) is not None for r in arrivals)
+    assert all(sched.request_metrics(r.request_id) is not None for r in arrivals)
     assert_clean(sched)

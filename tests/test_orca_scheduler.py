@@ -28,7 +28,7 @@ def req(i: int, prompt_len: int = 5, max_tokens: int = 3, arrival: float | None 
 
 
 def finish(plan: IterationPlan, token: int | None = None) -> IterationResult:
-    return IterationResult(plan.iteration, [s.req_id for s in plan.seqs],
+    return IterationResult(plan.iteration, [s.request_id for s in plan.seqs],
                            [token if token is not None else 100 + plan.iteration for _ in plan.seqs])
 
 
@@ -39,7 +39,7 @@ def run(sched: Scheduler, steps: int = 10_000) -> list[tuple[str, int | None, st
         if plan is None:
             assert not sched.has_work(), "work left but nothing schedulable: deadlock"
             break
-        events += [(e.req_id, e.token_id, e.finish_reason) for e in sched.process_result(finish(plan), 0.0)]
+        events += [(e.request_id, e.token_id, e.finish_reason) for e in sched.process_result(finish(plan), 0.0)]
     return events
 
 
@@ -48,16 +48,16 @@ def test_iteration_level_fcfs_holds_throughout():
     reqs = [req(i, prompt_len=3 + i, max_tokens=2 + (7 * i) % 5) for i in range(8)]
     for r in reqs:
         sched.add(r)
-    iterations = {r.req_id: 0 for r in reqs}
+    iterations = {r.request_id: 0 for r in reqs}
     while sched.has_work():
         plan = sched.schedule(0.0)
         for s in plan.seqs:
-            iterations[s.req_id] += 1
+            iterations[s.request_id] += 1
         sched.process_result(finish(plan), 0.0)
         # an earlier request has run at least as many iterations as a later one, unless it finished
         live = [r for r in reqs if r.phase is not Phase.FINISHED]
         for a, b in zip(live, live[1:]):
-            assert iterations[a.req_id] >= iterations[b.req_id]
+            assert iterations[a.request_id] >= iterations[b.request_id]
     assert all(len(r.output_token_ids) == r.params.max_tokens for r in reqs)
 
 
@@ -66,14 +66,14 @@ def test_new_request_joins_at_next_iteration_and_finished_leaves_at_once():
     sched.add(req(0, max_tokens=1))
     sched.add(req(1, max_tokens=5))
     plan = sched.schedule(0.0)
-    assert [s.req_id for s in plan.seqs] == ["r0", "r1"]
+    assert [s.request_id for s in plan.seqs] == ["r0", "r1"]
     assert [len(s.token_ids) for s in plan.seqs] == [5, 5] and all(s.start_pos == 0 for s in plan.seqs)
     events = sched.process_result(finish(plan), 0.0)
-    assert ("r0", "length") in [(e.req_id, e.finish_reason) for e in events]  # returned at once
+    assert ("r0", "length") in [(e.request_id, e.finish_reason) for e in events]  # returned at once
     assert sched.block_manager.table("r0") == []                                 # its KV freed at once
     sched.add(req(2, prompt_len=9))
     plan = sched.schedule(0.0)
-    by_id = {s.req_id: s for s in plan.seqs}
+    by_id = {s.request_id: s for s in plan.seqs}
     assert set(by_id) == {"r1", "r2"}                           # r0 left, r2 joined
     assert by_id["r1"].token_ids == [101] and by_id["r1"].start_pos == 5   # increment at its own position
     assert len(by_id["r2"].token_ids) == 9 and by_id["r2"].start_pos == 0  # initiation of the whole prompt
@@ -85,7 +85,7 @@ def test_reservation_limits_admission_without_deadlock():
     for i in range(5):
         sched.add(req(i, prompt_len=8, max_tokens=8))
     plan = sched.schedule(0.0)
-    assert [s.req_id for s in plan.seqs] == ["r0", "r1"]
+    assert [s.request_id for s in plan.seqs] == ["r0", "r1"]
     assert sched.n_rsrv == 32
     events = run_from(sched, plan)
     assert sorted({e[0] for e in events if e[2]}) == [f"r{i}" for i in range(5)]
@@ -93,7 +93,7 @@ def test_reservation_limits_admission_without_deadlock():
 
 
 def run_from(sched: Scheduler, plan: IterationPlan) -> list:
-    events = [(e.req_id, e.token_id, e.finish_reason) for e in sched.process_result(finish(plan), 0.0)]
+    events = [(e.request_id, e.token_id, e.finish_reason) for e in sched.process_result(finish(plan), 0.0)]
     return events + run(sched)
 
 
@@ -103,7 +103,7 @@ def test_strict_fcfs_a_small_request_does_not_pass_a_large_one():
     sched.add(req(1, prompt_len=16, max_tokens=8))  # 24 slots: does not fit beside r0
     sched.add(req(2, prompt_len=2, max_tokens=2))   # would fit, but must wait behind r1
     plan = sched.schedule(0.0)
-    assert [s.req_id for s in plan.seqs] == ["r0"]
+    assert [s.request_id for s in plan.seqs] == ["r0"]
 
 
 def test_pipeline_keeps_n_workers_batches_in_flight():
@@ -111,11 +111,11 @@ def test_pipeline_keeps_n_workers_batches_in_flight():
     for i in range(4):
         sched.add(req(i))
     p1, p2 = sched.schedule(0.0), sched.schedule(0.0)
-    assert [s.req_id for s in p1.seqs] == ["r0", "r1"] and [s.req_id for s in p2.seqs] == ["r2", "r3"]
+    assert [s.request_id for s in p1.seqs] == ["r0", "r1"] and [s.request_id for s in p2.seqs] == ["r2", "r3"]
     assert sched.schedule(0.0) is None  # n_scheduled == n_workers: wait for one to return
     sched.process_result(finish(p1), 0.0)
     p3 = sched.schedule(0.0)
-    assert [s.req_id for s in p3.seqs] == ["r0", "r1"]  # running requests (r2, r3) are not candidates
+    assert [s.request_id for s in p3.seqs] == ["r0", "r1"]  # running requests (r2, r3) are not candidates
 
 
 def test_abort_waiting_and_running_requests_frees_kv():
@@ -126,7 +126,7 @@ def test_abort_waiting_and_running_requests_frees_kv():
     assert sched.abort("r1").finish_reason == "abort"      # waiting: final event now
     assert sched.abort("r0") is None                       # running: when its iteration returns
     events = sched.process_result(finish(plan), 0.0)
-    assert [(e.req_id, e.token_id, e.finish_reason) for e in events] == [("r0", None, "abort")]
+    assert [(e.request_id, e.token_id, e.finish_reason) for e in events] == [("r0", None, "abort")]
     assert not sched.has_work() and sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
     assert sched.n_rsrv == 0
     assert sched.abort("nope") is None
@@ -138,7 +138,7 @@ def test_stop_conditions():
     sched.add(Request("ign", [5], SamplingParams(max_tokens=2, ignore_eos=True)))
     sched.add(Request("stop", [5], SamplingParams(max_tokens=9, ignore_eos=True, stop_token_ids=[2])))
     plan = sched.schedule(0.0)
-    events = {e.req_id: e.finish_reason for e in sched.process_result(finish(plan, token=2), 0.0)}
+    events = {e.request_id: e.finish_reason for e in sched.process_result(finish(plan, token=2), 0.0)}
     assert events == {"eos": "stop", "ign": None, "stop": "stop"}
 
 
@@ -155,11 +155,11 @@ def test_request_level_baseline_runs_batches_to_completion():
     seen = []
     while sched.has_work():
         plan = sched.schedule(0.0)
-        seen.append([(s.req_id, s.start_pos) for s in plan.seqs])
+        seen.append([(s.request_id, s.start_pos) for s in plan.seqs])
         events = sched.process_result(finish(plan), 0.0)
         if ("r1", 7) in seen[-1]:
-            assert {e.req_id for e in events if e.finish_reason} == {"r0", "r1"}
-            assert [e.token_id for e in events if e.req_id == "r0"] == [101]   # its wasted iterations add nothing
+            assert {e.request_id for e in events if e.finish_reason} == {"r0", "r1"}
+            assert [e.token_id for e in events if e.request_id == "r0"] == [101]   # its wasted iterations add nothing
         elif len(seen) < 4:
             assert events == [] and sched.block_manager.num_used_slots == held_slots  # r0's KV held meanwhile
     # r0 stays in the batch, inactive, rerunning its last position (5) until r1 finishes;
@@ -177,9 +177,9 @@ def test_request_level_baseline_feeds_longer_prompts_one_token_an_iteration():
     seen, tokens = [], {"r0": [], "r1": []}
     while sched.has_work():
         plan = sched.schedule(0.0)
-        seen.append([(s.req_id, s.start_pos, len(s.token_ids)) for s in plan.seqs])
+        seen.append([(s.request_id, s.start_pos, len(s.token_ids)) for s in plan.seqs])
         for e in sched.process_result(finish(plan), 0.0):
-            tokens[e.req_id].append(e.token_id)
+            tokens[e.request_id].append(e.token_id)
     assert seen == [[("r0", 0, 3), ("r1", 0, 3)],            # both as long as r0's 3 prompt tokens
                     [("r0", 3, 1), ("r1", 3, 1)],            # r0 generates, r1 feeds its 4th prompt token
                     [("r0", 4, 1), ("r1", 4, 1)],            # r0 done (now inactive), r1 feeds its 5th
@@ -212,12 +212,12 @@ def test_token_budget_chunks_prompts_and_never_stalls_increments():
     fed: list[tuple[int, int]] = []
     while sched.pool["r2"].output_token_ids == []:
         plan = sched.schedule(0.0)
-        by_id = {s.req_id: s for s in plan.seqs}
+        by_id = {s.request_id: s for s in plan.seqs}
         assert plan.num_tokens <= 8 and len(by_id["r0"].token_ids) == len(by_id["r1"].token_ids) == 1
         fed.append((by_id["r2"].start_pos, len(by_id["r2"].token_ids)))
         events = sched.process_result(finish(plan), 0.0)
         assert sched.n_rsrv == reserved + 44                                # 41 + 2 tokens -> 11 blocks of 4
-        assert ("r2" in {e.req_id for e in events}) == (sum(n for _, n in fed) == 41)  # no token before the prompt ends
+        assert ("r2" in {e.request_id for e in events}) == (sum(n for _, n in fed) == 41)  # no token before the prompt ends
     assert fed == [(0, 6), (6, 6), (12, 6), (18, 6), (24, 6), (30, 6), (36, 5)]
     events = run(sched)
     assert sum(e[0] == "r2" for e in events) == 1 and sched.n_rsrv == 0
@@ -228,7 +228,7 @@ def test_token_budget_defers_a_prompt_that_gets_no_tokens():
     for i in range(3):
         sched.add(req(i, prompt_len=4, max_tokens=2))
     plan = sched.schedule(0.0)                            # r0 whole, r1 two tokens, r2 none: it waits
-    assert [(s.req_id, s.start_pos, len(s.token_ids)) for s in plan.seqs] == [("r0", 0, 4), ("r1", 0, 2)]
+    assert [(s.request_id, s.start_pos, len(s.token_ids)) for s in plan.seqs] == [("r0", 0, 4), ("r1", 0, 2)]
     assert not sched.pool["r2"].running
     events = run_from(sched, plan)
     assert sorted(e[0] for e in events) == ["r0", "r0", "r1", "r1", "r2", "r2"]

@@ -35,13 +35,13 @@ def test_failed_work_ends_only_its_requests_and_frees_their_kv(tiny_llama_dir):
 
     def run(plan: IterationPlan) -> dict[str, str | None]:
         executor.submit(plan, 0.0)
-        return {e.req_id: e.finish_reason for e in sched.process_result(results.get(timeout=60), 0.0)}
+        return {e.request_id: e.finish_reason for e in sched.process_result(results.get(timeout=60), 0.0)}
 
     greedy, sampled = SamplingParams(max_tokens=3, temperature=0.0), SamplingParams(max_tokens=3, temperature=1.0)
     for rid, params in (("a", greedy), ("b", sampled), ("c", greedy)):
         sched.add(Request(rid, [1, 2, 3, 4, 5], params))
     plan = sched.schedule(0.0)
-    assert plan is not None and [s.req_id for s in plan.seqs] == ["a", "b", "c"]
+    assert plan is not None and [s.request_id for s in plan.seqs] == ["a", "b", "c"]
     plan.seqs[1].seed = float("nan")  # type: ignore[assignment]  # sampling raises for b alone
     assert run(plan) == {"a": None, "b": "error", "c": None}
     assert "b" not in sched.pool and "b" not in sched.block_manager.tables

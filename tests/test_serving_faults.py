@@ -79,7 +79,7 @@ def test_malformed_frames_are_answered_and_logged(server):
         # and the first worker's control socket
         run_dir = server.children[server.pid_of("workers.main")].split("--run-dir ")[1].split()[0]
         rogue = _dealer(ctx, f"ipc://{run_dir}/backend", b"rogue")  # the server's private backend socket
-        rogue.send_multipart([PEER, b"scheduler", msgpack.packb({"v": 1, "type": "add", "req_id": "x"})])
+        rogue.send_multipart([PEER, b"scheduler", msgpack.packb({"v": 1, "type": "add", "request_id": "x"})])
         assert rogue.poll(10_000) and "missing field" in decode(rogue.recv_multipart()[2], frozenset({"error"})).error
         rogue.send_multipart([PEER, b"frontend", b"\xc1"])
         assert rogue.poll(10_000) and "malformed" in decode(rogue.recv_multipart()[2], frozenset({"error"})).error

@@ -34,7 +34,7 @@ def _mixed_plans(vocab: int, num_blocks: int, block_size: int, seed: int) -> tup
     mixed = [SeqWork(f"d{i}", [s[-1]], len(s) - 1, list(bm.table(f"d{i}"))) for i, s in enumerate(decodes)]
     mixed += [SeqWork(f"p{i}", s, 0, list(bm.ensure(f"p{i}", len(s)))) for i, s in enumerate(prefills)]
     rng.shuffle(mixed)
-    return [IterationPlan(0, warm), IterationPlan(1, mixed)], [s.req_id for s in mixed]
+    return [IterationPlan(0, warm), IterationPlan(1, mixed)], [s.request_id for s in mixed]
 
 
 def _logits_job(step: Step, runner: ModelRunner, plans: list[IterationPlan]) -> Any:

@@ -79,11 +79,11 @@ def simulate(sched: Scheduler, requests: list[Request], profile: IterationProfil
             now = requests[i].arrival
             continue
         now += iteration_time(plan, profile)
-        result = IterationResult(plan.iteration, [s.req_id for s in plan.seqs], [0] * len(plan.seqs))
+        result = IterationResult(plan.iteration, [s.request_id for s in plan.seqs], [0] * len(plan.seqs))
         for event in sched.process_result(result, now):
             if event.finish_reason:
-                finish[event.req_id] = now
-    jct = sorted(finish[r.req_id] - r.arrival for r in requests)
+                finish[event.request_id] = now
+    jct = sorted(finish[r.request_id] - r.arrival for r in requests)
     return {"jct_mean_s": statistics.mean(jct), "jct_p50_s": statistics.median(jct),
             "jct_p99_s": jct[min(len(jct) - 1, int(0.99 * len(jct)))], "makespan_s": now}
 

@@ -96,11 +96,11 @@ class StageExecutor:
             return self.runner.execute(plan, hidden)
         except Exception:
             self.log.exception("iteration failed; its requests end with an error", iteration=plan.iteration,
-                               requests=[s.req_id for s in plan.seqs])
+                               requests=[s.request_id for s in plan.seqs])
             with self._lock:
                 self.failed_iterations += 1
             if self.last:
-                rids = [s.req_id for s in plan.seqs]
+                rids = [s.request_id for s in plan.seqs]
                 return IterationResult(plan.iteration, rids, [0] * len(rids), rids) if self.runner.tp.where.rank == 0 else None
             return torch.full((plan.num_tokens, self.runner.hidden_size), float("nan"),
                               dtype=self.runner.dtype, device=self.runner.device)

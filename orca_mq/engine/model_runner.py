@@ -89,7 +89,7 @@ class ModelRunner:
         if self.tp.where.rank != 0:
             return None
         tokens, failed = sample(out, plan.seqs)
-        return IterationResult(plan.iteration, [s.req_id for s in plan.seqs], tokens, [plan.seqs[b].req_id for b in failed])
+        return IterationResult(plan.iteration, [s.request_id for s in plan.seqs], tokens, [plan.seqs[b].request_id for b in failed])
 
     def prepare(self, plan: IterationPlan) -> None:
         """Start the plan's KV copies ahead of its compute (the controller calls it on frame arrival)."""

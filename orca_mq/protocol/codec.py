@@ -92,7 +92,7 @@ def unpack(frame: bytes) -> dict[str, Any]:
 
 
 def _request_id(body: dict[Any, Any]) -> str | None:
-    rid = body.get("request_id", body.get("req_id"))
+    rid = body.get("request_id")
     return rid if type(rid) is str else None
 
 

@@ -16,7 +16,7 @@ from orca_mq.protocol.codec import message
 @message("add")
 @dataclass(slots=True)
 class AddRequest:
-    req_id: str
+    request_id: str
     prompt_token_ids: list[int]
     params: dict[str, Any]        # SamplingParams.to_dict(), already validated by the frontend
 
@@ -24,13 +24,13 @@ class AddRequest:
 @message("abort_req")
 @dataclass(slots=True)
 class AbortRequest:
-    req_id: str
+    request_id: str
 
 
 @message("tokens")
 @dataclass(slots=True)
 class TokenBatch:
-    """Every TokenEvent of one scheduler step, in order: (req_id, token_id, finish_reason)."""
+    """Every TokenEvent of one scheduler step, in order: (request_id, token_id, finish_reason)."""
 
     iteration: int
     events: list[tuple[str, int | None, str | None]]

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 class SeqWork:
     """One request's share of an iteration (ORCA: INITIATION = whole prompt, INCREMENT = one token)."""
 
-    req_id: str
+    request_id: str
     token_ids: list[int]          # new tokens this iteration
     start_pos: int                # tokens already in the KV cache = position of token_ids[0]
     block_table: list[int]        # device KV blocks covering start_pos + len(token_ids) tokens
@@ -42,6 +42,6 @@ class IterationPlan:
 @dataclass(slots=True)
 class IterationResult:
     iteration: int
-    req_ids: list[str]
+    request_ids: list[str]
     token_ids: list[int]          # one sampled token per request, same order as the plan
     failed: list[str] = field(default_factory=list)  # requests whose work failed: they end with an error

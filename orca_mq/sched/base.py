@@ -24,7 +24,7 @@ RECORD_WINDOW = 10_000   # iterations kept in `record`: it is read by tests and 
 
 @dataclass(slots=True)
 class TokenEvent:
-    req_id: str
+    request_id: str
     token_id: int | None            # None on a final event that carries no new token (abort)
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" when the request is done
 
@@ -50,19 +50,19 @@ class Scheduler:
     # ------------------------------------------------------------ pool
 
     def add(self, req: Request) -> None:
-        if req.req_id in self.pool:
-            raise ValueError(f"duplicate request id {req.req_id}")
-        self.pool[req.req_id] = req
+        if req.request_id in self.pool:
+            raise ValueError(f"duplicate request id {req.request_id}")
+        self.pool[req.request_id] = req
 
-    def abort(self, req_id: str) -> TokenEvent | None:
-        req = self.pool.get(req_id)
+    def abort(self, request_id: str) -> TokenEvent | None:
+        req = self.pool.get(request_id)
         if req is None:
             return None
         if req.running:  # its iteration is in flight: finish when the tokens come back
             req.aborted = True
             return None
         self._finish(req, "abort")
-        return TokenEvent(req_id, None, "abort")
+        return TokenEvent(request_id, None, "abort")
 
     def has_work(self) -> bool:
         return bool(self.pool) or bool(self.in_flight)
@@ -95,14 +95,14 @@ class Scheduler:
             tokens, start = req.next_tokens(req.chunk or None)
             if req.phase is Phase.INITIATION:
                 req.n_prompt_fed = start + len(tokens)
-            table = self.block_manager.ensure(req.req_id, start + len(tokens))
+            table = self.block_manager.ensure(req.request_id, start + len(tokens))
             p = req.params
-            seqs.append(SeqWork(req.req_id, tokens, start, list(table), p.temperature, p.top_k, p.top_p, p.seed))
+            seqs.append(SeqWork(req.request_id, tokens, start, list(table), p.temperature, p.top_k, p.top_p, p.seed))
             req.running = True
         self.iteration += 1
         plan = IterationPlan(self.iteration, seqs)
         self.in_flight[plan.iteration] = batch
-        self.record.append((plan.iteration, [r.req_id for r in batch]))
+        self.record.append((plan.iteration, [r.request_id for r in batch]))
         return plan
 
     def fit_budget(self, batch: list[Request]) -> list[Request]:
@@ -127,7 +127,7 @@ class Scheduler:
 
     def process_result(self, result: IterationResult, now: float) -> list[TokenEvent]:
         batch = self.in_flight.pop(result.iteration, None)
-        if batch is None or [r.req_id for r in batch] != list(result.req_ids):
+        if batch is None or [r.request_id for r in batch] != list(result.request_ids):
             raise ValueError(f"result of iteration {result.iteration} does not match any iteration in flight")
         events = []
         failed = set(result.failed)
@@ -136,10 +136,10 @@ class Scheduler:
             if req.phase is Phase.FINISHED:  # the request-level baseline's inactive request: compute wasted
                 continue
             req.n_iterations += 1
-            if req.aborted or req.req_id in failed:  # its work failed on a worker: it ends, the batch goes on
+            if req.aborted or req.request_id in failed:  # its work failed on a worker: it ends, the batch goes on
                 reason = "abort" if req.aborted else "error"
                 self._finish(req, reason)
-                events.append(TokenEvent(req.req_id, None, reason))
+                events.append(TokenEvent(req.request_id, None, reason))
                 continue
             if req.prompt_pending:  # part of its prompt still to feed: what the engine sampled is dropped
                 continue
@@ -150,7 +150,7 @@ class Scheduler:
             reason = self._stop_reason(req, token)
             if reason:
                 self._finish(req, reason, now)
-            events.append(TokenEvent(req.req_id, token, reason))
+            events.append(TokenEvent(req.request_id, token, reason))
         self.after_iteration(batch, now)
         return self.emit(events)
 
@@ -165,8 +165,8 @@ class Scheduler:
 
     def _retire(self, req: Request) -> None:
         """A finished request leaves the pool and frees its KV."""
-        del self.pool[req.req_id]
-        self.block_manager.free(req.req_id)
+        del self.pool[req.request_id]
+        self.block_manager.free(req.request_id)
         self.release(req)
 
     # ------------------------------------------------------------ policy hooks
@@ -198,6 +198,6 @@ class Scheduler:
     def emit(self, events: list[TokenEvent]) -> list[TokenEvent]:
         return events
 
-    def request_metrics(self, req_id: str) -> dict[str, Any] | None:
+    def request_metrics(self, request_id: str) -> dict[str, Any] | None:
         """Policy-specific metrics of a request for its final message (FastServe: queues, swaps)."""
         return None

@@ -35,18 +35,18 @@ class BlockManager:
     def num_used_slots(self) -> int:
         return (self.num_blocks - len(self.free_blocks)) * self.block_size
 
-    def table(self, req_id: str) -> list[int]:
-        return self.tables.get(req_id, [])
+    def table(self, request_id: str) -> list[int]:
+        return self.tables.get(request_id, [])
 
-    def ensure(self, req_id: str, n_tokens: int) -> list[int]:
+    def ensure(self, request_id: str, n_tokens: int) -> list[int]:
         """Grow the request's block table to hold n_tokens tokens; returns the table."""
-        table = self.tables.get(req_id, [])
+        table = self.tables.get(request_id, [])
         missing = self.blocks_for(n_tokens) - len(table)
         if missing > len(self.free_blocks):
             raise KVAllocationError(
-                f"request {req_id}: needs {missing} more KV blocks, {len(self.free_blocks)} free"
+                f"request {request_id}: needs {missing} more KV blocks, {len(self.free_blocks)} free"
             )
-        self.tables[req_id] = table
+        self.tables[request_id] = table
         for _ in range(max(0, missing)):
             table.append(self.free_blocks.popleft())
         return table
@@ -57,10 +57,10 @@ class BlockManager:
             raise KVAllocationError(f"needs {n} KV blocks, {len(self.free_blocks)} free")
         return [self.free_blocks.popleft() for _ in range(n)]
 
-    def assign(self, req_id: str, blocks: list[int]) -> None:
-        self.tables[req_id] = blocks
+    def assign(self, request_id: str, blocks: list[int]) -> None:
+        self.tables[request_id] = blocks
 
-    def free(self, req_id: str) -> list[int]:
-        blocks = self.tables.pop(req_id, [])
+    def free(self, request_id: str) -> list[int]:
+        blocks = self.tables.pop(request_id, [])
         self.free_blocks.extend(blocks)
         return blocks

@@ -8,7 +8,7 @@ The policy over the shared Scheduler base (base.py):
 * after_iteration: every job of the iteration is preempted back to its queue and charged the
   predicted time of the iteration it ran; one that used its queue's quantum is demoted.
 * schedule: the plan carries the KV policy's offloads/uploads, which every stage applies first.
-A job's state (MLFQ place, waits, swaps) lives on its Request; `request_metrics(req_id)` reports it,
+A job's state (MLFQ place, waits, swaps) lives on its Request; `request_metrics(request_id)` reports it,
 and keeps the report of the last KEPT_METRICS finished jobs.
 """
 from __future__ import annotations
@@ -90,18 +90,18 @@ class FastServeScheduler(Scheduler):
 
     def add(self, req: Request) -> None:
         if self.block_manager.blocks_for(req.max_total_tokens) > self.block_manager.num_blocks:
-            raise ValueError(f"request {req.req_id}: {req.max_total_tokens} tokens exceed the device KV pool")
+            raise ValueError(f"request {req.request_id}: {req.max_total_tokens} tokens exceed the device KV pool")
         super().add(req)
         q = self.mlfq.join(req, self.next_iteration_time(req), req.arrival)
-        self.log.debug("skip-join", request_id=req.req_id, queue=q + 1, prompt=len(req.prompt_token_ids))
+        self.log.debug("skip-join", request_id=req.request_id, queue=q + 1, prompt=len(req.prompt_token_ids))
 
     def release(self, req: Request) -> None:
         self.kv.release(req)
         metrics = self._metrics(req)
-        self.finished[req.req_id] = metrics
+        self.finished[req.request_id] = metrics
         while len(self.finished) > KEPT_METRICS:
             self.finished.popitem(last=False)
-        self.log.info("fastserve request done", request_id=req.req_id, finish_reason=req.finish_reason, **metrics)
+        self.log.info("fastserve request done", request_id=req.request_id, finish_reason=req.finish_reason, **metrics)
 
     # ------------------------------------------------------------ iterations
 
@@ -118,7 +118,7 @@ class FastServeScheduler(Scheduler):
         idle = [r for r in self.pool.values() if not r.running]
         for req in idle:
             if self.mlfq.promote_starved(req, self.next_iteration_time(req), now):
-                self.log.debug("starvation promotion", request_id=req.req_id, queue=1)
+                self.log.debug("starvation promotion", request_id=req.request_id, queue=1)
         enst = self.mlfq.enst(list(self.pool.values()), self.max_bs, now)
         return self.kv.select(self.mlfq.order(idle), enst, self.free_target(), self.token_budget or None)
 
@@ -135,7 +135,7 @@ class FastServeScheduler(Scheduler):
         the burst predictor is the KV the jobs there without device KV (new or offloaded) need to run."""
         bm, burst = self.block_manager, 0
         for req in self.pool.values():
-            if req.job.queue < self.fs.burst_queues and not bm.table(req.req_id):
+            if req.job.queue < self.fs.burst_queues and not bm.table(req.request_id):
                 burst += bm.blocks_for(req.num_tokens)
         return max(self.fs.min_free_blocks, burst)
 
@@ -149,7 +149,7 @@ class FastServeScheduler(Scheduler):
             queue = req.job.queue
             self.mlfq.charge(req, service, self.next_iteration_time(req), now)
             if req.job.queue != queue:
-                self.log.debug("demotion", request_id=req.req_id, queue=req.job.queue + 1)
+                self.log.debug("demotion", request_id=req.request_id, queue=req.job.queue + 1)
 
     # ------------------------------------------------------------ metrics
 
@@ -164,11 +164,11 @@ class FastServeScheduler(Scheduler):
             "offload_bytes": swaps.offload_blocks * self.block_bytes, "upload_bytes": swaps.upload_blocks * self.block_bytes,
         }
 
-    def request_metrics(self, req_id: str) -> dict[str, Any] | None:
+    def request_metrics(self, request_id: str) -> dict[str, Any] | None:
         """FastServe metrics of a request, live or (one of the last KEPT_METRICS) finished; None if unknown."""
-        if req_id in self.finished:
-            return self.finished[req_id]
-        req = self.pool.get(req_id)
+        if request_id in self.finished:
+            return self.finished[request_id]
+        req = self.pool.get(request_id)
         return None if req is None else self._metrics(req)
 
     def stats(self) -> dict[str, Any]:

@@ -51,7 +51,7 @@ class DeferKV:
         for req in order:
             if len(batch) == self.max_bs:
                 break
-            rid = req.req_id
+            rid = req.request_id
             if rid in self._evicted:
                 continue
             new = not req.reserved_blocks
@@ -94,18 +94,18 @@ class DeferKV:
         return out
 
     def offload(self, req: Request) -> None:
-        blocks = self.device.free(req.req_id)
+        blocks = self.device.free(req.request_id)
         host_blocks = self.host.take(len(blocks))
-        self.host.assign(req.req_id, host_blocks)
+        self.host.assign(req.request_id, host_blocks)
         self.swap_out.extend(zip(blocks, host_blocks))
-        self._evicted.add(req.req_id)
+        self._evicted.add(req.request_id)
         req.swaps.offloads += 1
         req.swaps.offload_blocks += len(blocks)
 
     def upload(self, req: Request) -> None:
-        host_blocks = self.host.tables.pop(req.req_id)
+        host_blocks = self.host.tables.pop(req.request_id)
         blocks = self.device.take(len(host_blocks))
-        self.device.assign(req.req_id, blocks)
+        self.device.assign(req.request_id, blocks)
         self.swap_in.extend(zip(host_blocks, blocks))
         self._read.extend(host_blocks)
         req.swaps.uploads += 1
@@ -114,7 +114,7 @@ class DeferKV:
     def release(self, req: Request) -> None:
         """A job left: its host blocks return to the pool (the scheduler frees its device blocks)."""
         self.n_reserved -= req.reserved_blocks
-        self.host.free(req.req_id)
+        self.host.free(req.request_id)
 
     def on_host(self, rid: str) -> bool:
         return rid in self.host.tables
@@ -127,8 +127,8 @@ class ReactiveKV(DeferKV):
 
     def victims(self, order: list[Request], taken: set[str], enst: dict[str, float]) -> list[Request]:
         """Idle jobs with KV on the device, not in this batch, largest ENST (then lowest priority) first."""
-        idle = [(enst[r.req_id], i) for i, r in enumerate(order)
-                if r.req_id not in taken and self.device.table(r.req_id)]
+        idle = [(enst[r.request_id], i) for i, r in enumerate(order)
+                if r.request_id not in taken and self.device.table(r.request_id)]
         return [order[i] for _, i in sorted(idle, reverse=True)]
 
     def reserve(self, req: Request, blocks: int) -> None:
@@ -142,7 +142,7 @@ class ReactiveKV(DeferKV):
         for victim in self.victims(order, taken, enst):
             if free >= need:
                 break
-            n = len(self.device.table(victim.req_id))
+            n = len(self.device.table(victim.request_id))
             if n <= host_free:
                 chosen.append(victim)
                 free, host_free = free + n, host_free - n
@@ -158,12 +158,12 @@ class ProactiveKV(ReactiveKV):
         for victim in self.victims(order, taken, enst):
             if self.device.num_free_blocks >= reserve:
                 break
-            if len(self.device.table(victim.req_id)) <= self.host.num_free_blocks:
+            if len(self.device.table(victim.request_id)) <= self.host.num_free_blocks:
                 self.offload(victim)
         # upload only with a batch's growth (a block per job) to spare, so the job is not the next victim
-        waiting = sorted((enst[r.req_id], i) for i, r in enumerate(order) if r.req_id in self.host.tables)
+        waiting = sorted((enst[r.request_id], i) for i, r in enumerate(order) if r.request_id in self.host.tables)
         for _, i in waiting:
-            if self.device.num_free_blocks - len(self.host.tables[order[i].req_id]) < reserve + self.max_bs:
+            if self.device.num_free_blocks - len(self.host.tables[order[i].request_id]) < reserve + self.max_bs:
                 break
             self.upload(order[i])
 

@@ -85,7 +85,7 @@ class SkipJoinMLFQ:
                 qi = job.queue
                 t_execute = (rem[qi] + sum(rem[q] + count[q] * (cum[qi] - cum[q + 1]) for q in range(qi))) / max_bs
             t_promote = max(0.0, self.starve_limit - (now - job.ready_since)) if job.queue else t_execute
-            out[req.req_id] = min(t_promote, t_execute)
+            out[req.request_id] = min(t_promote, t_execute)
             count[job.queue] += 1
             rem[job.queue] += max(0.0, job.budget - job.attained)
         return out

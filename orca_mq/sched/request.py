@@ -44,7 +44,7 @@ class SwapCounts:
 
 @dataclass(slots=True)
 class Request:
-    req_id: str
+    request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival: float = field(default_factory=time.monotonic)

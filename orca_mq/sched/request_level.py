@@ -35,20 +35,20 @@ class RequestLevelScheduler(OrcaScheduler):
         if not self.batch:
             self.batch = super().select(now)
             self.batch_input_len = min((len(r.prompt_token_ids) for r in self.batch), default=0)
-        return [r for r in self.batch if not r.running and (r.phase is not Phase.FINISHED or r.req_id in self.inactive)]
+        return [r for r in self.batch if not r.running and (r.phase is not Phase.FINISHED or r.request_id in self.inactive)]
 
     def prompt_chunk(self, req: Request) -> int | None:
         return self.batch_input_len if req.n_prompt_fed == 0 else 1
 
-    def abort(self, req_id: str) -> TokenEvent | None:
-        if req_id in self.inactive:
+    def abort(self, request_id: str) -> TokenEvent | None:
+        if request_id in self.inactive:
             return None  # already finished: its final message is held for the batch's end
-        return super().abort(req_id)
+        return super().abort(request_id)
 
     def _retire(self, req: Request) -> None:
         """A batch member that finished (not aborted) stays in the pool, inactive, until the batch ends."""
         if req.finish_reason != "abort" and any(r is req for r in self.batch):
-            self.inactive[req.req_id] = req
+            self.inactive[req.request_id] = req
         else:
             super()._retire(req)
 

@@ -127,14 +127,14 @@ class SchedulerProcess:
         if isinstance(msg, AddRequest):
             try:
                 params = SamplingParams.from_dict(msg.params)
-                self.sched.add(Request(msg.req_id, msg.prompt_token_ids, params, time.monotonic()))
+                self.sched.add(Request(msg.request_id, msg.prompt_token_ids, params, time.monotonic()))
             except Exception:  # the frontend validated it: a refusal here is a bug, fail only this request
-                self.log.exception("request refused by the scheduler", request_id=msg.req_id)
-                await self.link.to_peer("frontend", TokenBatch(-1, [(msg.req_id, None, "error")]))
+                self.log.exception("request refused by the scheduler", request_id=msg.request_id)
+                await self.link.to_peer("frontend", TokenBatch(-1, [(msg.request_id, None, "error")]))
                 return
-            self.arrivals.append(msg.req_id)
+            self.arrivals.append(msg.request_id)
         elif isinstance(msg, AbortRequest):
-            ev = self.sched.abort(msg.req_id)
+            ev = self.sched.abort(msg.request_id)
             if ev is not None:
                 await self._emit(-1, [ev])
         elif isinstance(msg, StatsQuery):
@@ -160,9 +160,9 @@ class SchedulerProcess:
 
     async def _emit(self, iteration: int, events: list[TokenEvent]) -> None:
         if events:
-            metrics = {e.req_id: m for e in events if e.finish_reason and (m := self.sched.request_metrics(e.req_id))}
+            metrics = {e.request_id: m for e in events if e.finish_reason and (m := self.sched.request_metrics(e.request_id))}
             self.telemetry.finished(metrics.values())
-            await self.link.to_peer("frontend", TokenBatch(iteration, [(e.req_id, e.token_id, e.finish_reason) for e in events], metrics))
+            await self.link.to_peer("frontend", TokenBatch(iteration, [(e.request_id, e.token_id, e.finish_reason) for e in events], metrics))
 
     async def _start_stats(self, source: bytes, query: StatsQuery) -> None:
         qid = uuid.uuid4().hex

@@ -53,7 +53,7 @@ class Telemetry:
         self.batch_size.observe(len(plan.seqs))
         self.iteration_tokens.observe(plan.num_tokens)
         for seq in plan.seqs:
-            if seq.start_pos == 0 and (req := pool.get(seq.req_id)) is not None:
+            if seq.start_pos == 0 and (req := pool.get(seq.request_id)) is not None:
                 self.queue_time.observe(now - req.arrival)
 
     def iteration_done(self, iteration: int, now: float) -> None:

@@ -48,7 +48,7 @@ def build_metadata(plan: IterationPlan, block_size: int, device: torch.device) -
         q_len, row, seq_len = len(s.token_ids), cu[-1], s.seq_len
         need = -(-seq_len // block_size)
         if len(s.block_table) < need:
-            raise ValueError(f"request {s.req_id}: {len(s.block_table)} KV blocks cannot hold {seq_len} tokens")
+            raise ValueError(f"request {s.request_id}: {len(s.block_table)} KV blocks cannot hold {seq_len} tokens")
         tables.append(s.block_table)
         positions.extend(range(s.start_pos, seq_len))
         slots.extend(_slots(s.block_table, s.start_pos, seq_len, block_size))
