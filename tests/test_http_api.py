@@ -16,6 +16,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from orca_mq.api.server import STATS_MAX_AGE
 from orca_mq.client import Client
 from orca_mq.config import load_config
 from serving_harness import ROOT, free_port, start_server
@@ -182,6 +183,7 @@ def test_metrics_move_by_what_was_sent(server, oai, model, zmq):
               for p, n in (("Hello", 3), ("The sky is", 5))]
     with pytest.raises(openai.BadRequestError):
         oai.completions.create(model=model, prompt="", max_tokens=3)
+    time.sleep(STATS_MAX_AGE)  # the engine's figures are read at most once per STATS_MAX_AGE
     after = _scrape(server)
 
     def delta(name: str, **labels: str) -> float:
