@@ -8,12 +8,16 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+from orca_mq.client import Client
 
 from orca_mq.server.process import ROOT, ServerHandle, free_port, spawn
 
-__all__ = ["ROOT", "Server", "alive", "children_of", "free_port", "start_server"]
+__all__ = ["ROOT", "Server", "alive", "children_of", "free_port", "settled", "start_server"]
 
 
 def children_of(pid: int) -> dict[int, str]:
@@ -89,3 +93,16 @@ def start_server(tmp: Path, n_workers: int = 1, ready_timeout: float = 240.0, **
         **overrides,
     }
     return Server(spawn(sets, tmp / "launcher.stderr", ready_timeout=ready_timeout, cwd=tmp), tmp / "logs")
+
+
+def settled(address: str, timeout: float = 30.0) -> dict[str, Any]:
+    """The server's stats once no request is active anywhere and no KV slot is held."""
+    deadline = time.monotonic() + timeout
+    with Client(address) as client:
+        while True:
+            stats = client.stats()
+            if (stats["frontend"]["active_requests"] == 0 and stats["scheduler"]["used_slots"] == 0
+                    and stats["broker"]["tracked_requests"] == 0):
+                return stats
+            assert time.monotonic() < deadline, f"requests or KV slots still held: {stats}"
+            time.sleep(0.2)

@@ -27,7 +27,7 @@ from orca_mq.protocol import decode, encode
 from orca_mq.protocol.client_msgs import TO_CLIENT, Generate, Output, Ping
 from orca_mq.protocol.common_msgs import Error
 from orca_mq.server.zmq_queue import PEER
-from serving_harness import alive, start_server
+from serving_harness import alive, settled, start_server
 
 pytestmark = pytest.mark.e2e
 
@@ -37,17 +37,6 @@ def server(tmp_path_factory):
     srv = start_server(tmp_path_factory.mktemp("faults"), n_workers=1, **{"server.drain_timeout": 3.0, "engine.n_slots": 4096})
     yield srv
     srv.stop()
-
-
-def _stats_settled(address: str, timeout: float = 15.0) -> dict:
-    deadline = time.monotonic() + timeout
-    with Client(address) as client:
-        while True:
-            stats = client.stats()
-            if stats["frontend"]["active_requests"] == 0 and stats["scheduler"]["used_slots"] == 0:
-                return stats
-            assert time.monotonic() < deadline, f"requests or KV slots still held: {stats}"
-            time.sleep(0.2)
 
 
 def _dealer(ctx: zmq.Context, address: str, identity: bytes | None = None) -> zmq.Socket:
@@ -97,7 +86,7 @@ def test_malformed_frames_are_answered_and_logged(server):
         assert c.generate("Hello", max_tokens=3, temperature=0.0).finish_reason == "length"
     assert "rejected control frame" in _logs(server, "worker0")
     assert "rejected client frame" in _logs(server, "broker")
-    _stats_settled(server.address)
+    settled(server.address)
 
 
 INVALID = [
@@ -132,7 +121,7 @@ def test_invalid_requests_fail_alone(server):
     for (kw, words), out in zip(INVALID, bad):
         assert out.finish_reason == "error" and out.code == "invalid_request" and out.token_ids == [], kw
         assert words in out.error, (kw, out.error)
-    _stats_settled(server.address)
+    settled(server.address)
 
 
 def test_abort_mid_stream(server):
@@ -149,7 +138,7 @@ def test_abort_mid_stream(server):
     final = events[-1]
     assert final.finished and final.finish_reason == "abort" and final.error is None
     assert 2 <= sum(len(e.token_ids) for e in events) < 300
-    _stats_settled(server.address)
+    settled(server.address)
 
 
 def test_vanished_client_frees_its_requests(server):
@@ -163,7 +152,7 @@ def test_vanished_client_frees_its_requests(server):
         sock.close(linger=0)  # the client disappears without a word
     finally:
         ctx.destroy(linger=0)
-    stats = _stats_settled(server.address)
+    stats = settled(server.address)
     assert stats["scheduler"]["free_slots"] == stats["scheduler"]["n_slots"]
     assert "client disconnected" in _logs(server, "frontend")
 
@@ -234,7 +223,7 @@ def test_killed_worker_is_restarted(tmp_path):
         assert srv.proc.poll() is None and srv.pid_of("--stage 1") != old
         assert "serving again (restart 1)" in srv.stderr()
         assert "restarting" in _logs(srv, "launcher")
-        _stats_settled(srv.address)
+        settled(srv.address)
     finally:
         srv.stop()
 

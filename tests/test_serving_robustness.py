@@ -17,7 +17,7 @@ from orca_mq.bench.reliability import SoakConfig, fuzz, garbage_frames, soak
 from orca_mq.client import AsyncClient, Client
 from orca_mq.protocol import decode, encode
 from orca_mq.protocol.client_msgs import TO_CLIENT, Abort, Generate, Output, Ping, Pong
-from serving_harness import start_server
+from serving_harness import settled, start_server
 
 pytestmark = pytest.mark.e2e
 MAX_FRAME = 32 << 20
@@ -30,18 +30,6 @@ def server(tmp_path_factory):
         "engine.n_slots": 4096, "scheduler.max_bs": 4, "server.max_waiting": 4, "server.max_frame_bytes": MAX_FRAME})
     yield srv
     srv.stop()
-
-
-def _settled(address: str, timeout: float = 30.0) -> dict:
-    deadline = time.monotonic() + timeout
-    with Client(address) as client:
-        while True:
-            stats = client.stats()
-            if (stats["frontend"]["active_requests"] == 0 and stats["scheduler"]["used_slots"] == 0
-                    and stats["broker"]["tracked_requests"] == 0):
-                return stats
-            assert time.monotonic() < deadline, f"requests or KV slots still held: {stats}"
-            time.sleep(0.2)
 
 
 def _rss_kb(pid: int) -> int:
@@ -94,7 +82,7 @@ def test_huge_prompt_is_refused_before_tokenizing_and_delays_nobody(server):
     assert huge.finish_reason == "error" and huge.code == "invalid_request" and "characters" in huge.error
     assert long.finish_reason == "error" and long.code == "invalid_request" and "context length" in long.error
     assert normal.finish_reason == "length" and len(normal.token_ids) == 3
-    _settled(server.address)
+    settled(server.address)
 
 
 def test_past_max_waiting_a_request_is_overloaded_at_once(server):
@@ -123,7 +111,7 @@ def test_past_max_waiting_a_request_is_overloaded_at_once(server):
                 finals[msg.request_id] = msg
     finally:
         ctx.destroy(linger=0)
-    stats = _settled(server.address)
+    stats = settled(server.address)
     assert stats["broker"]["overloaded"] >= 1
 
 
@@ -134,7 +122,7 @@ def test_soak_exactly_one_final_per_request_and_no_kv_leak(server):
     assert sum(result.finals.values()) == 200 and result.garbage_answered == result.garbage_sent > 0
     assert result.finals.get("length/None", 0) > 0 and result.finals.get("abort/aborted", 0) > 0
     assert set(result.finals) <= {"length/None", "abort/aborted", "error/overloaded"}, result.finals
-    stats = _settled(server.address)
+    stats = settled(server.address)
     assert stats["scheduler"]["free_slots"] == stats["scheduler"]["n_slots"]
     assert asyncio.run(_ping(server.address)).nonce == 5  # a new client is answered
 
