@@ -1,11 +1,16 @@
 #!/usr/bin/env python3
 """HTTP vs ZeroMQ on one orca-mq server, and (with --peer) llama.cpp's server, on the same traces,
-runs interleaved round by round; prints medians over rounds and ratios, writes JSON and a plot.
+runs interleaved round by round; prints medians over rounds and ratios to the first backend,
+writes JSON and a plot.
 
-    python tools/bench_http.py --rounds 3 [--peer /work/venv-peer/bin/python] --out results/http.json
+    python tools/bench_http.py --rounds 3 [--peer /tmp/venv-peer/bin/python] --out results/http.json
+    python tools/bench_http.py --rounds 2 --scenarios burst rate1 --backends http --peer /tmp/venv-peer/bin/python \
+        --set scheduler.max_bs=32 --out results/peer.json          # issue 16's side-by-side
 
 Scenarios: `c64` = 64 requests at t=0 (64 concurrent streams; throughput), `c1` = requests one
-at a time, 2 s apart (the HTTP path's added latency per token, free of batching effects).
+at a time, 2 s apart (the HTTP path's added latency per token, free of batching effects);
+`burst` and `rate1` = issue 16's peer shape (64 requests, inputs 32-512, outputs 1-128 tokens),
+all at t=0 or Poisson at 1 req/s.
 Every request is greedy with generation forced to max_tokens (ignore_eos). The machine is shared:
 other work on it moves every number, which is why runs are interleaved and medians reported.
 """
@@ -13,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import statistics
 import subprocess
@@ -25,24 +29,28 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tools")]
 
-from bench import Launcher, _on_sigterm, free_tcp_port  # noqa: E402  (tools/bench.py)
+from bench import _on_sigterm  # noqa: E402  (tools/bench.py)
 from orca_mq.bench.metrics import summarize  # noqa: E402
 from orca_mq.bench.openai_backend import OpenAIClient  # noqa: E402
 from orca_mq.bench.plot_run import plot_cdfs  # noqa: E402
 from orca_mq.bench.replay import open_client, replay  # noqa: E402
 from orca_mq.bench.trace import TraceSpec, load_corpus, make_trace, spec_dict  # noqa: E402
+from orca_mq.server.process import free_port, spawn  # noqa: E402
 
 SCENARIOS = {  # name -> trace spec: all at once (c64) or deterministic 2 s gaps (c1); short, for a 2-core machine
     "c64": TraceSpec(kind="orca", num_requests=64, rate=0.0, input_len=(32, 128), output_len=(16, 32), seed=1),
     "c1": TraceSpec(kind="fastserve", num_requests=8, rate=0.5, cv=0.0, zipf=0.0, input_len=(32, 128),
                     output_len=(24, 32), seed=2),
+    "burst": TraceSpec(kind="orca", num_requests=64, rate=0.0, input_len=(32, 512), output_len=(1, 128), seed=3),
+    "rate1": TraceSpec(kind="orca", num_requests=64, rate=1.0, input_len=(32, 512), output_len=(1, 128), seed=4),
 }
-KEYS = ("throughput_tok_s", "ttft_p50_s", "tpot_p50_s", "itl_p50_s", "itl_p99_s", "jct_p50_s")
+SECONDS = ("makespan_s", "jct_mean_s")
+KEYS = ("throughput_tok_s", "makespan_s", "jct_mean_s", "ttft_p50_s", "tpot_p50_s", "tpot_p99_s", "itl_p50_s", "itl_p99_s")
 
 
-def start_peer(python: str, port: int, log: Path) -> subprocess.Popen[str]:
-    proc = subprocess.Popen([python, str(ROOT / "tools" / "peer_llamacpp.py"), "--port", str(port), "--n-parallel", "64",
-                             "--ctx-per-slot", "512", "--threads", "2"], stdout=subprocess.PIPE,
+def start_peer(python: str, port: int, log: Path, slots: int, ctx: int) -> subprocess.Popen[str]:
+    proc = subprocess.Popen([python, str(ROOT / "tools" / "peer_llamacpp.py"), "--port", str(port), "--n-parallel", str(slots),
+                             "--ctx-per-slot", str(ctx), "--threads", "2"], stdout=subprocess.PIPE,
                             stderr=log.open("w"), text=True, start_new_session=True)
     assert proc.stdout is not None
     line = proc.stdout.readline()
@@ -65,6 +73,10 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--peer", default=None, metavar="PYTHON", help="a venv Python with xllamacpp: add llama.cpp's server")
     p.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=list(SCENARIOS))
+    p.add_argument("--backends", nargs="+", default=["zmq", "http"], choices=["zmq", "http"], help="orca-mq's clients")
+    p.add_argument("--peer-slots", type=int, default=16, help="llama.cpp server slots (continuous batching)")
+    p.add_argument("--peer-ctx", type=int, default=1024, help="llama.cpp context per slot")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="orca-mq config (repeatable)")
     p.add_argument("--out", required=True, metavar="FILE.json")
     args = p.parse_args()
     signal.signal(signal.SIGTERM, _on_sigterm)  # so `finally` stops the server and the peer
@@ -75,21 +87,20 @@ def main() -> int:
 
     corpus = load_corpus(load_tokenizer(""))
     traces = {name: make_trace(spec, corpus) for name, spec in SCENARIOS.items() if name in args.scenarios}
-    zmq_addr, http = f"tcp://127.0.0.1:{free_tcp_port()}", f"127.0.0.1:{free_tcp_port()}"
-    sets = ["scheduler.max_bs=64", f"server.frontend_address={zmq_addr}", f"server.http_address={http}",
-            f"server.backend_address=ipc:///tmp/orca_mq_bench_http_{os.getpid()}", f"server.worker_base_port={free_tcp_port()}",
-            f"log.dir={out.with_suffix('.logs')}"]
-    launcher = Launcher(sets, out.with_suffix(".launch.log"), 600.0, 60.0)
-    targets = {"zmq": zmq_addr, "http": f"http://{http}"}
+    zmq_addr, http = f"tcp://127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    sets = {"scheduler.max_bs": 64, "server.frontend_address": zmq_addr, "server.http_address": http,
+            "log.dir": out.resolve().with_suffix(".logs"), **dict(item.split("=", 1) for item in args.set)}
+    targets = {b: {"zmq": zmq_addr, "http": f"http://{http}"}[b] for b in args.backends}
+    launcher = None
     peer = None
     results: dict[str, dict[str, list[dict[str, Any]]]] = {s: {b: [] for b in targets} for s in traces}
     last: dict[str, dict[str, list[dict[str, Any]]]] = {s: {} for s in traces}   # the last round's records
     partial = out.with_suffix(".partial.json")
     try:
-        launcher.start()
+        launcher = spawn(sets, out.with_suffix(".launch.log"), ready_timeout=600.0)
         if args.peer:
-            port = free_tcp_port()
-            peer = start_peer(args.peer, port, out.with_suffix(".peer.log"))
+            port = free_port()
+            peer = start_peer(args.peer, port, out.with_suffix(".peer.log"), args.peer_slots, args.peer_ctx)
             targets["llama.cpp"] = f"http://127.0.0.1:{port}"
             for s in results.values():
                 s["llama.cpp"] = []
@@ -108,7 +119,8 @@ def main() -> int:
         if peer is not None:
             peer.terminate()
             peer.wait(30)
-        launcher.stop()
+        if launcher is not None:
+            launcher.stop(60.0)
     table = report(results)
     print(table)
     for scen, runs in last.items():
@@ -122,17 +134,18 @@ def main() -> int:
 def report(results: dict[str, dict[str, list[dict[str, Any]]]]) -> str:
     lines = []
     for scen, by_backend in results.items():
-        lines.append(f"\n{scen}: median over rounds (ratio to zmq)")
+        first = next(iter(by_backend))
+        lines.append(f"\n{scen}: median over rounds (ratio to {first})")
         lines.append(f"{'backend':<11}" + "".join(f"{k:>22}" for k in KEYS))
-        base = {k: statistics.median(s[k] for s in by_backend["zmq"]) for k in KEYS}
+        base = {k: statistics.median(s[k] for s in by_backend[first]) for k in KEYS}
         for backend, runs in by_backend.items():
             cells = []
             for k in KEYS:
                 v = statistics.median(s[k] for s in runs)
-                scale = 1.0 if k.startswith("throughput") else 1000.0
+                scale = 1.0 if k.startswith("throughput") or k in SECONDS else 1000.0
                 cells.append(f"{v * scale:>14.1f} ({v / base[k]:.2f}x)")
             lines.append(f"{backend:<11}" + "".join(cells))
-    lines.append("\nthroughput in tok/s, latencies in ms")
+    lines.append("\nthroughput in tok/s, makespan and mean JCT in s, other latencies in ms")
     return "\n".join(lines)
 
 
