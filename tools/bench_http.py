@@ -17,6 +17,7 @@ other work on it moves every number, which is why runs are interleaved and media
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import signal
 import statistics
@@ -86,7 +87,7 @@ def main() -> int:
     from orca_mq.tokenizer import load_tokenizer
 
     corpus = load_corpus(load_tokenizer(""))
-    traces = {name: make_trace(spec, corpus) for name, spec in SCENARIOS.items() if name in args.scenarios}
+    traces = {name: spec for name, spec in SCENARIOS.items() if name in args.scenarios}
     zmq_addr, http = f"tcp://127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     sets = {"scheduler.max_bs": 64, "server.frontend_address": zmq_addr, "server.http_address": http,
             "log.dir": out.resolve().with_suffix(".logs"), **dict(item.split("=", 1) for item in args.set)}
@@ -105,7 +106,10 @@ def main() -> int:
             for s in results.values():
                 s["llama.cpp"] = []
         for r in range(args.rounds):
-            for scen, trace in traces.items():
+            for scen, spec in traces.items():
+                # fresh prompts every round: llama.cpp's server reuses a cached prompt prefix, and a
+                # repeated trace would hand its later rounds their prefills for free
+                trace = make_trace(dataclasses.replace(spec, seed=spec.seed + 1000 * r), corpus)
                 for backend, target in (list(targets.items()) if r % 2 == 0 else list(targets.items())[::-1]):
                     t = time.perf_counter()
                     last[scen][backend] = records = run(backend, target, trace)
