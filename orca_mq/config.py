@@ -41,8 +41,8 @@ class EngineConfig:
 @dataclass(slots=True)
 class SchedulerConfig:
     policy: Policy = "orca"
-    max_bs: int = 16
-    max_num_batched_tokens: int = 0
+    max_bs: int = 32
+    max_num_batched_tokens: int = 256
 
 
 @dataclass(slots=True)
