@@ -116,6 +116,7 @@ class Launcher:
         if not self.cfg.server.worker_base_port:  # a fresh rendezvous port: the last one may linger
             self.child_cfg.server.worker_base_port = free_port()
         if group != "http" and uses_store(self.child_cfg):  # host the rendezvous before anything looks for it
+            self.nodes = None  # a restart's new store may take the old one's port: close that first
             self.nodes = NodeGroup.open(self.child_cfg)
         deadline = time.monotonic() + self.cfg.server.ready_timeout
         if group == "broker":
