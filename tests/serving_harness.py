@@ -15,25 +15,9 @@ from typing import Any
 
 from orca_mq.client import Client
 
-from orca_mq.server.process import ROOT, ServerHandle, free_port, spawn
+from orca_mq.server.process import ROOT, ServerHandle, children_of, free_port, spawn
 
 __all__ = ["ROOT", "Server", "alive", "children_of", "free_port", "settled", "start_server"]
-
-
-def children_of(pid: int) -> dict[int, str]:
-    """pid -> command line of the direct children of `pid`."""
-    out = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            ppid = int(stat[stat.rindex(")") + 2:].split()[1])
-            if ppid == pid:
-                out[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except (OSError, ValueError):
-            continue
-    return out
 
 
 def alive(pid: int) -> bool:
@@ -65,10 +49,10 @@ class Server:
 
     @property
     def children(self) -> dict[int, str]:
-        return children_of(self.proc.pid)
+        return self.handle.children()
 
     def pid_of(self, needle: str) -> int:
-        return next(pid for pid, cmd in self.children.items() if needle in cmd)
+        return self.handle.pid_of(needle)
 
     def stop(self, timeout: float = 30.0) -> int | None:
         children = self.children

@@ -34,19 +34,8 @@ from orca_mq.server.process import ServerHandle, free_port, spawn  # noqa: E402
 VICTIMS = {"worker": "workers.main", "broker": "orca_mq.server.broker"}
 
 
-def _pid(launcher: int, needle: str) -> int:
-    for entry in Path("/proc").iterdir():
-        try:
-            stat = (entry / "stat").read_text()
-            if int(stat[stat.rindex(")") + 2:].split()[1]) == launcher and needle in (entry / "cmdline").read_text():
-                return int(entry.name)
-        except (OSError, ValueError):
-            continue
-    raise RuntimeError(f"no {needle} process under the launcher")
-
-
 async def _round(srv: ServerHandle, victim: str, probe_interval: float, timeout: float) -> dict[str, Any]:
-    pid = _pid(srv.proc.pid, VICTIMS[victim])
+    pid = srv.pid_of(VICTIMS[victim])
     async with AsyncClient(srv.address, ping_interval=0.5) as client:
         stream = client.stream(prompt="Once upon a time", max_tokens=1000, temperature=0.0, ignore_eos=True)
         await stream.__anext__()

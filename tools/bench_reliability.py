@@ -37,17 +37,6 @@ from orca_mq.protocol import encode  # noqa: E402
 from orca_mq.protocol.client_msgs import Generate  # noqa: E402
 
 
-def _broker_pid(address: str) -> int:
-    for entry in Path("/proc").iterdir():
-        try:
-            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        if "orca_mq.server.broker" in cmd and address in cmd:
-            return int(entry.name)
-    raise RuntimeError("broker process not found")
-
-
 def _rss_mb(pid: int) -> float:
     line = next(x for x in Path(f"/proc/{pid}/status").read_text().splitlines() if x.startswith("VmRSS:"))
     return int(line.split()[1]) / 1024
@@ -133,7 +122,7 @@ def main() -> None:
     capacity = cfg.server.max_waiting + cfg.scheduler.max_bs
     report: dict[str, Any] = {"args": vars(args)}
     with Server(1, 2, cfg.scheduler.max_bs, []) as server:
-        broker = _broker_pid(server.address)
+        broker = server.pid_of("orca_mq.server.broker")
         rng = random.Random(args.seed)
         rss0, t, totals = _rss_mb(broker), time.perf_counter(), {"frames": 0, "protocol": 0, "other": 0, "unanswered": 0}
         for start in range(0, args.frames, 10_000):

@@ -34,6 +34,21 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def children_of(pid: int) -> dict[int, str]:
+    """pid -> command line of the direct children of `pid` (Linux /proc)."""
+    out = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            if int(stat[stat.rindex(")") + 2:].split()[1]) == pid:
+                out[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (OSError, ValueError):
+            continue
+    return out
+
+
 def _env() -> dict[str, str]:
     return os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
 
@@ -101,6 +116,14 @@ class ServerHandle:
         if self.proc.stdout is not None:
             self.proc.stdout.close()
         return self.proc.returncode
+
+    def children(self) -> dict[int, str]:
+        """The launcher's processes now (supervision replaces them): pid -> command line."""
+        return children_of(self.proc.pid)
+
+    def pid_of(self, needle: str) -> int:
+        """The pid of the launcher's child whose command line contains `needle`."""
+        return next(pid for pid, cmd in self.children().items() if needle in cmd)
 
     def stderr(self) -> str:
         try:
