@@ -64,7 +64,7 @@ class Api:
         path = resolve_model_path(cfg.model.path)
         self.model_name = path.stem if path.is_file() else path.name
         self.max_model_len = read_model_info(cfg.model.path, cfg.model.cache_dir).max_model_len(cfg)
-        self.prompts = PromptCounter(cfg)
+        self.prompts = PromptCounter(cfg, self.max_model_len)
         self.client = AsyncClient(cfg.server.frontend_address)
         self.metrics = ApiMetrics(self.model_name)
         self.created = int(time.time())
@@ -127,7 +127,7 @@ class Api:
         if body.model is not None and body.model != self.model_name:
             raise ApiError(404, f"The model `{body.model}` does not exist.")
         prompt = body.prompt_args()
-        default = None if body.limit() is not None else self.prompts.remaining(prompt)
+        default = None if body.limit() is not None else await self.prompts.remaining(prompt)
         gen = Generation(self.client, prompt, body.sampling(default or 1), StopStrings(body.stop_strings), self.metrics)
         rid = new_id(prefix)
         pieces = gen.pieces()
