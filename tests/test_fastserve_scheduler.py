@@ -102,6 +102,17 @@ def bursty(n: int, seed: int, rate: float = 40.0) -> list[Request]:
     return out
 
 
+def assert_exact_tables(sched: FastServeScheduler, plan: IterationPlan) -> None:
+    """Every job of a plan holds just the blocks its tokens fill, and every idle job, on the device
+    or the host, just those its written KV fills: no block is taken, or offloaded, unwritten."""
+    bm = sched.block_manager
+    assert all(len(q.block_table) == bm.blocks_for(q.seq_len) for q in plan.seqs)
+    for tables in (bm.tables, sched.host_block_manager.tables):
+        for rid, table in tables.items():
+            if not sched.pool[rid].running:   # not in this plan nor in flight
+                assert len(table) == bm.blocks_for(sched.pool[rid].next_tokens(None)[1]), rid
+
+
 def assert_clean(sched: FastServeScheduler) -> None:
     stats = sched.stats()
     assert stats["free_slots"] == stats["n_slots"] and stats["host_free_slots"] == stats["host_slots"]
@@ -247,6 +258,7 @@ def test_bursty_load_keeps_every_kv_and_frees_both_pools(policy: str, n_workers:
 
     def check(s: FastServeScheduler, plan: IterationPlan) -> None:
         reserved_max.append(s.kv.n_reserved)
+        assert_exact_tables(s, plan)
         if policy == "defer":
             assert not plan.swap_out and not plan.swap_in
         if policy == "reactive":  # uploads only for the plan's own jobs: no prefetch
@@ -337,16 +349,16 @@ def test_token_budget_skip_join_and_charges_use_the_prompt_chunk():
 
 
 @pytest.mark.parametrize("policy", ["proactive", "defer"])
-def test_token_budget_bursty_load_keeps_every_kv(policy: str):
+@pytest.mark.parametrize("seed", [5, 81])
+def test_token_budget_bursty_load_keeps_every_kv(policy: str, seed: int):
     sched = make(**{"fastserve.kv_policy": policy, "engine.n_slots": 40 * BS, "scheduler.max_num_batched_tokens": 8})
 
     def check(s: FastServeScheduler, plan: IterationPlan) -> None:
         increments = sum(q.start_pos >= len(s.pool[q.request_id].prompt_token_ids) for q in plan.seqs)
         assert plan.num_tokens <= max(8, increments)
-        # a chunked prompt's KV blocks cover its chunk, not the whole prompt
-        assert all(len(q.block_table) <= s.block_manager.blocks_for(q.seq_len + 8) for q in plan.seqs)
+        assert_exact_tables(s, plan)   # a chunked prompt's blocks cover the chunk it was given, no more
 
-    arrivals = bursty(60, seed=5)
+    arrivals = bursty(80, seed=seed)
     plans = run(sched, arrivals, check)
     assert any(q.start_pos and len(q.token_ids) > 1 for p in plans for q in p.seqs)   # prompts were chunked
     assert all(sched.request_metrics(r.request_id) is not None for r in arrivals)

@@ -11,6 +11,10 @@ can fill. Three policies (`fastserve.kv_policy`) decide what happens then:
   offloading ahead of time, and upload the smallest-ENST job before it is scheduled, so the copy
   overlaps with the iteration in flight.
 
+`select` only promises a job the blocks its new tokens may need (at most the budget's chunk) and
+leaves free, uploaded or not; the scheduler allocates for the chunk the token budget actually
+gives (`Scheduler.fit_budget` may give less), so no block is taken, or offloaded, unwritten.
+
 The decisions become the plan's swap lists (`take_swaps`); every stage copies swap_out first,
 then swap_in, then computes (workers/kv_swap.py). Hence within one plan a device block freed by an
 offload may receive an upload, but a host block read by an upload is only reused by a later plan.
@@ -34,11 +38,17 @@ class DeferKV:
         self.swap_in: list[tuple[int, int]] = []
         self._read: list[int] = []              # host blocks this plan's uploads read: free once it is sent
         self._evicted: set[str] = set()         # jobs this plan offloads: they wait for a later one
+        self._promised = 0                      # free device blocks the batch being selected may grow into
 
     @property
     def capacity(self) -> int:
         """Blocks all started jobs may need at most, together."""
         return self.device.num_blocks
+
+    @property
+    def free(self) -> int:
+        """Free device blocks not promised to the batch being selected."""
+        return self.device.num_free_blocks - self._promised
 
     def select(self, order: list[Request], enst: dict[str, float], reserve: int,
                max_prompt_tokens: int | None = None) -> list[Request]:
@@ -48,6 +58,7 @@ class DeferKV:
         batch: list[Request] = []
         taken: set[str] = set()
         admitting = True
+        self._promised = 0   # the previous batch's blocks are allocated by now
         for req in order:
             if len(batch) == self.max_bs:
                 break
@@ -60,14 +71,16 @@ class DeferKV:
                 admitting = False  # no later job starts before this one: big jobs are not starved by small ones
                 continue
             tokens, start = req.next_tokens(max_prompt_tokens)
-            need = self.device.blocks_for(start + len(tokens)) - len(self.device.table(rid))
+            held = len(self.device.table(rid)) or len(self.host.tables.get(rid, ()))
+            grow = max(0, self.device.blocks_for(start + len(tokens)) - held)
+            need = grow + (held if rid in self.host.tables else 0)   # an upload takes its blocks now
             taken.add(rid)  # from here on, not a victim
-            if need > self.device.num_free_blocks and not self.make_room(need, order, taken, enst):
+            if need > self.free and not self.make_room(need, order, taken, enst):
                 taken.discard(rid)
                 continue
             if rid in self.host.tables:
                 self.upload(req)
-            self.device.ensure(rid, start + len(tokens))
+            self._promised += grow
             if new:
                 self.reserve(req, size)
             batch.append(req)
@@ -138,7 +151,7 @@ class ReactiveKV(DeferKV):
 
     def make_room(self, need: int, order: list[Request], taken: set[str], enst: dict[str, float]) -> bool:
         """Offload victims until `need` device blocks are free; none if that cannot be reached."""
-        chosen, free, host_free = [], self.device.num_free_blocks, self.host.num_free_blocks
+        chosen, free, host_free = [], self.free, self.host.num_free_blocks
         for victim in self.victims(order, taken, enst):
             if free >= need:
                 break
@@ -156,14 +169,14 @@ class ReactiveKV(DeferKV):
 class ProactiveKV(ReactiveKV):
     def ahead_of_time(self, order: list[Request], taken: set[str], enst: dict[str, float], reserve: int) -> None:
         for victim in self.victims(order, taken, enst):
-            if self.device.num_free_blocks >= reserve:
+            if self.free >= reserve:
                 break
             if len(self.device.table(victim.request_id)) <= self.host.num_free_blocks:
                 self.offload(victim)
         # upload only with a batch's growth (a block per job) to spare, so the job is not the next victim
         waiting = sorted((enst[r.request_id], i) for i, r in enumerate(order) if r.request_id in self.host.tables)
         for _, i in waiting:
-            if self.device.num_free_blocks - len(self.host.tables[order[i].request_id]) < reserve + self.max_bs:
+            if self.free - len(self.host.tables[order[i].request_id]) < reserve + self.max_bs:
                 break
             self.upload(order[i])
 
