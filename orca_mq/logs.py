@@ -60,11 +60,11 @@ def setup_logging(role: str, cfg: LogConfig, **context: Any) -> structlog.typing
 
 
 def summarize_ms(samples: Iterable[float]) -> dict[str, Any]:
-    """Count, median and p90 (in ms) of durations in seconds, for the stats replies."""
+    """Count, median, p90 and sum (in ms) of durations in seconds, for the stats replies."""
     ms = sorted(x * 1000 for x in samples)
     if not ms:
-        return {"n": 0, "median_ms": None, "p90_ms": None}
-    return {"n": len(ms), "median_ms": statistics.median(ms), "p90_ms": ms[int(0.9 * (len(ms) - 1))]}
+        return {"n": 0, "median_ms": None, "p90_ms": None, "sum_ms": 0.0}
+    return {"n": len(ms), "median_ms": statistics.median(ms), "p90_ms": ms[int(0.9 * (len(ms) - 1))], "sum_ms": sum(ms)}
 
 
 def show_logs(log_dir: str, follow: bool, lines: int, raw: bool) -> None:
