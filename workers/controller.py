@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
@@ -46,18 +47,24 @@ class Controller:
         self.runner: ModelRunner | None = None
         self._failed: asyncio.Future[None] | None = None
 
-    async def run(self, runner: ModelRunner, data_plane: DataPlane) -> int:
+    async def run(self, build: Callable[[], ModelRunner], data_plane: DataPlane) -> int:
+        """Serve until stopped; `build` makes the stage's runner on the compute thread."""
         loop = asyncio.get_running_loop()
-        self.runner = runner
         self._failed = loop.create_future()
+        built: asyncio.Future[ModelRunner] = loop.create_future()
         # the compute thread reports through the event loop: the ZMQ sockets belong to this thread
         self.executor = StageExecutor(
-            runner, data_plane,
+            build, data_plane,
+            on_ready=lambda r: loop.call_soon_threadsafe(built.set_result, r),
             on_result=lambda r, t0, t1: loop.call_soon_threadsafe(self._send_result, r, t0, t1),
             on_error=lambda e: loop.call_soon_threadsafe(self._fail, e),
             log=self.log,
         )
         self.executor.start()
+        await asyncio.wait([built, self._failed], return_when=asyncio.FIRST_COMPLETED)
+        if self._failed.done():
+            self._failed.result()   # the build failed: raise it, the worker exits
+        self.runner = built.result()
         await self.link.to_peer("launcher", Ready(self.name, os.getpid()))
         code = await serve([self._control_loop(), self._broker_loop(), self._compute_watch()], self.log)
         self.executor.stop()

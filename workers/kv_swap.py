@@ -24,6 +24,7 @@ import torch
 
 from orca_mq.protocol.iteration import IterationPlan
 from orca_mq.engine.kv_cache import KVCache
+from orca_mq.engine.threads import use_threads
 
 
 @dataclass(slots=True)
@@ -79,6 +80,7 @@ class KVSwapper:
         self._items.put(None)
 
     def _run(self) -> None:
+        use_threads(1)   # copies are memory-bound: no second OpenMP team beside the compute thread's
         item = 0
         try:
             while (plan := self._items.get()) is not None:

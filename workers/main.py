@@ -12,6 +12,7 @@ from orca_mq.config import Config
 from orca_mq.logs import setup_logging
 from orca_mq.sched import policy_class
 from orca_mq.engine.model_runner import ModelRunner, resolve_device
+from orca_mq.engine.threads import use_threads
 from orca_mq.server.nodes import connect_store, placement, uses_store, worker_name
 from workers.controller import Controller
 from workers.data_plane import DataPlane
@@ -29,7 +30,7 @@ def main(argv: list[str] | None = None) -> None:
     n, tp = cfg.engine.n_workers, cfg.engine.tp_size
     name = worker_name(args.stage, args.tp_rank)
     log = setup_logging(name, cfg.log, stage=args.stage)
-    torch.set_num_threads(cfg.engine.threads_per_worker)
+    use_threads(1)   # this thread sets up and runs the event loop; the compute thread builds and runs the model
     store = connect_store(cfg) if uses_store(cfg) else None
     device = resolve_device(cfg.engine.device)
     if device.type == "cuda":  # one GPU per worker of this node, in placement order (unverified here: CPU only)
@@ -39,13 +40,17 @@ def main(argv: list[str] | None = None) -> None:
     # the data plane first: the stage's TP group must exist before the runner shards its weights
     # the timeout also bounds every recv and all-reduce: an iteration's peers are never that far apart
     data_plane = DataPlane(args.stage, n, device, store, args.tp_rank, tp, timeout=max(600.0, cfg.server.ready_timeout))
-    runner = ModelRunner(cfg, stage=args.stage, n_stages=n, tp=data_plane.tp)
-    if policy_class(cfg.scheduler.policy).swaps_kv:  # copy the plans' KV offloads/uploads on their own thread
-        runner.swapper = KVSwapper(runner.kv, runner.host_blocks)
-    log.info("stage loaded", n_stages=n, tp_rank=args.tp_rank, tp_size=tp, threads=torch.get_num_threads(),
-             device=str(runner.device))
+
+    def build() -> ModelRunner:   # on the compute thread
+        runner = ModelRunner(cfg, stage=args.stage, n_stages=n, tp=data_plane.tp)
+        if policy_class(cfg.scheduler.policy).swaps_kv:  # copy the plans' KV offloads/uploads on their own thread
+            runner.swapper = KVSwapper(runner.kv, runner.host_blocks)
+        log.info("stage loaded", n_stages=n, tp_rank=args.tp_rank, tp_size=tp, threads=torch.get_num_threads(),
+                 device=str(runner.device))
+        return runner
+
     controller = Controller(cfg, name, args.stage, args.tp_rank, args.run_dir, log, store)
-    code = uvloop.run(controller.run(runner, data_plane))
+    code = uvloop.run(controller.run(build, data_plane))
     log.info("worker stopped", exit_code=code)
     # the compute thread may sit in a blocking data-plane recv: leave without joining it
     os._exit(code)

@@ -1,4 +1,6 @@
-"""The compute thread of a worker: runs its stage of every iteration, in control-frame order.
+"""The compute thread of a worker: builds the stage's model runner, then runs its stage of every
+iteration, in control-frame order. Built here, not on the main thread, so the process has one
+OpenMP team (orca_mq/engine/threads.py).
 
 The controller hands plans over through a queue and never waits for them; this thread
 receives the previous stage's hidden states, runs its layers, and either sends the hidden
@@ -32,9 +34,11 @@ ErrorCallback = Callable[[BaseException], None]
 
 
 class StageExecutor:
-    def __init__(self, runner: ModelRunner, data_plane: DataPlane, on_result: ResultCallback, on_error: ErrorCallback,
-                 log: Any) -> None:
-        self.runner = runner
+    def __init__(self, build: Callable[[], ModelRunner], data_plane: DataPlane, on_ready: Callable[[ModelRunner], None],
+                 on_result: ResultCallback, on_error: ErrorCallback, log: Any) -> None:
+        self.build = build
+        self.runner: ModelRunner | None = None
+        self.on_ready = on_ready
         self.log = log
         self.data_plane = data_plane
         self.stage = data_plane.stage
@@ -62,12 +66,15 @@ class StageExecutor:
 
     def _run(self) -> None:
         try:
+            self.runner = self.build()
+            self.on_ready(self.runner)
             while (item := self._plans.get()) is not None:
                 self._step(*item)
         except BaseException as e:  # the controller turns this into a worker exit
             self.on_error(e)
 
     def _step(self, plan: IterationPlan, t_sent: float) -> None:
+        assert self.runner is not None
         hidden = None
         if self.stage > 0:
             shape = (plan.num_tokens, self.runner.hidden_size)
@@ -92,6 +99,7 @@ class StageExecutor:
             self.iterations += 1
 
     def _execute(self, plan: IterationPlan, hidden: torch.Tensor | None) -> torch.Tensor | IterationResult | None:
+        assert self.runner is not None
         try:
             return self.runner.execute(plan, hidden)
         except Exception:

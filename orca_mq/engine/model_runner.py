@@ -13,6 +13,7 @@ from orca_mq.engine.kv_cache import KVCache
 from orca_mq.engine.model import StageModel
 from orca_mq.engine.parallel import TensorParallel, TPGroup
 from orca_mq.engine.sampler import sample
+from orca_mq.engine.threads import use_threads
 from orca_mq.engine.model_info import ModelInfo, read_model_info
 from orca_mq.engine.weights import load_stage_weights
 
@@ -49,7 +50,7 @@ class ModelRunner:
             log.info("model.dtype auto: %s (%s, native bfloat16 flags: %s)", dtype, self.device.type,
                      ", ".join(native_bf16_flags()) or "none")
         self.dtype = DTYPES[dtype]
-        torch.set_num_threads(cfg.engine.threads_per_worker)
+        use_threads(cfg.engine.threads_per_worker)   # the thread that builds a runner is the one that runs it
         self.info = info or read_model_info(cfg.model.path, cfg.model.cache_dir)
         self.stage, self.n_stages = stage, n_stages
         self.first, self.last = stage == 0, stage == n_stages - 1
