@@ -190,38 +190,43 @@ class Launcher:
         return self._drain()
 
     def _restart(self, dead: list[Child]) -> bool:
-        """Fail what was in flight, restart what `dead` takes down with it; False on a crash loop."""
-        now = time.monotonic()
-        self.restarts.append(now)
-        while self.restarts and now - self.restarts[0] > self.cfg.server.restart_window:
-            self.restarts.popleft()
-        roles = ", ".join(f"{c.role} (exit {c.proc.returncode})" for c in dead)
-        group = next(g for g in ("broker", "engine", "http") if any(c.group == g for c in dead))
-        if len(self.restarts) > self.cfg.server.max_restarts:
-            self.log.error("crash loop: giving up", died=roles, restarts=len(self.restarts),
-                           window_s=self.cfg.server.restart_window)
-            self.say(f"error: crash loop ({len(self.restarts)} restarts in {self.cfg.server.restart_window:g} s; "
-                     f"last: {roles} died); stopping")
+        """Fail what was in flight, restart what `dead` takes down with it, again while a restart fails to
+        start; False on a crash loop."""
+        while True:
+            now = time.monotonic()
+            self.restarts.append(now)
+            while self.restarts and now - self.restarts[0] > self.cfg.server.restart_window:
+                self.restarts.popleft()
+            roles = ", ".join(f"{c.role} (exit {c.proc.returncode})" for c in dead)
+            group = next(g for g in ("broker", "engine", "http") if any(c.group == g for c in dead))
+            if len(self.restarts) > self.cfg.server.max_restarts:
+                self.log.error("crash loop: giving up", died=roles, restarts=len(self.restarts),
+                               window_s=self.cfg.server.restart_window)
+                self.say(f"error: crash loop ({len(self.restarts)} restarts in {self.cfg.server.restart_window:g} s; "
+                         f"last: {roles} died); stopping")
+                if group == "engine":
+                    self._fail_in_flight(roles)
+                return False
+            self.n_restarts += 1
+            self.log.error("a process died; restarting", died=roles, group=group, restarts=self.n_restarts)
+            self.say(f"{roles} died: restarting {_WHAT[group]}")
             if group == "engine":
                 self._fail_in_flight(roles)
-            return False
-        self.n_restarts += 1
-        self.log.error("a process died; restarting", died=roles, group=group, restarts=self.n_restarts)
-        self.say(f"{roles} died: restarting {_WHAT[group]}")
-        if group == "engine":
-            self._fail_in_flight(roles)
-        gone = [c for c in self.children if group == "broker" or c.group == group]
-        stop_children(gone, self.cfg.server.stop_grace)
-        self.children = [c for c in self.children if c not in gone]
-        try:
-            self._start(group)
-        except StartupError as e:
-            self.say(f"restart failed: {e}")
-            return self._restart(self._dead() or gone[:1]) if not self.signals else True
-        assert self.link is not None
-        self.link.to_broker(Resume(self.n_restarts))  # also how the broker counts restarts for the metrics
-        self.say(f"serving again (restart {self.n_restarts})")
-        return True
+            gone = [c for c in self.children if group == "broker" or c.group == group]
+            stop_children(gone, self.cfg.server.stop_grace)
+            self.children = [c for c in self.children if c not in gone]
+            try:
+                self._start(group)
+            except StartupError as e:
+                self.say(f"restart failed: {e}")
+                if self.signals:
+                    return True   # stopping anyway: _supervise drains
+                dead = self._dead() or gone[:1]
+                continue
+            assert self.link is not None
+            self.link.to_broker(Resume(self.n_restarts))  # also how the broker counts restarts for the metrics
+            self.say(f"serving again (restart {self.n_restarts})")
+            return True
 
     def _fail_in_flight(self, reason: str) -> None:
         """The broker answers every in-flight request with an error and new ones `unavailable`."""
