@@ -21,7 +21,7 @@ LogLevel = Literal["debug", "info", "warning", "error"]
 @dataclass(slots=True)
 class ModelConfig:
     path: str = ""
-    dtype: DType = "float32"
+    dtype: DType = "auto"
     max_model_len: int = 2048
     cache_dir: str = "~/.cache/orca_mq"
 

@@ -57,4 +57,4 @@ def hf_reference():
 def embedded_llm():
     from orca_mq import LLM
 
-    return LLM(max_bs=3, n_slots=4096)
+    return LLM(max_bs=3, n_slots=4096, dtype="float32")   # exact: judged in fp32

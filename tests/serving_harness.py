@@ -74,6 +74,7 @@ def start_server(tmp: Path, n_workers: int = 1, ready_timeout: float = 240.0, **
         "engine.threads_per_worker": max(1, 2 // n_workers),
         "log.dir": str(tmp / "logs"),
         "server.http_address": "",   # no HTTP process unless a test asks for one (the default port is shared)
+        "model.dtype": "float32",    # exactness is judged in fp32; the default (auto) is bf16 on some CPUs
         **overrides,
     }
     return Server(spawn(sets, tmp / "launcher.stderr", ready_timeout=ready_timeout, cwd=tmp), tmp / "logs")

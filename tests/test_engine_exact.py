@@ -115,7 +115,8 @@ def _serve_logits(model_dir, budget: int, prompts: list[list[int]], max_tokens: 
     from orca_mq.sched.request import Request
 
     cfg = load_config(overrides={"model.path": str(model_dir), "engine.block_size": 8, "engine.n_slots": 2048,
-                                 "engine.threads_per_worker": 1, "scheduler.max_num_batched_tokens": budget})
+                                 "engine.threads_per_worker": 1, "scheduler.max_num_batched_tokens": budget,
+                                 "model.dtype": "float32"})
     runner, logits, mixed = ModelRunner(cfg), {}, 0
     sched = make_scheduler(cfg, runner.info)
     for i, p in enumerate(prompts):

@@ -16,7 +16,8 @@ CHILD = textwrap.dedent("""
 
     def logits(backend):
         cfg = load_config(overrides={"model.path": sys.argv[1], "engine.block_size": 4, "engine.n_slots": 256,
-                                     "engine.attention_backend": backend, "engine.threads_per_worker": 1})
+                                     "engine.attention_backend": backend, "engine.threads_per_worker": 1,
+                                     "model.dtype": "float32"})
         runner = ModelRunner(cfg)
         bm = BlockManager(runner.kv.num_blocks, runner.block_size)
         random.Random(3).shuffle(bm.free_blocks)

@@ -36,7 +36,7 @@ DEVICE_SLOTS = 8 * 16   # 8 blocks: the jobs started together need about 16
 
 @pytest.fixture(scope="module")
 def fastserve_llm():
-    llm = LLM(scheduler__policy="fastserve", max_bs=2, n_slots=DEVICE_SLOTS, host_slots=64 * 16,
+    llm = LLM(scheduler__policy="fastserve", dtype="float32", max_bs=2, n_slots=DEVICE_SLOTS, host_slots=64 * 16,
               min_free_blocks=2, starve_limit=0.5)
     bm = llm.scheduler.block_manager
     llm.scheduler.use_profile(profile_engine(llm.runner.execute, bm.block_size, bm.num_blocks, max_len=DEVICE_SLOTS,

@@ -53,7 +53,7 @@ def test_request_level_baseline_gives_the_same_greedy_tokens(embedded_llm):
     change when tokens arrive, not which: the same KV, position by position."""
     from orca_mq import LLM
 
-    baseline = LLM(policy="request", max_bs=3, n_slots=4096)
+    baseline = LLM(policy="request", max_bs=3, n_slots=4096, dtype="float32")
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in MAX_TOKENS]
     outs = baseline.generate(PROMPTS, params)
     assert len({len(o.prompt_token_ids) for o in outs[:3]}) == 3   # the first batch's prompts differ in length

@@ -48,7 +48,7 @@ def two_nodes(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("two_nodes")
     shared = {"server.worker_base_port": free_port(), "server.backend_address": f"tcp://127.0.0.1:{free_port()}",
               "server.nnodes": 2, "server.node_timeout": 3.0, "engine.tp_size": 2,
-              "engine.threads_per_worker": 1, "engine.n_slots": 4096}
+              "engine.threads_per_worker": 1, "engine.n_slots": 4096, "model.dtype": "float32"}
     # node 1 first: it waits for node 0's rendezvous, as a host started early would
     node1 = _launch({**shared, "server.node_rank": 1, "log.dir": str(tmp / "node1_logs")}, tmp / "node1.stderr")
     try:

@@ -30,7 +30,7 @@ SERVER = {"scheduler.max_bs": 4, "engine.n_slots": 4096}
 
 @pytest.fixture(scope="module")
 def reference():
-    llm = LLM(max_bs=4, n_slots=4096)
+    llm = LLM(max_bs=4, n_slots=4096, dtype="float32")
     greedy = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in MAX_TOKENS]
     outs = llm.generate(PROMPTS, greedy)
     chat = llm.chat([{"role": "user", "content": CHAT}], SamplingParams(max_tokens=12, temperature=0.0))[0]

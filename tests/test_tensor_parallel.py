@@ -19,7 +19,8 @@ from workers.local_grid import Step, run_grid
 
 def _cfg(model: str, block_size: int = 8, n_slots: int = 2048) -> Config:
     return load_config(overrides={"model.path": model, "engine.block_size": block_size, "engine.n_slots": n_slots,
-                                  "engine.threads_per_worker": 1, "engine.attention_backend": "torch"})
+                                  "engine.threads_per_worker": 1, "engine.attention_backend": "torch",
+                                  "model.dtype": "float32"})
 
 
 def _mixed_plans(vocab: int, num_blocks: int, block_size: int, seed: int) -> tuple[list[IterationPlan], list[str]]:
@@ -102,7 +103,7 @@ def test_tp2_greedy_matches_transformers_on_embedded_model(hf_reference):
     tok = load_tokenizer()
     prompts = [tok.encode(p) for p in ("The capital of France is", "def fibonacci(n):", "1, 2, 3, 4,")]
     steps = 12
-    got = run_grid(1, 2, load_config(overrides={"engine.threads_per_worker": 1}), _greedy_job, (prompts, steps))
+    got = run_grid(1, 2, load_config(overrides={"engine.threads_per_worker": 1, "model.dtype": "float32"}), _greedy_job, (prompts, steps))
     for ids, ours in zip(prompts, got):
         ref = hf_reference.generate(torch.tensor([ids]), max_new_tokens=steps, min_new_tokens=steps, do_sample=False)
         assert ours == ref[0, len(ids):].tolist()
