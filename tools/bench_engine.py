@@ -8,6 +8,7 @@ transformers, round by round; their weight memory is reported too.
 
     python tools/bench_engine.py --out results/bench_engine.json
     python tools/bench_engine.py --variant bf16:model.dtype=bfloat16 --variant torch:engine.attention_backend=torch
+    python tools/bench_engine.py --no-transformers --cases "decode b=32,decode b=64,mixed 1x128" --profile
 """
 from __future__ import annotations
 
@@ -105,6 +106,20 @@ def ours_step(runner: ModelRunner, reqs: list[tuple[int, int]]):
     return lambda: runner.forward(plan)
 
 
+def op_profile(runner: ModelRunner, reqs: list[tuple[int, int]], iterations: int = 5, top: int = 8) -> list[dict]:
+    """The torch ops with the most self CPU time in one iteration (ms). What the profiler does not see:
+    the C++ decode kernel (an extension function, not a dispatcher op) and Python."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step = ours_step(runner, reqs)
+    step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(iterations):
+            step()
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+    return [{"op": e.key, "ms": e.self_cpu_time_total / 1e3 / iterations} for e in events]
+
+
 def transformers_step(model, reqs: list[tuple[int, int]]):
     """transformers' forward on the same shapes: a uniform batch (decode with a DynamicCache cropped back
     after every step, or a prefill); mixed batches have no transformers equivalent without padding."""
@@ -140,6 +155,7 @@ def main() -> None:
                     help="interleave the selected cases themselves (base engine only), to compare cases on a noisy machine")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME:key=value,...",
                     help="an engine config beside the base one (--set applies to both), timed interleaved")
+    ap.add_argument("--profile", action="store_true", help="also print each case's top torch ops (base engine)")
     args = ap.parse_args()
     cfg = load_config(args.config, ["engine.n_slots=32768", *args.set])
     cfg.engine.n_workers = 1
@@ -190,6 +206,13 @@ def main() -> None:
         hf = f"{r['transformers_tok_s']:9.0f} {r['speedup_vs_transformers']:6.2f}" if r["transformers_tok_s"] else f"{'-':>9} {'-':>6}"
         print(f"{r['engine']:8} {r['case']:36} {r['ms']:8.1f} {r['tok_s']:8.0f} {r['gflop_s']:8.1f} "
               f"{100 * r['frac_of_ceiling']:5.0f}% {hf}")
+    profiles = {name: op_profile(runners["ours"], reqs) for name, reqs in chosen} if args.profile else {}
+    for r in rows:   # shares of the timed (unprofiled) median iteration
+        if r["engine"] == "ours" and r["case"] in profiles:
+            ops = profiles[r["case"]]
+            print(f"profile, {r['case']} ({r['ms']:.1f} ms): " + ", ".join(
+                f"{o['op'].removeprefix('aten::')} {o['ms']:.1f} ms ({100 * o['ms'] / r['ms']:.0f}%)" for o in ops)
+                + f"; not seen by the profiler (C++ decode kernel, Python): {r['ms'] - sum(o['ms'] for o in ops):.1f} ms")
     ceiling = max(ceiling, matmul_ceiling(args.repeat))  # best of start and end: the ceiling is what the machine can do
     print(f"matmul ceiling, best of start and end: {ceiling:.1f} GFLOP/s")
     for r in rows:
@@ -198,7 +221,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"config": cfg.to_dict(), "variants": args.variant, "engines": memory,
                                "matmul_ceiling_gflop_s": ceiling, "threads": torch.get_num_threads(),
-                               "rows": rows}, indent=2))
+                               "rows": rows, "profiles": profiles}, indent=2))
     print(f"wrote {out}")
 
 
