@@ -4,8 +4,8 @@ computes sets its own (`use_threads`), and a process computes on one thread.
 Why one: libgomp keeps a team of worker threads per thread that opened a parallel region, and once
 it manages more threads than there are CPUs it throttles their spin-wait, so every parallel region
 then waits on futex wake-ups. A worker that built its model on the main thread and ran it on a
-compute thread had two teams on two cores: its decode iterations took 1.2-1.3x as long and used
-1.5 of its 2 cores (BENCHMARKS.md, issue 16).
+compute thread had two teams on two cores: a decode iteration took 1.13x as long on 1.5 of its 2
+cores (tools/bench_threads.py), and a 64-request burst 1.3-1.5x as long (BENCHMARKS.md, issue 16).
 """
 from __future__ import annotations
 
