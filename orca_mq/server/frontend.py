@@ -18,8 +18,6 @@ import os
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any
 
 import zmq.asyncio
 
@@ -36,6 +34,7 @@ from orca_mq.sampling_params import InvalidRequest, SamplingParams
 from orca_mq.tokenizer import load_tokenizer
 from orca_mq.validation import validate_request
 from orca_mq.engine.model_info import read_model_info
+from orca_mq.server.active_request import ActiveRequest
 from orca_mq.server.prompts import Prompts
 from orca_mq.server.process import process_main
 from orca_mq.server.zmq_queue import CLIENT, BrokerLink, Envelope, serve
@@ -51,15 +50,6 @@ class _Unavailable(InvalidRequest):
     """Refused because of the server's state, not the request's content."""
 
 
-@dataclass(slots=True)
-class _Active:
-    client: bytes
-    detok: IncrementalDetokenizer
-    prompt_tokens: int
-    arrival: float
-    first_token: float | None = None
-    token_ids: list[int] = field(default_factory=list)
-
 
 class Frontend:
     def __init__(self, cfg: Config) -> None:
@@ -73,7 +63,7 @@ class Frontend:
         self.admissions: set[asyncio.Task[None]] = set()
         self.ctx = zmq.asyncio.Context()
         self.link = BrokerLink(self.ctx, cfg.server.backend_address, "frontend")
-        self.active: dict[str, _Active] = {}
+        self.active: dict[str, ActiveRequest] = {}
         self.by_client: dict[bytes, set[str]] = {}
         self.stats_waiting: dict[str, tuple[bytes, str]] = {}  # our query id -> (client, its query id)
         self.draining = False
@@ -183,7 +173,7 @@ class Frontend:
             raise _Unavailable("server is shutting down; not accepting new requests")
         params = SamplingParams.from_dict(msg.sampling)
         validate_request(prompt_ids, params, self.info, self.cfg)
-        self.active[rid] = _Active(client, IncrementalDetokenizer(self.tokenizer), len(prompt_ids), time.time())
+        self.active[rid] = ActiveRequest(client, IncrementalDetokenizer(self.tokenizer), len(prompt_ids), time.time())
         self.by_client.setdefault(client, set()).add(rid)
         self.log.info("request admitted", request_id=rid, prompt_tokens=len(prompt_ids), max_tokens=params.max_tokens)
         await self.link.to_peer("scheduler", AddRequest(rid, prompt_ids, params.to_dict()))
@@ -208,27 +198,13 @@ class Frontend:
                 await self.link.to_client(req.client, Output(rid, new, text))
                 continue
             text += req.detok.finish()
-            metrics = {**self._metrics(req, now), **({"scheduler": batch.metrics[rid]} if rid in batch.metrics else {})}
+            metrics = {**req.metrics(now), **({"scheduler": batch.metrics[rid]} if rid in batch.metrics else {})}
             error = INTERNAL_TEXT if reason == "error" else None
             await self.link.to_client(req.client, Output(rid, new, text, True, reason, error, metrics, FINAL_CODES.get(reason)))
             self._forget(rid)
             self.log.info("request finished", request_id=rid, finish_reason=reason,
                           completion_tokens=len(req.token_ids), iteration=batch.iteration)
         await self._maybe_drained()
-
-    def _metrics(self, req: _Active, now: float) -> dict[str, Any]:
-        n = len(req.token_ids)
-        first = req.first_token
-        return {
-            "prompt_tokens": req.prompt_tokens,
-            "completion_tokens": n,
-            "arrival_time": req.arrival,
-            "first_token_time": first,
-            "finish_time": now,
-            "ttft": None if first is None else first - req.arrival,
-            "tpot": (now - first) / (n - 1) if first is not None and n > 1 else None,
-            "e2e_latency": now - req.arrival,
-        }
 
     async def _client_gone(self, client: bytes) -> None:
         rids = self.by_client.get(client, set()).copy()

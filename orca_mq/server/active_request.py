@@ -1,0 +1,32 @@
+"""The frontend's state of one admitted request: whose it is, its detokenizer, its tokens so far and
+the timestamps its final message reports."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from orca_mq.detokenizer import IncrementalDetokenizer
+
+
+@dataclass(slots=True)
+class ActiveRequest:
+    client: bytes
+    detok: IncrementalDetokenizer
+    prompt_tokens: int
+    arrival: float
+    first_token: float | None = None
+    token_ids: list[int] = field(default_factory=list)
+
+    def metrics(self, now: float) -> dict[str, Any]:
+        """The final message's metrics, as it finishes at `now`."""
+        n, first = len(self.token_ids), self.first_token
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": n,
+            "arrival_time": self.arrival,
+            "first_token_time": first,
+            "finish_time": now,
+            "ttft": None if first is None else first - self.arrival,
+            "tpot": (now - first) / (n - 1) if first is not None and n > 1 else None,
+            "e2e_latency": now - self.arrival,
+        }
