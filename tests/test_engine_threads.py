@@ -1,0 +1,58 @@
+"""Each thread that computes owns its intra-op thread count (orca_mq/engine/threads.py), and a worker's
+stage executor builds its runner on the thread that runs it."""
+from __future__ import annotations
+
+import threading
+
+import structlog
+import torch
+
+from orca_mq.config import load_config
+from orca_mq.engine.model_runner import ModelRunner
+from orca_mq.engine.threads import use_threads
+from workers.data_plane import DataPlane
+from workers.stage_executor import StageExecutor
+
+
+def test_a_later_set_num_threads_elsewhere_does_not_reset_a_thread():
+    """torch's lazy per-thread init would otherwise reset the first thread to the count the second set."""
+    first_set, second_set, seen = threading.Event(), threading.Event(), []
+
+    def first() -> None:
+        use_threads(2)
+        first_set.set()
+        second_set.wait(30)
+        torch.ones(1 << 16).sum()   # a parallel op: torch's lazy init would run here
+        seen.append(torch.get_num_threads())
+
+    def second() -> None:
+        first_set.wait(30)
+        use_threads(1)
+        second_set.set()
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert seen == [2]
+
+
+def test_the_stage_executor_builds_its_runner_on_its_compute_thread(tiny_llama_dir):
+    cfg = load_config(overrides={"model.path": str(tiny_llama_dir), "engine.n_slots": 64, "engine.threads_per_worker": 2})
+    built, ready = [], threading.Event()
+
+    def build() -> ModelRunner:
+        built.append(threading.current_thread().name)
+        return ModelRunner(cfg)
+
+    def on_ready(runner: ModelRunner) -> None:
+        built.append(torch.get_num_threads())   # on the compute thread, after the build
+        ready.set()
+
+    executor = StageExecutor(build, DataPlane(0, 1, 0, torch.device("cpu")), on_ready=on_ready,
+                             on_result=lambda *a: None, on_error=lambda e: ready.set(), log=structlog.get_logger())
+    executor.start()
+    assert ready.wait(60)
+    executor.stop()
+    assert built == ["compute-0", 2] and executor.runner is not None
