@@ -50,7 +50,6 @@ class _Unavailable(InvalidRequest):
     """Refused because of the server's state, not the request's content."""
 
 
-
 class Frontend:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
