@@ -144,11 +144,6 @@ class ReactiveKV(DeferKV):
                 if r.request_id not in taken and self.device.table(r.request_id)]
         return [order[i] for _, i in sorted(idle, reverse=True)]
 
-    def reserve(self, req: Request, blocks: int) -> None:
-        """The job starts: its maximum KV counts against `capacity` until it leaves."""
-        req.reserved_blocks = blocks
-        self.n_reserved += blocks
-
     def make_room(self, need: int, order: list[Request], taken: set[str], enst: dict[str, float]) -> bool:
         """Offload victims until `need` device blocks are free; none if that cannot be reached."""
         chosen, free, host_free = [], self.free, self.host.num_free_blocks
