@@ -28,7 +28,7 @@ MODES = ("compute-thread", "main-thread")
 
 def child(mode: str, batch: int, repeat: int, sets: list[str]) -> dict[str, float]:
     """One process: build a runner on `mode`'s thread, then time decode iterations on a compute thread."""
-    from bench_engine import plan_for
+    from bench_engine import median_time, plan_for
     from orca_mq.config import load_config
     from orca_mq.engine.model_runner import ModelRunner
     from orca_mq.engine.threads import use_threads
@@ -43,12 +43,8 @@ def child(mode: str, batch: int, repeat: int, sets: list[str]) -> dict[str, floa
         use_threads(cfg.engine.threads_per_worker)
         plan = plan_for([(1, 255)] * batch, runner.block_size)
         runner.forward(plan)
-        times, t0, c0 = [], time.perf_counter(), sum(os.times()[:2])
-        for _ in range(repeat):
-            t = time.perf_counter()
-            runner.forward(plan)
-            times.append(time.perf_counter() - t)
-        out["ms"] = statistics.median(times) * 1e3
+        t0, c0 = time.perf_counter(), sum(os.times()[:2])
+        out["ms"] = median_time(lambda: runner.forward(plan), repeat) * 1e3
         out["cores"] = (sum(os.times()[:2]) - c0) / (time.perf_counter() - t0)
 
     if mode == "main-thread":
