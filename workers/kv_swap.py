@@ -46,8 +46,10 @@ class KVSwapper:
         self._landed = 0        # items wholly landed
         self._events: dict[tuple[int, bool], torch.cuda.Event] = {}
         self._error: BaseException | None = None
+        self._threads_set = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kv-swap", daemon=True)
         self._thread.start()
+        self._threads_set.wait()   # its use_threads(1) is done: the compute thread may now set its own last
 
     def submit(self, plan: IterationPlan) -> None:
         """Queue the plan's copies (idempotent). A plan without copies only waits for earlier ones."""
@@ -81,6 +83,7 @@ class KVSwapper:
 
     def _run(self) -> None:
         use_threads(1)   # copies are memory-bound: no second OpenMP team beside the compute thread's
+        self._threads_set.set()
         item = 0
         try:
             while (plan := self._items.get()) is not None:

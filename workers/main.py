@@ -45,6 +45,7 @@ def main(argv: list[str] | None = None) -> None:
         runner = ModelRunner(cfg, stage=args.stage, n_stages=n, tp=data_plane.tp)
         if policy_class(cfg.scheduler.policy).swaps_kv:  # copy the plans' KV offloads/uploads on their own thread
             runner.swapper = KVSwapper(runner.kv, runner.host_blocks)
+        use_threads(cfg.engine.threads_per_worker)   # the process's last set_num_threads (threads.py)
         log.info("stage loaded", n_stages=n, tp_rank=args.tp_rank, tp_size=tp, threads=torch.get_num_threads(),
                  device=str(runner.device))
         return runner

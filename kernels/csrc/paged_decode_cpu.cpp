@@ -5,7 +5,6 @@
 // The KV cache is float32 or bfloat16 (half the bytes to stream); queries, scores and accumulators
 // are float32 either way.
 #include <torch/extension.h>
-#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
@@ -37,9 +36,15 @@ void decode(const float* q, const kv_t* k_cache, const kv_t* v_cache, const inde
   const int64_t block_floats = block_size * row;
   // one task = one request: it streams each of its blocks once (a contiguous read the prefetcher
   // follows) and runs every head over the block while it sits in L1
-  at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+  // a plain OpenMP region on the calling thread's team, not at::parallel_for: that would run this
+  // extension's own copy of ATen's lazy per-thread init, which adopts the thread count any thread
+  // set last (a FastServe worker's copy thread sets 1), and the compute thread ran single-threaded.
+  // Requests differ in length: hand them out one at a time.
+#pragma omp parallel if (batch > 1)
+  {
     std::vector<float> acc(n_heads * d), m(n_heads), l(n_heads), s(block_size);
-    for (int64_t b = begin; b < end; ++b) {
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t b = 0; b < batch; ++b) {
       const int64_t len = lens[b];
       const index_t* table = tables + b * max_blocks;
       const float* qb = q + b * n_heads * d;
@@ -98,7 +103,7 @@ void decode(const float* q, const kv_t* k_cache, const kv_t* v_cache, const inde
         for (int64_t i = 0; i < d; ++i) ob[hq * d + i] = acc[hq * d + i] * inv;
       }
     }
-  });
+  }
 }
 
 template <typename kv_t, typename index_t>
