@@ -47,6 +47,52 @@ def test_seed_gives_same_token_regardless_of_batch_row():
     assert batched[1] == alone[0] and batched[2] == logits[2].argmax().item()
 
 
+def test_sampled_tokens_follow_the_distribution():
+    """Inverse-CDF draws over many seeds: each token's frequency is its probability, top-p and a
+    temperature included (a wrong CDF or an off-by-one in the search would fail this)."""
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 0.5, -3.0]])
+    n = 20_000
+    for params, probs in (({"temperature": 1.0}, logits[0].softmax(-1)),
+                          ({"temperature": 0.5}, (logits[0] / 0.5).softmax(-1))):
+        counts = torch.zeros(6)
+        for i in range(n):
+            counts[sample(logits, [seq(seed=i, **params)])[0]] += 1
+        assert (counts / n - probs).abs().max() < 0.015, (counts / n, probs)
+    kept = logits[0].softmax(-1)
+    kept = torch.where(torch.tensor([True, True, True, False, True, False]), kept, 0)   # top_p 0.9: .56+.21+.13 < .9 keeps .08
+    counts = torch.zeros(6)
+    for i in range(n):
+        counts[sample(logits, [seq(temperature=1.0, top_p=0.9, seed=i)])[0]] += 1
+    assert (counts / n - kept / kept.sum()).abs().max() < 0.015
+
+
+def bitmask(vocab: int, allowed: list[int]) -> bytes:
+    words = [0] * -(-vocab // 32)
+    for t in allowed:
+        words[t // 32] |= 1 << (t % 32)
+    return b"".join(w.to_bytes(4, "little") for w in words)
+
+
+def test_a_row_mask_restricts_its_row_only():
+    logits = torch.randn(3, 100)
+    allowed = [3, 40, 97]
+    masked = seq(temperature=0.0, allowed_token_bitmask=bitmask(100, allowed))
+    tokens = sample(logits, [masked, seq(temperature=0.0), masked])
+    assert tokens[0] == allowed[int(logits[0, allowed].argmax())] and tokens[1] == logits[1].argmax().item()
+    assert tokens[2] == allowed[int(logits[2, allowed].argmax())]
+    for i in range(100):   # sampled rows too, at a high temperature
+        assert sample(logits[:1], [seq(temperature=5.0, seed=i, allowed_token_bitmask=bitmask(100, allowed))])[0] in allowed
+
+
+def test_bad_rows_fail_alone():
+    logits = torch.randn(4, 64)
+    logits[1, 5] = float("nan")
+    seqs = [seq(temperature=0.0), seq(temperature=0.0), seq(temperature=1.0, seed=1, allowed_token_bitmask=bitmask(64, [])),
+            seq(temperature=0.0, allowed_token_bitmask=b"\x01")]   # NaN logits, nothing allowed, a malformed mask
+    tokens, failed = sampler.sample(logits, seqs)
+    assert failed == [1, 2, 3] and tokens[0] == logits[0].argmax().item()
+
+
 def test_block_manager_allocates_grows_and_frees():
     bm = BlockManager(num_blocks=4, block_size=4)
     assert bm.ensure("a", 5) == [0, 1] and bm.ensure("a", 8) == [0, 1] and bm.ensure("a", 9) == [0, 1, 2]

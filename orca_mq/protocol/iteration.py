@@ -20,6 +20,7 @@ class SeqWork:
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
+    allowed_token_bitmask: bytes | None = None  # structured outputs: the grammar's allowed tokens (engine/sampler.py)
 
     @property
     def seq_len(self) -> int:
