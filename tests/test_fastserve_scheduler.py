@@ -12,11 +12,12 @@ from collections import deque
 
 import pytest
 
-from orca_mq.sched.block_manager import BlockManager
+from orca_mq.kv.block_manager import BlockManager
+from orca_mq.kv.pool import PoolSize
 from orca_mq.config import Config
 from orca_mq.sched.fastserve import FastServeScheduler
 from orca_mq.protocol.iteration import IterationPlan, IterationResult
-from orca_mq.sched.kv_policy import ProactiveKV, ReactiveKV
+from orca_mq.kv.policy import ProactiveKV, ReactiveKV
 from orca_mq.sched.mlfq import SkipJoinMLFQ
 from orca_mq.sched.profiler import IterationProfile, profile_engine
 from orca_mq.sampling_params import SamplingParams
@@ -77,7 +78,7 @@ def run(sched: FastServeScheduler, arrivals: list[Request], check=None) -> list[
         while pending and pending[0].arrival <= now:
             sched.add(pending.popleft())
         while (plan := sched.schedule(now)) is not None:
-            assert not any(sched.kv.on_host(s.request_id) for s in plan.seqs), "a job ran with its KV on the host"
+            assert not any(sched.block_manager.on_host(s.request_id) for s in plan.seqs), "a job ran with its KV on the host"
             if check:
                 check(sched, plan)
             plans.append(plan)
@@ -107,7 +108,7 @@ def assert_exact_tables(sched: FastServeScheduler, plan: IterationPlan) -> None:
     or the host, just those its written KV fills: no block is taken, or offloaded, unwritten."""
     bm = sched.block_manager
     assert all(len(q.block_table) == bm.blocks_for(q.seq_len) for q in plan.seqs)
-    for tables in (bm.tables, sched.host_block_manager.tables):
+    for tables in (bm.device.tables, bm.host.tables):
         for rid, table in tables.items():
             if not sched.pool[rid].running:   # not in this plan nor in flight
                 assert len(table) == bm.blocks_for(sched.pool[rid].next_tokens(None)[1]), rid
@@ -116,7 +117,8 @@ def assert_exact_tables(sched: FastServeScheduler, plan: IterationPlan) -> None:
 def assert_clean(sched: FastServeScheduler) -> None:
     stats = sched.stats()
     assert stats["free_slots"] == stats["n_slots"] and stats["host_free_slots"] == stats["host_slots"]
-    assert not sched.block_manager.tables and not sched.host_block_manager.tables and sched.kv.n_reserved == 0
+    bm = sched.block_manager
+    assert not bm.device.tables and not bm.host.tables and bm.n_rsrv == 0
 
 
 # ---------------------------------------------------------------- MLFQ
@@ -212,42 +214,42 @@ def _resident(bm: BlockManager, *jobs: tuple[str, int]) -> list[Request]:
 
 
 def test_offload_picks_the_largest_enst_and_upload_the_smallest():
-    device, host = BlockManager(10, BS), BlockManager(100, BS)
-    kv = ReactiveKV(device, host, max_bs=4)
-    x, y, z = _resident(device, ("x", 10), ("y", 10), ("z", 10))   # 3 blocks each, 1 free
+    bm = BlockManager(PoolSize(BS, 10, 100))
+    kv = ReactiveKV(bm, max_bs=4)
+    x, y, z = _resident(bm, ("x", 10), ("y", 10), ("z", 10))   # 3 blocks each, 1 free
     for r in (x, y, z):
-        kv.reserve(r, 4)
-    new, y_blocks = req("n", 8, 4), device.table("y")
+        bm.reserve(r, 4)
+    new, y_blocks = req("n", 8, 4), bm.table("y")
     batch = kv.select([new, x, y, z], {"n": 0.0, "x": 5.0, "y": 9.0, "z": 1.0}, reserve=0)
-    assert new in batch and kv.on_host("y") and not kv.on_host("x") and not kv.on_host("z")
+    assert new in batch and bm.on_host("y") and not bm.on_host("x") and not bm.on_host("z")
     swap_out, swap_in = kv.take_swaps()
-    assert swap_out == list(zip(y_blocks, host.table("y"))) and not swap_in
+    assert swap_out == list(zip(y_blocks, bm.host.tables["y"])) and not swap_in
 
-    device, host = BlockManager(10, BS), BlockManager(100, BS)
-    kv = ProactiveKV(device, host, max_bs=1)
-    a, b, c = _resident(device, ("a", 10), ("b", 10), ("c", 10))
+    bm = BlockManager(PoolSize(BS, 10, 100))
+    kv = ProactiveKV(bm, max_bs=1)
+    a, b, c = _resident(bm, ("a", 10), ("b", 10), ("c", 10))
     for r in (a, b, c):
-        kv.reserve(r, 4)
+        bm.reserve(r, 4)
     for r in (b, c):
         kv.offload(r)
     kv.take_swaps()
     batch = kv.select([a, b, c], {"a": 0.0, "b": 3.0, "c": 1.0}, reserve=2)
     assert batch == [a]
-    assert kv.on_host("b") and not kv.on_host("c")  # c (smaller ENST) uploaded ahead; room for one only
+    assert bm.on_host("b") and not bm.on_host("c")  # c (smaller ENST) uploaded ahead; room for one only
     swap_out, swap_in = kv.take_swaps()
-    assert not swap_out and {d for _, d in swap_in} == set(device.table("c"))
+    assert not swap_out and {d for _, d in swap_in} == set(bm.table("c"))
 
 
 def test_proactive_keeps_free_blocks_for_arrivals_reactive_does_not():
     for cls, offloaded in ((ProactiveKV, True), (ReactiveKV, False)):
-        device, host = BlockManager(10, BS), BlockManager(100, BS)
-        kv = cls(device, host, max_bs=1)
-        a, b, c = _resident(device, ("a", 10), ("b", 10), ("c", 10))
+        bm = BlockManager(PoolSize(BS, 10, 100))
+        kv = cls(bm, max_bs=1)
+        a, b, c = _resident(bm, ("a", 10), ("b", 10), ("c", 10))
         for r in (a, b, c):
-            kv.reserve(r, 4)
+            bm.reserve(r, 4)
         assert kv.select([a, b, c], {"a": 0.0, "b": 2.0, "c": 1.0}, reserve=3) == [a]
-        assert kv.on_host("b") is offloaded and not kv.on_host("c")
-        assert (device.num_free_blocks >= 3) is offloaded
+        assert bm.on_host("b") is offloaded and not bm.on_host("c")
+        assert (bm.num_free_blocks >= 3) is offloaded
 
 
 @pytest.mark.parametrize("policy", ["proactive", "reactive", "defer"])
@@ -257,7 +259,7 @@ def test_bursty_load_keeps_every_kv_and_frees_both_pools(policy: str, n_workers:
     reserved_max = []
 
     def check(s: FastServeScheduler, plan: IterationPlan) -> None:
-        reserved_max.append(s.kv.n_reserved)
+        reserved_max.append(s.block_manager.n_rsrv)
         assert_exact_tables(s, plan)
         if policy == "defer":
             assert not plan.swap_out and not plan.swap_in
@@ -304,11 +306,11 @@ def test_abort_frees_the_host_copy_and_keeps_metrics():
     sched.process_result(engine.execute(sched.schedule(now)), now := now + 0.02)   # a holds 5 of 8 blocks
     sched.add(req("b", 13, 4, arrival=now))                                     # b needs 4: a is offloaded
     plan = sched.schedule(now)
-    assert [s.request_id for s in plan.seqs] == ["b"] and sched.kv.on_host("a") and plan.swap_out
+    assert [s.request_id for s in plan.seqs] == ["b"] and sched.block_manager.on_host("a") and plan.swap_out
     sched.process_result(engine.execute(plan), now + 0.02)
     assert sched.request_metrics("a")["offloads"] == 1                          # live: read off the request
     assert sched.abort("a") is not None and sched.request_metrics("a")["offloads"] == 1
-    assert sched.host_block_manager.num_free_blocks == sched.host_block_manager.num_blocks
+    assert sched.block_manager.num_free_host_blocks == sched.block_manager.num_host_blocks
     with pytest.raises(ValueError):
         sched.add(req("huge", 40, 1))   # more KV than the device pool can ever hold
 

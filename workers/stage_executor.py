@@ -9,7 +9,8 @@ states on (data plane) or, on the last stage, hands the sampled tokens back to t
 An exception in one iteration's compute fails that iteration's requests, not the worker: the
 last stage reports them all failed; an earlier stage sends NaN hidden states on, so every later
 stage stays in step and the last one's sampler reports those rows failed. Only the data plane
-itself (a lost peer) ends the thread.
+itself (a lost peer) and a failed KV copy thread (the stage's KV pools are then unusable) end the
+thread, and with it the worker, which the launcher restarts.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ import torch
 from orca_mq.protocol.iteration import IterationPlan, IterationResult
 from orca_mq.logs import summarize_ms
 from orca_mq.engine.model_runner import ModelRunner
+from orca_mq.kv.swapper import KVSwapFailed
 from workers.data_plane import DataPlane
 
 WINDOW = 10_000
@@ -102,6 +104,8 @@ class StageExecutor:
         assert self.runner is not None
         try:
             return self.runner.execute(plan, hidden)
+        except KVSwapFailed:
+            raise   # no later iteration could compute: the worker exits
         except Exception:
             self.log.exception("iteration failed; its requests end with an error", iteration=plan.iteration,
                                requests=[s.request_id for s in plan.seqs])

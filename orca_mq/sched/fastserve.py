@@ -4,7 +4,7 @@ The policy over the shared Scheduler base (base.py):
 * add: skip-join, a job enters the highest queue whose quantum covers its predicted first
   (initiation) iteration, from the start-up profile (profiler.py).
 * select: starved jobs go to Q1; then the highest-priority jobs, FCFS inside a queue, up to max_bs,
-  each with its KV placed on the device by the KV policy (kv_policy.py).
+  each with its KV placed on the device by the KV policy (orca_mq/kv/policy.py).
 * after_iteration: every job of the iteration is preempted back to its queue and charged the
   predicted time of the iteration it ran; one that used its queue's quantum is demoted.
 * schedule: the plan carries the KV policy's offloads/uploads, which every stage applies first.
@@ -21,9 +21,8 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from orca_mq.engine.dtype import DTYPE_BYTES, resolve_dtype
-from orca_mq.sched.block_manager import BlockManager
 from orca_mq.protocol.iteration import IterationPlan
-from orca_mq.sched.kv_policy import KV_POLICIES
+from orca_mq.kv.policy import KV_POLICIES
 from orca_mq.sched.mlfq import SkipJoinMLFQ
 from orca_mq.sched.profiler import IterationProfile, Profiler, profile_max_len
 from orca_mq.sched.registry import register
@@ -57,8 +56,7 @@ class FastServeScheduler(Scheduler):
             raise ValueError("fastserve.min_free_blocks and fastserve.burst_queues must be >= 0")
         self.fs = fs
         self.profile_max_len = profile_max_len(cfg, info)
-        self.host_block_manager = BlockManager(max(1, eng.host_slots // eng.block_size), eng.block_size)
-        self.kv = KV_POLICIES[fs.kv_policy](self.block_manager, self.host_block_manager, self.max_bs)
+        self.kv = KV_POLICIES[fs.kv_policy](self.block_manager, self.max_bs)
         dtype = resolve_dtype(cfg.model.dtype, eng.device)
         self.block_bytes = 2 * info.n_layers * eng.block_size * info.n_kv_heads * info.head_dim * DTYPE_BYTES[dtype]
         self.finished: OrderedDict[str, dict[str, Any]] = OrderedDict()
@@ -96,7 +94,6 @@ class FastServeScheduler(Scheduler):
         self.log.debug("skip-join", request_id=req.request_id, queue=q + 1, prompt=len(req.prompt_token_ids))
 
     def release(self, req: Request) -> None:
-        self.kv.release(req)
         metrics = self._metrics(req)
         self.finished[req.request_id] = metrics
         while len(self.finished) > KEPT_METRICS:
@@ -172,10 +169,7 @@ class FastServeScheduler(Scheduler):
         return None if req is None else self._metrics(req)
 
     def stats(self) -> dict[str, Any]:
-        host = self.host_block_manager
         queues = [0] * len(self.mlfq.quanta)
         for req in self.pool.values():
             queues[req.job.queue] += 1
-        return {**super().stats(), "host_slots": host.num_blocks * host.block_size, "host_free_slots": host.num_free_slots,
-                "host_used_slots": host.num_used_slots, "queue_lengths": queues,
-                "on_host": len(host.tables), "reserved_slots": self.kv.n_reserved * self.block_manager.block_size}
+        return {**super().stats(), **self.block_manager.host_stats(), "queue_lengths": queues}

@@ -15,9 +15,8 @@ can fill. Three policies (`fastserve.kv_policy`) decide what happens then:
 leaves free, uploaded or not; the scheduler allocates for the chunk the token budget actually
 gives (`Scheduler.fit_budget` may give less), so no block is taken, or offloaded, unwritten.
 
-The decisions become the plan's swap lists (`take_swaps`); every stage copies swap_out first,
-then swap_in, then computes (workers/kv_swap.py). Hence within one plan a device block freed by an
-offload may receive an upload, but a host block read by an upload is only reused by a later plan.
+The policies decide; the block manager (block_manager.py) moves blocks between its tiers and
+collects the plan's copies, which every stage applies before computing (swapper.py).
 
 Nothing is ever lost: the host pool is the backing store. With swapping, a job starts only while
 every started job's maximum KV would fit in the host pool (or all of them in the device pool), so
@@ -26,35 +25,36 @@ get device blocks in one iteration simply waits for a later one.
 """
 from __future__ import annotations
 
-from orca_mq.sched.block_manager import BlockManager
-from orca_mq.sched.request import Request
+from typing import TYPE_CHECKING
+
+from orca_mq.kv.block_manager import BlockManager
+
+if TYPE_CHECKING:
+    from orca_mq.sched.request import Request
 
 
 class DeferKV:
-    def __init__(self, device: BlockManager, host: BlockManager, max_bs: int) -> None:
-        self.device, self.host, self.max_bs = device, host, max_bs
-        self.n_reserved = 0                     # blocks of every started job's maximum KV (req.reserved_blocks)
-        self.swap_out: list[tuple[int, int]] = []
-        self.swap_in: list[tuple[int, int]] = []
-        self._read: list[int] = []              # host blocks this plan's uploads read: free once it is sent
-        self._evicted: set[str] = set()         # jobs this plan offloads: they wait for a later one
+    def __init__(self, bm: BlockManager, max_bs: int) -> None:
+        self.bm, self.max_bs = bm, max_bs
+        self._evicted: set[str] = set()         # jobs the plan being built offloads: they wait for a later one
         self._promised = 0                      # free device blocks the batch being selected may grow into
 
     @property
     def capacity(self) -> int:
-        """Blocks all started jobs may need at most, together."""
-        return self.device.num_blocks
+        """Blocks all started jobs may need at most, together (their reservations)."""
+        return self.bm.num_blocks
 
     @property
     def free(self) -> int:
         """Free device blocks not promised to the batch being selected."""
-        return self.device.num_free_blocks - self._promised
+        return self.bm.num_free_blocks - self._promised
 
-    def select(self, order: list[Request], enst: dict[str, float], reserve: int,
-               max_prompt_tokens: int | None = None) -> list[Request]:
+    def select(self, order: list["Request"], enst: dict[str, float], reserve: int,
+               max_prompt_tokens: int | None = None) -> list["Request"]:
         """The batch: jobs in priority order, up to max_bs, each with its KV on the device for this
         iteration (uploaded by this plan if need be) and room for its new tokens (at most
         `max_prompt_tokens` of a prompt: a chunk of it under a token budget)."""
+        bm = self.bm
         batch: list[Request] = []
         taken: set[str] = set()
         admitting = True
@@ -66,91 +66,69 @@ class DeferKV:
             if rid in self._evicted:
                 continue
             new = not req.reserved_blocks
-            size = self.device.blocks_for(req.max_total_tokens)
-            if new and (not admitting or self.n_reserved + size > self.capacity):
+            size = bm.blocks_for(req.max_total_tokens)
+            if new and (not admitting or bm.n_rsrv + size > self.capacity):
                 admitting = False  # no later job starts before this one: big jobs are not starved by small ones
                 continue
             tokens, start = req.next_tokens(max_prompt_tokens)
-            held = len(self.device.table(rid)) or len(self.host.tables.get(rid, ()))
-            grow = max(0, self.device.blocks_for(start + len(tokens)) - held)
-            need = grow + (held if rid in self.host.tables else 0)   # an upload takes its blocks now
+            held = bm.held(rid)
+            grow = max(0, bm.blocks_for(start + len(tokens)) - held)
+            need = grow + (held if bm.on_host(rid) else 0)   # an upload takes its blocks now
             taken.add(rid)  # from here on, not a victim
             if need > self.free and not self.make_room(need, order, taken, enst):
                 taken.discard(rid)
                 continue
-            if rid in self.host.tables:
+            if bm.on_host(rid):
                 self.upload(req)
             self._promised += grow
             if new:
-                self.reserve(req, size)
+                bm.reserve(req, size)
             batch.append(req)
         if batch:  # swaps ride on a plan: none without one
             self.ahead_of_time(order, taken, enst, reserve)
         return batch
 
-    def reserve(self, req: Request, blocks: int) -> None:
-        """The job starts: its maximum KV counts against `capacity` until it leaves."""
-        req.reserved_blocks = blocks
-        self.n_reserved += blocks
-
-    def make_room(self, need: int, order: list[Request], taken: set[str], enst: dict[str, float]) -> bool:
+    def make_room(self, need: int, order: list["Request"], taken: set[str], enst: dict[str, float]) -> bool:
         return False
 
-    def ahead_of_time(self, order: list[Request], taken: set[str], enst: dict[str, float], reserve: int) -> None:
+    def ahead_of_time(self, order: list["Request"], taken: set[str], enst: dict[str, float], reserve: int) -> None:
         pass
 
     def take_swaps(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-        """The swap lists of the plan being sent; the host blocks it uploads from become free."""
-        out, self.swap_out, self.swap_in = (self.swap_out, self.swap_in), [], []
-        self.host.free_blocks.extend(self._read)
-        self._read, self._evicted = [], set()
-        return out
+        """The swap lists of the plan being sent; offloaded jobs may run again in later plans."""
+        self._evicted = set()
+        return self.bm.take_swaps()
 
-    def offload(self, req: Request) -> None:
-        blocks = self.device.free(req.request_id)
-        host_blocks = self.host.take(len(blocks))
-        self.host.assign(req.request_id, host_blocks)
-        self.swap_out.extend(zip(blocks, host_blocks))
+    def offload(self, req: "Request") -> None:
+        n = self.bm.offload(req.request_id)
         self._evicted.add(req.request_id)
         req.swaps.offloads += 1
-        req.swaps.offload_blocks += len(blocks)
+        req.swaps.offload_blocks += n
 
-    def upload(self, req: Request) -> None:
-        host_blocks = self.host.tables.pop(req.request_id)
-        blocks = self.device.take(len(host_blocks))
-        self.device.assign(req.request_id, blocks)
-        self.swap_in.extend(zip(host_blocks, blocks))
-        self._read.extend(host_blocks)
+    def upload(self, req: "Request") -> None:
+        n = self.bm.upload(req.request_id)
         req.swaps.uploads += 1
-        req.swaps.upload_blocks += len(blocks)
-
-    def release(self, req: Request) -> None:
-        """A job left: its host blocks return to the pool (the scheduler frees its device blocks)."""
-        self.n_reserved -= req.reserved_blocks
-        self.host.free(req.request_id)
-
-    def on_host(self, rid: str) -> bool:
-        return rid in self.host.tables
+        req.swaps.upload_blocks += n
 
 
 class ReactiveKV(DeferKV):
     @property
     def capacity(self) -> int:
-        return max(self.device.num_blocks, self.host.num_blocks)
+        return max(self.bm.num_blocks, self.bm.num_host_blocks)
 
-    def victims(self, order: list[Request], taken: set[str], enst: dict[str, float]) -> list[Request]:
+    def victims(self, order: list["Request"], taken: set[str], enst: dict[str, float]) -> list["Request"]:
         """Idle jobs with KV on the device, not in this batch, largest ENST (then lowest priority) first."""
         idle = [(enst[r.request_id], i) for i, r in enumerate(order)
-                if r.request_id not in taken and self.device.table(r.request_id)]
+                if r.request_id not in taken and self.bm.table(r.request_id)]
         return [order[i] for _, i in sorted(idle, reverse=True)]
 
-    def make_room(self, need: int, order: list[Request], taken: set[str], enst: dict[str, float]) -> bool:
+    def make_room(self, need: int, order: list["Request"], taken: set[str], enst: dict[str, float]) -> bool:
         """Offload victims until `need` device blocks are free; none if that cannot be reached."""
-        chosen, free, host_free = [], self.free, self.host.num_free_blocks
+        chosen, free, host_free = [], self.free, self.bm.num_free_host_blocks
         for victim in self.victims(order, taken, enst):
             if free >= need:
                 break
-            n = len(self.device.table(victim.request_id))
+            n = len(self.bm.table(victim.request_id))
             if n <= host_free:
                 chosen.append(victim)
                 free, host_free = free + n, host_free - n
@@ -162,16 +140,17 @@ class ReactiveKV(DeferKV):
 
 
 class ProactiveKV(ReactiveKV):
-    def ahead_of_time(self, order: list[Request], taken: set[str], enst: dict[str, float], reserve: int) -> None:
+    def ahead_of_time(self, order: list["Request"], taken: set[str], enst: dict[str, float], reserve: int) -> None:
+        bm = self.bm
         for victim in self.victims(order, taken, enst):
             if self.free >= reserve:
                 break
-            if len(self.device.table(victim.request_id)) <= self.host.num_free_blocks:
+            if len(bm.table(victim.request_id)) <= bm.num_free_host_blocks:
                 self.offload(victim)
         # upload only with a batch's growth (a block per job) to spare, so the job is not the next victim
-        waiting = sorted((enst[r.request_id], i) for i, r in enumerate(order) if r.request_id in self.host.tables)
+        waiting = sorted((enst[r.request_id], i) for i, r in enumerate(order) if bm.on_host(r.request_id))
         for _, i in waiting:
-            if self.free - len(self.host.tables[order[i].request_id]) < reserve + self.max_bs:
+            if self.free - bm.held(order[i].request_id) < reserve + self.max_bs:
                 break
             self.upload(order[i])
 
