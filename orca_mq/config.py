@@ -13,7 +13,7 @@ DEFAULT_CONFIG_PATH = Path(__file__).resolve().parent.parent / "config.toml"
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 Device = Literal["auto", "cpu", "cuda"]
 AttentionBackend = Literal["auto", "torch", "cpu", "triton"]
-Policy = Literal["orca", "request", "fastserve"]
+Policy = Literal["orca", "request", "fastserve", "srpt"]
 KVPolicy = Literal["proactive", "defer", "reactive"]
 LogLevel = Literal["debug", "info", "warning", "error"]
 
