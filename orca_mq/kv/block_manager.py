@@ -107,6 +107,11 @@ class BlockManager:
         req.reserved_blocks = blocks
         self.n_rsrv += blocks
 
+    def unreserve(self, req: "Request") -> None:
+        """Its reservation returns to the pool: its KV went to the host tier (FastServe's offload)."""
+        self.n_rsrv -= req.reserved_blocks
+        req.reserved_blocks = 0
+
     def release(self, req: "Request") -> None:
         """The request left: its blocks on both tiers and its reservation return to the pool."""
         self.n_rsrv -= req.reserved_blocks
