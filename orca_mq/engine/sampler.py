@@ -16,18 +16,12 @@ import random
 
 import torch
 
-from orca_mq.protocol.iteration import SeqWork
+from orca_mq.protocol.iteration import MASK_WORD_BITS, SeqWork, mask_bytes
 
 Tensor = torch.Tensor
-MASK_WORD_BITS = 32          # the bitmask is little-endian 32-bit words: bit i of word j allows token 32 j + i
 _MASK64 = (1 << 64) - 1
 _unseeded = random.Random()  # seeded from the OS
 CANDIDATES = 256             # top-k / top-p first look at each row's 256 most likely tokens
-
-
-def mask_bytes(vocab_size: int) -> int:
-    """Size of one row's allowed-token bitmask."""
-    return -(-vocab_size // MASK_WORD_BITS) * MASK_WORD_BITS // 8
 
 
 def sample(logits: Tensor, seqs: list[SeqWork]) -> tuple[list[int], list[int]]:

@@ -12,6 +12,7 @@ import os
 import time
 import uuid
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +32,9 @@ from orca_mq.sched import TokenEvent, make_scheduler
 from orca_mq.sched.profiler import Profiler
 from orca_mq.sched.request import Request
 from orca_mq.engine.model_info import read_model_info
+from orca_mq.structured.compiler import Compiler, bounded
+from orca_mq.structured.grammar import Vocabulary
+from orca_mq.tokenizer import load_tokenizer
 from orca_mq.server.telemetry import Telemetry
 from orca_mq.server.process import process_main
 from orca_mq.server.zmq_queue import BrokerLink, Envelope, control_address, serve
@@ -65,6 +69,10 @@ class SchedulerProcess:
         self.queries: dict[str, _StatsQuery] = {}
         self.backlog: list[Envelope] = []   # frames that arrived while profiling
         self.telemetry = Telemetry()        # cumulative histograms for the API server's /metrics
+        self.grammars = Compiler(cfg.structured, self._vocabulary)   # structured outputs
+        self.grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        self.compiling: dict[str, bool] = {}    # requests waiting for their grammar -> aborted meanwhile
+        self.compile_tasks: set[asyncio.Task[None]] = set()
 
     async def run(self) -> int:
         if (profiler := self.sched.profiler()) is not None:
@@ -72,6 +80,7 @@ class SchedulerProcess:
             await self._profile(profiler)
         await self.link.to_peer("launcher", Ready("scheduler", os.getpid()))
         code = await serve([self._loop()], self.log)
+        self.grammar_pool.shutdown(wait=False, cancel_futures=True)
         self.link.close()
         self.control.close()
         self.ctx.term()
@@ -127,13 +136,20 @@ class SchedulerProcess:
         if isinstance(msg, AddRequest):
             try:
                 params = SamplingParams.from_dict(msg.params)
-                self.sched.add(Request(msg.request_id, msg.prompt_token_ids, params, time.monotonic()))
+                if params.structured_outputs is not None:  # it waits, unscheduled, for its grammar
+                    self.compiling[msg.request_id] = False
+                    task = asyncio.create_task(self._compile_and_add(msg, params))
+                    self.compile_tasks.add(task)
+                    task.add_done_callback(self.compile_tasks.discard)
+                    return
+                self._add(Request(msg.request_id, msg.prompt_token_ids, params, time.monotonic()))
             except Exception:  # the frontend validated it: a refusal here is a bug, fail only this request
-                self.log.exception("request refused by the scheduler", request_id=msg.request_id)
-                await self.link.to_peer("frontend", TokenBatch(-1, [(msg.request_id, None, "error")]))
+                await self._refused(msg.request_id)
                 return
-            self.arrivals.append(msg.request_id)
         elif isinstance(msg, AbortRequest):
+            if msg.request_id in self.compiling:
+                self.compiling[msg.request_id] = True
+                return
             ev = self.sched.abort(msg.request_id)
             if ev is not None:
                 await self._emit(-1, [ev])
@@ -144,6 +160,37 @@ class SchedulerProcess:
         elif isinstance(msg, Error):
             self.log.warning("error from a process", source=env.source.decode(errors="replace"), error=msg.error)
         await self._pump()
+
+    def _add(self, req: Request) -> None:
+        self.sched.add(req)
+        self.arrivals.append(req.request_id)
+
+    async def _refused(self, request_id: str) -> None:
+        self.log.exception("request refused by the scheduler", request_id=request_id)
+        await self.link.to_peer("frontend", TokenBatch(-1, [(request_id, None, "error")]))
+
+    def _vocabulary(self) -> Vocabulary:
+        """The model's vocabulary for the grammars, built when the first constrained request comes."""
+        started = time.perf_counter()
+        tokenizer = load_tokenizer(self.cfg.model.path, self.cfg.model.cache_dir)
+        vocab = Vocabulary.of(tokenizer, self.info.vocab_size, self.info.eos_token_ids, self.cfg.structured.mask_threads)
+        self.log.info("structured outputs: vocabulary loaded", seconds=round(time.perf_counter() - started, 2))
+        return vocab
+
+    async def _compile_and_add(self, msg: AddRequest, params: SamplingParams) -> None:
+        """Compile a constrained request's grammar off the event loop, then let it be scheduled."""
+        rid = msg.request_id
+        try:
+            grammar = await bounded(self.grammar_pool, self.grammars.compile, params.structured_outputs,  # type: ignore[arg-type]
+                                    self.cfg.structured.compile_timeout)
+            if not self.compiling.pop(rid):
+                self._add(Request(rid, msg.prompt_token_ids, params, time.monotonic(), grammar=grammar))
+                await self._pump()
+                return
+            await self._emit(-1, [TokenEvent(rid, None, "abort")])
+        except Exception:  # the frontend checked it: only the vocabulary or the clock refuse it here
+            self.compiling.pop(rid, None)
+            await self._refused(rid)
 
     async def _pump(self) -> bool:
         """Fill the pipeline: one plan per free stage. Returns whether a plan was sent."""
@@ -160,7 +207,8 @@ class SchedulerProcess:
 
     async def _emit(self, iteration: int, events: list[TokenEvent]) -> None:
         if events:
-            metrics = {e.request_id: m for e in events if e.finish_reason and (m := self.sched.request_metrics(e.request_id))}
+            metrics = {e.request_id: m for e in events if e.finish_reason
+                       and (m := (self.sched.request_metrics(e.request_id) or {}) | (e.metrics or {}))}
             self.telemetry.finished(metrics.values())
             await self.link.to_peer("frontend", TokenBatch(iteration, [(e.request_id, e.token_id, e.finish_reason) for e in events], metrics))
 
