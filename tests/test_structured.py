@@ -234,6 +234,9 @@ def drive(sched, engine, reqs, arrivals=None) -> dict[str, tuple[list[int], str,
             sched.add(pending.pop(0))
         plan = sched.schedule(now)
         assert plan is not None, "stalled"
+        for seq in plan.seqs:  # a mask exactly on the constrained rows that sample (a prompt's last chunk, or a decode)
+            r = sched.pool[seq.request_id]
+            assert (seq.allowed_token_bitmask is not None) == (r.grammar is not None and not r.prompt_pending)
         now += 0.01
         for e in sched.process_result(engine.execute(plan), now):
             if e.token_id is not None:
@@ -315,3 +318,62 @@ def test_fastserve_preemption_and_offload_keep_the_matcher(compiler, tokenizer):
             assert re.fullmatch(REGEX, out)
         else:
             jsonschema.validate(json.loads(out), PERSON)
+
+
+# ---------------------------------------------------------------- fuzz
+
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+LEAF = st.none() | st.booleans() | st.integers(-3, 40) | st.text("ab0-9[]{}()*+?|^$.\\\"' ", max_size=8)
+JSONISH = st.recursive(LEAF, lambda kids: st.lists(kids, max_size=3) | st.dictionaries(st.text("abtype", max_size=5), kids, max_size=3),
+                       max_leaves=10)
+SCHEMA = st.recursive(
+    st.fixed_dictionaries({"type": st.sampled_from(["integer", "string", "boolean", "null", "number"])},
+                          optional={"minimum": st.integers(-5, 5), "maximum": st.integers(-5, 50), "maxLength": st.integers(0, 6),
+                                    "pattern": st.sampled_from(["^[a-z]+$", "[0-9]{2}", "(", "a|b"]), "enum": st.lists(LEAF, max_size=3)}),
+    lambda kids: st.fixed_dictionaries({"type": st.just("object"), "properties": st.dictionaries(st.text("abc", min_size=1, max_size=3), kids, max_size=3)},
+                                       optional={"required": st.lists(st.text("abc", min_size=1, max_size=3), max_size=2),
+                                                 "additionalProperties": st.booleans()})
+    | st.fixed_dictionaries({"type": st.just("array"), "items": kids},
+                            optional={"minItems": st.integers(0, 3), "maxItems": st.integers(0, 3)})
+    | st.fixed_dictionaries({"anyOf": st.lists(kids, max_size=3)}),
+    max_leaves=6)
+CONSTRAINT = st.one_of(
+    st.fixed_dictionaries({"json": SCHEMA}),
+    st.fixed_dictionaries({"regex": st.sampled_from(["a+", "[0-9]{2,4}", "(ab|c)*d", "^x?y$", ".{1,3}", "[^a]*"])
+                           | st.text("ab0-9[]{}()*+?|^$.", min_size=1, max_size=10)}),
+    st.fixed_dictionaries({"choice": st.lists(st.text("ab c\"{", min_size=1, max_size=4), min_size=1, max_size=3)}),
+    st.fixed_dictionaries({"grammar": st.sampled_from(['root ::= "a" [0-9]*', "start: /[a-c]+/", 'root ::= x', "start: "])
+                           | st.text("ab:=|\"()* ", min_size=1, max_size=12)}),
+    st.dictionaries(st.sampled_from(["json", "regex", "choice", "grammar", "json_object", "bogus"]),
+                    SCHEMA | JSONISH | st.lists(st.text("abc ", max_size=4), max_size=3), max_size=2) | JSONISH,
+)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(data=CONSTRAINT, seed=st.integers(0, 2**16))
+def test_what_the_frontend_accepts_compiles_and_always_allows_a_token(compiler, data, seed):
+    """The new field through SamplingParams, validation and the frontend's check: InvalidRequest or
+    accepted, nothing else; and what is accepted compiles at the scheduler, where every mask along
+    a random walk allows some token."""
+    try:
+        params = SamplingParams.from_dict({"structured_outputs": data})
+        params.validate(VOCAB)
+        if params.structured_outputs is None:   # null: no constraint
+            return
+        compiler.check(params.structured_outputs)
+    except InvalidRequest:
+        return
+    g = compiler.compile(params.structured_outputs)
+    rng = random.Random(seed)
+    for _ in range(12):
+        seqs = [SeqWork("r", [1], 0, [])]
+        fill_masks(seqs, [g])
+        choices = np.flatnonzero(allowed(seqs[0].allowed_token_bitmask))
+        assert len(choices), "a mask that allows nothing"
+        if g.accept(int(rng.choice(choices))):
+            break
+    g.release()
+    assert g.matcher is None and set(g.report()) == {"constraint", "complete", "tokens"}
