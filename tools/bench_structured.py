@@ -119,7 +119,7 @@ async def one_batch(address: str, batch: int, tokens: int, constrained: bool, ro
         outs = await asyncio.gather(*(client.generate(messages=PROMPT, chat=True, max_tokens=tokens, temperature=0.7,
                                                       seed=1000 * round_ + i, **extra) for i in range(batch)))
         took = time.perf_counter() - start
-    bad = [o.finish_reason for o in outs if o.finish_reason != "length" or len(o.token_ids) != tokens]
+    bad = [(o.finish_reason, o.error) for o in outs if o.finish_reason != "length" or len(o.token_ids) != tokens]
     if bad:
         raise RuntimeError(f"every request must generate exactly {tokens} tokens; got {bad[:3]}")
     return {"seconds": took, "tokens": batch * tokens, "tokens_per_s": batch * tokens / took}
@@ -128,8 +128,8 @@ async def one_batch(address: str, batch: int, tokens: int, constrained: bool, ro
 def throughput(rounds: int, tokens: int, batches: list[int], extra: list[str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     with Server(1, 2, 32, extra) as srv:
-        asyncio.run(one_batch(srv.address, 2, 8, True, -1))   # warm-up: the scheduler builds the vocabulary, compiles
-        asyncio.run(one_batch(srv.address, 2, 8, False, -1))
+        asyncio.run(one_batch(srv.address, 2, 8, True, 99))   # warm-up: the scheduler builds the vocabulary, compiles
+        asyncio.run(one_batch(srv.address, 2, 8, False, 99))
         for batch in batches:
             runs: dict[str, list[dict[str, Any]]] = {"free": [], "constrained": []}
             for r in range(rounds):

@@ -235,6 +235,7 @@ class SchedulerProcess:
             "scheduler": self.sched.stats() | {
                 "n_in_flight": self.sched.n_in_flight,
                 "has_work": self.sched.has_work(),
+                "compiling": len(self.compiling),   # constrained requests waiting for their grammar
                 "turnaround": summarize_ms(self.turnaround),
                 "result_latency": summarize_ms(self.result_latency),
             },
