@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 
 import httpx
 import jsonschema
@@ -123,6 +125,10 @@ def test_zmq_client_constraints_and_refusals(server):
                             ({"choice": []}, "choice must be"), ({"regex": "a", "choice": ["a"]}, "exactly one")]:
             out = c.generate("x", max_tokens=4, structured_outputs=bad)
             assert out.finish_reason == "error" and out.code == "invalid_request" and needle in out.error, out.error
+    cli = subprocess.run([sys.executable, "-m", "orca_mq.cli", "client", "--address", server.address, "--prompt", "Is ice cold?",
+                          "--chat", "--temperature", "0", "--structured-outputs", '{"choice": ["yes", "no"]}', "--json"],
+                         capture_output=True, text=True, timeout=120)
+    assert cli.returncode == 0 and json.loads(cli.stdout)["text"] in ("yes", "no"), cli.stderr
     settled(server.address)
 
 
