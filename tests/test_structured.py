@@ -225,24 +225,26 @@ class LogitsEngine:
 
 
 def drive(sched, engine, reqs, arrivals=None) -> dict[str, tuple[list[int], str, dict | None]]:
+    """The scheduler's one loop (`step`) over the engine; arrivals at their times."""
     finals: dict[str, tuple[list[int], str, dict | None]] = {}
     out: dict[str, list[int]] = {r.request_id: [] for r in reqs}
-    pending = list(reqs)
-    now = 0.0
+    pending, results, now = list(reqs), [], 0.0
     while pending or sched.has_work():
         while pending and (arrivals is None or arrivals[pending[0].request_id] <= now):
             sched.add(pending.pop(0))
-        plan = sched.schedule(now)
-        assert plan is not None, "stalled"
-        for seq in plan.seqs:  # a mask exactly on the constrained rows that sample (a prompt's last chunk, or a decode)
-            r = sched.pool[seq.request_id]
-            assert (seq.allowed_token_bitmask is not None) == (r.grammar is not None and not r.prompt_pending)
-        now += 0.01
-        for e in sched.process_result(engine.execute(plan), now):
+        step = sched.step(now, results)
+        for e in step.events:
             if e.token_id is not None:
                 out[e.request_id].append(e.token_id)
             if e.finish_reason:
                 finals[e.request_id] = (out[e.request_id], e.finish_reason, e.metrics)
+        for plan in step.plans:  # a mask exactly on the constrained rows that sample (a prompt's last chunk, or a decode)
+            for seq in plan.seqs:
+                r = sched.pool[seq.request_id]
+                assert (seq.allowed_token_bitmask is not None) == (r.grammar is not None and not r.prompt_pending)
+        results = [engine.execute(plan) for plan in step.plans]
+        assert results or pending or not sched.has_work(), "stalled"
+        now += 0.01
     return finals
 
 
