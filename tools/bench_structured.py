@@ -15,6 +15,10 @@
    request advanced by 24 tokens, 100 with a schema each (its compiled grammar counted in) and
    100 sharing one.
 4. The scheduler's mask time per iteration at batch 1 and 32 (random states of that schema).
+5. One decode iteration in-process (the worker's ModelRunner: forward + sampling, context 255),
+   free vs constrained, interleaved iteration by iteration (a busy host's swings hit both alike):
+   the constrained one also fills its rows' masks as the scheduler does and carries them through
+   a control frame's encode and decode. Its time ratio is the tokens/s ratio without the messaging.
 
     flock /tmp/orca-bench.lock python tools/bench_structured.py --out results/bench_structured.json
 """
@@ -39,12 +43,17 @@ sys.path.insert(0, str(ROOT))
 from orca_mq.client import AsyncClient  # noqa: E402
 from orca_mq.config import load_config  # noqa: E402
 from orca_mq.engine.model_info import read_model_info  # noqa: E402
-from orca_mq.protocol.iteration import SeqWork  # noqa: E402
+from orca_mq.engine.model_runner import ModelRunner  # noqa: E402
+from orca_mq.protocol import decode, encode  # noqa: E402
+from orca_mq.protocol.codec import channel  # noqa: E402
+from orca_mq.protocol.engine_msgs import ControlFrame  # noqa: E402
+from orca_mq.protocol.iteration import IterationPlan, SeqWork  # noqa: E402
 from orca_mq.structured.bitmask import fill_masks  # noqa: E402
 from orca_mq.structured.compiler import Compiler  # noqa: E402
 from orca_mq.structured.grammar import Grammar, Vocabulary  # noqa: E402
 from orca_mq.structured.params import StructuredOutputsParams as SO  # noqa: E402
 from orca_mq.tokenizer import load_tokenizer  # noqa: E402
+from tools.bench_engine import interleaved_medians, plan_for  # noqa: E402
 from tools.bench_overhead import Server  # noqa: E402
 
 PET = {
@@ -218,6 +227,35 @@ def mask_times(vocab: Vocabulary, batches: list[int], repeat: int) -> dict[str, 
     return out
 
 
+def engine_iteration(vocab: Vocabulary, batches: list[int], repeat: int) -> dict[str, Any]:
+    cfg = load_config()
+    runner = ModelRunner(cfg)
+    compiler = Compiler(cfg.structured, lambda: vocab)
+    frames = channel(ControlFrame)
+    out = {}
+    for batch in batches:
+        plan = plan_for([(1, 255)] * batch, runner.block_size)
+        for i, seq in enumerate(plan.seqs):
+            seq.temperature, seq.seed = 0.7, i
+        grammars = [compiler.compile(SO(json=ENDLESS)) for _ in range(batch)]
+        for i, g in enumerate(grammars):
+            walk(g, random.Random(i).randrange(60), random.Random(i))
+
+        def free() -> None:
+            runner.execute(decode(encode(ControlFrame(plan, 0.0)), frames).plan)
+
+        def constrained() -> None:
+            seqs = [SeqWork(s.request_id, s.token_ids, s.start_pos, s.block_table, s.temperature, seed=s.seed) for s in plan.seqs]
+            fill_masks(seqs, grammars)   # type: ignore[arg-type]
+            runner.execute(decode(encode(ControlFrame(IterationPlan(plan.iteration, seqs), 0.0)), frames).plan)
+
+        t_free, t_constrained = interleaved_medians([free, constrained], repeat)
+        out[str(batch)] = {"free_ms": round(t_free * 1e3, 2), "constrained_ms": round(t_constrained * 1e3, 2),
+                           "ratio": round(t_free / t_constrained, 3)}
+        print(f"  batch {batch}: {out[str(batch)]}", flush=True)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
@@ -240,6 +278,8 @@ def main() -> int:
     result["compile"] = compile_times(vocab, args.repeat)
     result["memory"] = memory(vocab, 100)
     result["mask_fill"] = mask_times(vocab, batches, 10 * args.repeat)
+    print("engine iteration", flush=True)
+    result["iteration"] = engine_iteration(vocab, batches, 6 * args.repeat)
     if not args.skip_serving:
         print("served throughput", flush=True)
         result["throughput"] = throughput(args.rounds, args.tokens, batches, args.set)
@@ -262,6 +302,8 @@ def report(r: dict[str, Any]) -> str:
                   f"{m['heap_per_request_shared_schema_kb']} kB sharing one", "",
               "| batch | mask fill median ms | p90 ms |", "| ---: | ---: | ---: |"]
     lines += [f"| {b} | {v['median_ms']} | {v['p90_ms']} |" for b, v in r["mask_fill"].items()]
+    lines += ["", "| batch | decode iteration, free ms | constrained ms | ratio (tokens/s) |", "| ---: | ---: | ---: | ---: |"]
+    lines += [f"| {b} | {v['free_ms']} | {v['constrained_ms']} | {v['ratio']} |" for b, v in r["iteration"].items()]
     if "throughput" in r:
         lines += ["", "| batch | free tokens/s | constrained tokens/s | ratio (median of rounds) | ratios |",
                   "| ---: | ---: | ---: | ---: | --- |"]
