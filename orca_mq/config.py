@@ -16,6 +16,7 @@ AttentionBackend = Literal["auto", "torch", "cpu", "triton"]
 Policy = Literal["orca", "request", "fastserve", "srpt"]
 KVPolicy = Literal["proactive", "defer", "reactive"]
 LogLevel = Literal["debug", "info", "warning", "error"]
+JsonWhitespace = Literal["compact", "flexible"]
 
 
 @dataclass(slots=True)
@@ -83,6 +84,15 @@ class ServerConfig:
 
 
 @dataclass(slots=True)
+class StructuredConfig:
+    max_spec_bytes: int = 65536
+    compile_timeout: float = 10.0
+    cache_size: int = 256
+    json_whitespace: JsonWhitespace = "compact"
+    mask_threads: int = 0
+
+
+@dataclass(slots=True)
 class LogConfig:
     dir: str = "logs"
     level: LogLevel = "info"
@@ -96,6 +106,7 @@ class Config:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     fastserve: FastServeConfig = field(default_factory=FastServeConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    structured: StructuredConfig = field(default_factory=StructuredConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
     def set(self, dotted: str, value: Any) -> None:

@@ -3,7 +3,8 @@ sampling parameters.
 
 Accepted as OpenAI does: `max_tokens` (chat: also `max_completion_tokens`), `temperature`,
 `top_p`, `seed`, `stop` (a string or a list of them), `n` (1 only), `stream`,
-`stream_options.include_usage`; as vLLM's extensions: `top_k`, `ignore_eos`, `stop_token_ids`.
+`stream_options.include_usage`, `response_format` (json_object, json_schema); as vLLM's extensions:
+`top_k`, `ignore_eos`, `stop_token_ids`, `structured_outputs`.
 Fields we cannot honour (n > 1, logprobs, echo, penalties) are refused with 400 instead of
 silently ignored; other unknown fields (`user`, ...) are ignored, as vLLM does.
 """
@@ -23,6 +24,33 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")  # absent: any JSON object
+    strict: bool | None = None    # the output always follows the schema, strict or not
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`."""
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> "ResponseFormat":
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type json_schema, and only with it")
+        return self
+
+    def structured_outputs(self) -> dict[str, Any] | None:
+        """As orca-mq's StructuredOutputsParams fields; None for plain text."""
+        if self.type == "text":
+            return None
+        if self.json_schema is None or self.json_schema.schema_ is None:
+            return {"json_object": True}
+        return {"json": self.json_schema.schema_}
+
+
 class _Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -38,6 +66,8 @@ class _Sampling(BaseModel):
     top_k: int | None = None                 # vLLM extension
     ignore_eos: bool | None = None           # vLLM extension
     stop_token_ids: list[int] | None = None  # vLLM extension
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM extension: json | regex | choice | grammar | json_object
     logprobs: Any = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -50,6 +80,8 @@ class _Sampling(BaseModel):
             raise ValueError("logprobs are not supported")
         if self.presence_penalty or self.frequency_penalty:
             raise ValueError("presence_penalty and frequency_penalty are not supported")
+        if self.structured_outputs is not None and self.response_format is not None and self.response_format.type != "text":
+            raise ValueError("give response_format or structured_outputs, not both")
         if len(self.stop_strings) > MAX_STOP_STRINGS or any(not 0 < len(s) <= MAX_STOP_LEN for s in self.stop_strings):
             raise ValueError(f"stop: at most {MAX_STOP_STRINGS} strings of 1 to {MAX_STOP_LEN} characters")
         return self
@@ -68,7 +100,9 @@ class _Sampling(BaseModel):
     def sampling(self, default_max_tokens: int) -> dict[str, Any]:
         """The orca-mq SamplingParams fields that were given; the frontend validates them."""
         given = {"temperature": self.temperature, "top_p": self.top_p, "seed": self.seed, "top_k": self.top_k,
-                 "ignore_eos": self.ignore_eos, "stop_token_ids": self.stop_token_ids}
+                 "ignore_eos": self.ignore_eos, "stop_token_ids": self.stop_token_ids,
+                 "structured_outputs": self.structured_outputs if self.response_format is None
+                 else self.response_format.structured_outputs()}
         limit = self.limit()
         return {"max_tokens": default_max_tokens if limit is None else limit} | {k: v for k, v in given.items() if v is not None}
 

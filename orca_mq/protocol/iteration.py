@@ -7,6 +7,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+MASK_WORD_BITS = 32   # an allowed-token bitmask is little-endian 32-bit words: bit i of word j allows token 32 j + i
+
+
+def mask_bytes(vocab_size: int) -> int:
+    """Size of one row's allowed-token bitmask (here, not in the sampler: the scheduler fills masks without torch)."""
+    return -(-vocab_size // MASK_WORD_BITS) * MASK_WORD_BITS // 8
+
 
 @dataclass(slots=True)
 class SeqWork:
@@ -20,7 +27,7 @@ class SeqWork:
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
-    allowed_token_bitmask: bytes | None = None  # structured outputs: the grammar's allowed tokens (engine/sampler.py)
+    allowed_token_bitmask: bytes | None = None  # structured outputs: the grammar's allowed tokens, mask_bytes(vocab) long (engine/sampler.py)
 
     @property
     def seq_len(self) -> int:

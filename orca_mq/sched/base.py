@@ -18,6 +18,7 @@ from orca_mq.kv.block_manager import BlockManager
 from orca_mq.kv.pool import PoolSize
 from orca_mq.sched.profiler import IterationProfile, Profiler, profile_max_len
 from orca_mq.sched.request import Phase, Request
+from orca_mq.structured.bitmask import fill_masks
 
 if TYPE_CHECKING:
     from orca_mq.config import Config
@@ -31,6 +32,7 @@ class TokenEvent:
     request_id: str
     token_id: int | None            # None on a final event that carries no new token (abort)
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" when the request is done
+    metrics: dict[str, Any] | None = None  # on a final event: what the final message reports (structured outputs)
 
 
 @dataclass(slots=True)
@@ -147,6 +149,7 @@ class Scheduler:
             p = req.params
             seqs.append(SeqWork(req.request_id, tokens, start, list(table), p.temperature, p.top_k, p.top_p, p.seed))
             req.running = True
+        fill_masks(seqs, [None if r.prompt_pending else r.grammar for r in batch])  # only rows that sample
         self.iteration += 1
         plan = IterationPlan(self.iteration, seqs)
         self.in_flight[plan.iteration] = batch
@@ -198,17 +201,22 @@ class Scheduler:
             reason = self._stop_reason(req, token)
             if reason:
                 self._finish(req, reason, now)
-            events.append(TokenEvent(req.request_id, token, reason))
+            report = {"structured_output": req.grammar.report()} if reason and req.grammar else None
+            events.append(TokenEvent(req.request_id, token, reason, report))
         self.after_iteration(batch, now)
         return self.emit(events)
 
     def _stop_reason(self, req: Request, token: int) -> str | None:
+        if req.grammar is not None and (reason := req.grammar.accept(token)):
+            return reason
         if not req.params.ignore_eos and token in self.eos_token_ids or token in req.params.stop_token_ids:
             return "stop"
         return "length" if len(req.output_token_ids) >= req.params.max_tokens else None
 
     def _finish(self, req: Request, reason: str, now: float | None = None) -> None:
         req.phase, req.finish_reason, req.finish_time = Phase.FINISHED, reason, now
+        if req.grammar is not None:
+            req.grammar.release()
         self._retire(req)
 
     def _retire(self, req: Request) -> None:

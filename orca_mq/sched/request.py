@@ -5,8 +5,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from orca_mq.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from orca_mq.structured.grammar import Grammar
 
 
 class Phase(enum.Enum):
@@ -62,6 +66,7 @@ class Request:
     job: JobState = field(default_factory=JobState)
     waits: Waits = field(default_factory=Waits)
     swaps: SwapCounts = field(default_factory=SwapCounts)
+    grammar: "Grammar | None" = None   # structured outputs: its matcher, advanced by each accepted token
 
     @property
     def num_tokens(self) -> int:
