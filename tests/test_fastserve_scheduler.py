@@ -12,7 +12,7 @@ from collections import deque
 
 import pytest
 
-from orca_mq.kv.block_manager import BlockManager
+from orca_mq.kv.block_manager import BlockManager, Match
 from orca_mq.kv.pool import PoolSize
 from orca_mq.config import Config
 from orca_mq.sched.fastserve import FastServeScheduler
@@ -210,6 +210,7 @@ def _resident(bm: BlockManager, *jobs: tuple[str, int]) -> list[Request]:
         r = req(rid, n_tokens, 8)
         r.output_token_ids.append(7)
         r.phase = r.phase.INCREMENT
+        bm.start(r, Match(), 4)
         bm.ensure(rid, r.num_tokens)
         out.append(r)
     return out
@@ -219,26 +220,22 @@ def test_offload_picks_the_largest_enst_and_upload_the_smallest():
     bm = BlockManager(PoolSize(BS, 10, 100))
     kv = ReactiveKV(bm, max_bs=4)
     x, y, z = _resident(bm, ("x", 10), ("y", 10), ("z", 10))   # 3 blocks each, 1 free
-    for r in (x, y, z):
-        bm.reserve(r, 4)
     new, y_blocks = req("n", 8, 4), bm.table("y")
     batch = kv.select([new, x, y, z], {"n": 0.0, "x": 5.0, "y": 9.0, "z": 1.0}, reserve=0)
     assert new in batch and bm.on_host("y") and not bm.on_host("x") and not bm.on_host("z")
-    swap_out, swap_in = kv.take_swaps()
+    swap_out, swap_in = bm.take_swaps()
     assert swap_out == list(zip(y_blocks, bm.host.tables["y"])) and not swap_in
 
     bm = BlockManager(PoolSize(BS, 10, 100))
     kv = ProactiveKV(bm, max_bs=1)
     a, b, c = _resident(bm, ("a", 10), ("b", 10), ("c", 10))
-    for r in (a, b, c):
-        bm.reserve(r, 4)
     for r in (b, c):
         kv.offload(r)
-    kv.take_swaps()
+    bm.take_swaps()
     batch = kv.select([a, b, c], {"a": 0.0, "b": 3.0, "c": 1.0}, reserve=2)
     assert batch == [a]
     assert bm.on_host("b") and not bm.on_host("c")  # c (smaller ENST) uploaded ahead; room for one only
-    swap_out, swap_in = kv.take_swaps()
+    swap_out, swap_in = bm.take_swaps()
     assert not swap_out and {d for _, d in swap_in} == set(bm.table("c"))
 
 
@@ -247,8 +244,6 @@ def test_proactive_keeps_free_blocks_for_arrivals_reactive_does_not():
         bm = BlockManager(PoolSize(BS, 10, 100))
         kv = cls(bm, max_bs=1)
         a, b, c = _resident(bm, ("a", 10), ("b", 10), ("c", 10))
-        for r in (a, b, c):
-            bm.reserve(r, 4)
         assert kv.select([a, b, c], {"a": 0.0, "b": 2.0, "c": 1.0}, reserve=3) == [a]
         assert bm.on_host("b") is offloaded and not bm.on_host("c")
         assert (bm.num_free_blocks >= 3) is offloaded

@@ -16,7 +16,10 @@ leaves free, uploaded or not; the scheduler allocates for the chunk the token bu
 gives (`Scheduler.fit_budget` may give less), so no block is taken, or offloaded, unwritten.
 
 The policies decide; the block manager (block_manager.py) moves blocks between its tiers and
-collects the plan's copies, which every stage applies before computing (swapper.py).
+collects the plan's copies, which every stage applies before computing (swapper.py). With prefix
+caching a new job starts with the cached head of its prompt (held while it is considered, so no
+offload frees it), and an offload frees only the blocks no other job holds: preemption never
+frees a block another job reads.
 
 Nothing is ever lost: the host pool is the backing store. With swapping, a job starts only while
 every started job's maximum KV would fit in the host pool (or all of them in the device pool), so
@@ -27,7 +30,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from orca_mq.kv.block_manager import BlockManager
+from orca_mq.kv.block_manager import BlockManager, Match
 
 if TYPE_CHECKING:
     from orca_mq.sched.request import Request
@@ -36,13 +39,7 @@ if TYPE_CHECKING:
 class DeferKV:
     def __init__(self, bm: BlockManager, max_bs: int) -> None:
         self.bm, self.max_bs = bm, max_bs
-        self._evicted: set[str] = set()         # jobs the plan being built offloads: they wait for a later one
         self._promised = 0                      # free device blocks the batch being selected may grow into
-
-    @property
-    def capacity(self) -> int:
-        """Blocks all started jobs may need at most, together (their reservations)."""
-        return self.bm.num_blocks
 
     @property
     def free(self) -> int:
@@ -63,30 +60,48 @@ class DeferKV:
             if len(batch) == self.max_bs:
                 break
             rid = req.request_id
-            if rid in self._evicted:
-                continue
-            new = not req.reserved_blocks
-            size = bm.blocks_for(req.max_total_tokens)
-            if new and (not admitting or bm.n_rsrv + size > self.capacity):
-                admitting = False  # no later job starts before this one: big jobs are not starved by small ones
-                continue
-            tokens, start = req.next_tokens(max_prompt_tokens)
-            held = bm.held(rid)
-            grow = max(0, bm.blocks_for(start + len(tokens)) - held)
-            need = grow + (held if bm.on_host(rid) else 0)   # an upload takes its blocks now
+            if bm.on_host(rid) and not bm.movable(rid):
+                continue   # offloaded by the plan being built: it waits for a later one
+            m: Match | None = None
+            if not req.reserved_blocks:   # a new job: its cached prefix is held while it is considered
+                if not admitting:
+                    continue
+                m, size = bm.match(req), bm.blocks_for(req.max_total_tokens)
+                bm.hold(m)
+                if not self.admits(m, size):
+                    bm.let_go(m)
+                    admitting = False  # no later job starts before this one: big jobs are not starved by small ones
+                    continue
+                held, end = len(m.hits), len(req.prompt_token_ids)
+                if max_prompt_tokens is not None:
+                    end = min(end, held * bm.block_size + max_prompt_tokens)
+                need = m.n_host                      # its host hits are uploaded now
+            else:
+                tokens, start = req.next_tokens(max_prompt_tokens)
+                held, end = bm.held(rid), start + len(tokens)
+                need = held if bm.on_host(rid) else 0   # an upload takes its blocks now
+            grow = max(0, bm.blocks_for(end) - held)
+            need += grow
             taken.add(rid)  # from here on, not a victim
             if need > self.free and not self.make_room(need, order, taken, enst):
                 taken.discard(rid)
+                if m is not None:
+                    bm.let_go(m)
                 continue
-            if bm.on_host(rid):
+            if m is not None:
+                bm.start(req, m, size)
+            elif bm.on_host(rid):
                 self.upload(req)
             self._promised += grow
-            if new:
-                bm.reserve(req, size)
             batch.append(req)
         if batch:  # swaps ride on a plan: none without one
             self.ahead_of_time(order, taken, enst, reserve)
         return batch
+
+    def admits(self, m: Match, size: int) -> bool:
+        """Whether a new job of `size` blocks (less its held cached prefix) may start: every started
+        job's KV fits the device pool together."""
+        return self.bm.n_rsrv_after(m, size) <= self.bm.num_blocks
 
     def make_room(self, need: int, order: list["Request"], taken: set[str], enst: dict[str, float]) -> bool:
         return False
@@ -94,14 +109,8 @@ class DeferKV:
     def ahead_of_time(self, order: list["Request"], taken: set[str], enst: dict[str, float], reserve: int) -> None:
         pass
 
-    def take_swaps(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-        """The swap lists of the plan being sent; offloaded jobs may run again in later plans."""
-        self._evicted = set()
-        return self.bm.take_swaps()
-
     def offload(self, req: "Request") -> None:
         n = self.bm.offload(req.request_id)
-        self._evicted.add(req.request_id)
         req.swaps.offloads += 1
         req.swaps.offload_blocks += n
 
@@ -112,26 +121,29 @@ class DeferKV:
 
 
 class ReactiveKV(DeferKV):
-    @property
-    def capacity(self) -> int:
-        return max(self.bm.num_blocks, self.bm.num_host_blocks)
+    def admits(self, m: Match, size: int) -> bool:
+        """...or every started job's whole KV fits the host pool (an offload copies a job's shared
+        blocks too), so an offload always finds room."""
+        return super().admits(m, size) or self.bm.reserved_total + size <= self.bm.num_host_blocks
 
     def victims(self, order: list["Request"], taken: set[str], enst: dict[str, float]) -> list["Request"]:
-        """Idle jobs with KV on the device, not in this batch, largest ENST (then lowest priority) first."""
+        """Idle jobs with KV on the device, not in this batch nor uploaded by this plan, largest ENST
+        (then lowest priority) first."""
         idle = [(enst[r.request_id], i) for i, r in enumerate(order)
-                if r.request_id not in taken and self.bm.table(r.request_id)]
+                if r.request_id not in taken and self.bm.table(r.request_id) and self.bm.movable(r.request_id)]
         return [order[i] for _, i in sorted(idle, reverse=True)]
 
     def make_room(self, need: int, order: list["Request"], taken: set[str], enst: dict[str, float]) -> bool:
         """Offload victims until `need` device blocks are free; none if that cannot be reached."""
-        chosen, free, host_free = [], self.free, self.bm.num_free_host_blocks
+        bm = self.bm
+        chosen, free, host_free = [], self.free, bm.num_free_host_blocks
         for victim in self.victims(order, taken, enst):
             if free >= need:
                 break
-            n = len(self.bm.table(victim.request_id))
+            n = bm.held(victim.request_id)
             if n <= host_free:
                 chosen.append(victim)
-                free, host_free = free + n, host_free - n
+                free, host_free = free + bm.freed_by_offload(victim.request_id), host_free - n
         if free < need:
             return False
         for victim in chosen:
@@ -145,10 +157,11 @@ class ProactiveKV(ReactiveKV):
         for victim in self.victims(order, taken, enst):
             if self.free >= reserve:
                 break
-            if len(bm.table(victim.request_id)) <= bm.num_free_host_blocks:
+            if bm.held(victim.request_id) <= bm.num_free_host_blocks:
                 self.offload(victim)
         # upload only with a batch's growth (a block per job) to spare, so the job is not the next victim
-        waiting = sorted((enst[r.request_id], i) for i, r in enumerate(order) if bm.on_host(r.request_id))
+        waiting = sorted((enst[r.request_id], i) for i, r in enumerate(order)
+                         if bm.on_host(r.request_id) and bm.movable(r.request_id))
         for _, i in waiting:
             if self.free - bm.held(order[i].request_id) < reserve + self.max_bs:
                 break
