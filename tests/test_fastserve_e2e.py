@@ -47,6 +47,7 @@ def orca_tokens(embedded_llm):
 
 def _generate(llm: LLM, kv_policy: str) -> tuple[list[list[int]], list[dict], FastServeScheduler]:
     llm.cfg.fastserve.kv_policy = kv_policy
+    llm.cfg.fastserve.preempt_margin = 0.0   # every arrival may take an idle job's room: offloads happen
     sched = llm.scheduler = FastServeScheduler(llm.cfg, llm.info, llm.scheduler.profile)
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in MAX_TOKENS]
     outs = llm.generate(PROMPTS, params)
@@ -82,7 +83,7 @@ def test_served_fastserve_pipeline_matches_orca(tmp_path, orca_tokens):
     """Through tools/launch.py with two pipeline stages: every stage applies the plans' swaps."""
     srv = start_server(tmp_path, n_workers=2, **{"scheduler.policy": "fastserve", "scheduler.max_bs": 2,
                                                  "engine.n_slots": DEVICE_SLOTS, "engine.host_slots": 64 * 16,
-                                                 "fastserve.min_free_blocks": 2})
+                                                 "fastserve.min_free_blocks": 2, "fastserve.preempt_margin": 0.0})
 
     async def run():
         async with AsyncClient(srv.address) as client:

@@ -72,10 +72,7 @@ class Model:
             end = start + 1
         else:
             return
-        missing = bm.blocks_for(end) - len(bm.table(req.request_id))
-        if missing > bm.num_free_blocks:
-            assert bm.num_host_blocks, "n_rsrv <= the pool and still no block (never without offloads)"
-            return   # as FastServe's policies do: it waits
+        assert bm.blocks_for(end) - len(bm.table(req.request_id)) <= bm.num_free_blocks, "n_rsrv <= the pool and no block"
         table = list(bm.ensure(req.request_id, end))
         self.send()
         toks = self.tokens(req)
@@ -101,12 +98,17 @@ class Model:
     def offload(self, i: int) -> None:
         req = self.pick(i, on_device=True)
         if req is not None and self.bm.movable(req.request_id) and self.bm.held(req.request_id) <= self.bm.num_free_host_blocks:
+            self.bm.unreserve(req)   # as FastServe's policies do: only resident jobs hold a reservation
             self.bm.offload(req.request_id)
 
     def upload(self, i: int) -> None:
         req = self.pick(i, on_device=False)
-        if req is not None and self.bm.movable(req.request_id) and self.bm.held(req.request_id) <= self.bm.num_free_blocks:
-            self.bm.upload(req.request_id)
+        bm = self.bm
+        if req is not None and bm.movable(req.request_id):
+            size = bm.blocks_for(req.max_total_tokens)
+            if bm.n_rsrv + size <= bm.num_blocks:
+                bm.reserve(req, size)
+                bm.upload(req.request_id)
 
     def send(self) -> None:
         """The plan is sent: every stage copies its offloads, then its uploads."""
@@ -137,7 +139,7 @@ class Model:
             assert tier.n_referenced == sum(r > 0 for r in tier.ref)
             assert {b: h for h, b in tier.index.items()} == tier.hash_of
         assert bm.pending == sum(r.reserved_blocks - len(bm.table(r.request_id)) for r in self.reqs.values())
-        assert bm.reserved_total == sum(r.reserved_blocks for r in self.reqs.values())
+        assert bm.started == {r.request_id for r in self.reqs.values() if r.reserved_blocks}
         if self.sent and not (bm.swap_out or bm.swap_in):   # cached and held blocks hold what their hash and owner say
             for mem, tier in ((self.dev, bm.device), (self.host, bm.host)):
                 for b, h in tier.hash_of.items():
@@ -181,6 +183,6 @@ def test_block_manager_stays_exact_under_any_sequence(rnd, n, device, host):
     model.send()
     model.check()
     bm = model.bm
-    assert bm.n_rsrv == 0 and bm.pending == 0 and bm.reserved_total == 0 and not bm.started
+    assert bm.n_rsrv == 0 and bm.pending == 0 and not bm.started
     for tier in (bm.device, bm.host):
         assert tier.n_referenced == 0 and tier.available == tier.num_blocks and not tier.tables

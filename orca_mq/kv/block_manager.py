@@ -52,15 +52,14 @@ class Match:
 
 
 class BlockManager:
-    def __init__(self, size: PoolSize, seed: bytes | None = None, host: bool = False) -> None:
+    def __init__(self, size: PoolSize, seed: bytes | None = None, host: bool = True) -> None:
         self.size = size
         self.block_size = size.block_size
         self.seed = seed                                # prefix hash chain seed; None: no prefix caching
         self.device = Tier(size.device_blocks)
-        self.host = Tier(size.host_blocks if host else 0)
+        self.host = Tier(size.host_blocks if host else 0)   # host=False: the stages keep no host pool (no swapping)
         self.started: set[str] = set()                  # requests holding a reservation
         self.pending = 0                                # blocks the started requests may still allocate on the device
-        self.reserved_total = 0                         # their reservations, summed (FastServe's host bound)
         self.swap_out: list[tuple[int, int]] = []       # (device, host) copies the next plan carries
         self.swap_in: list[tuple[int, int]] = []        # (host, device)
         self._pins: list[int] = []                      # host blocks the next plan reads or writes
@@ -195,10 +194,20 @@ class BlockManager:
         if self.seed is not None:
             self.queries += len(req.prompt_token_ids)
             self.hits += n
-        self.started.add(rid)
+        self.reserve(req, blocks)
+
+    def reserve(self, req: "Request", blocks: int) -> None:
+        """`blocks` count against the pool until it leaves (or is unreserved): it is resident."""
+        self.started.add(req.request_id)
         req.reserved_blocks = blocks
-        self.reserved_total += blocks
-        self.pending += blocks - len(table)
+        self.pending += blocks - len(self.table(req.request_id))
+
+    def unreserve(self, req: "Request") -> None:
+        """Its reservation returns to the pool: its KV goes to the host tier (FastServe's offload)."""
+        if req.request_id in self.started:
+            self.started.discard(req.request_id)
+            self.pending -= req.reserved_blocks - len(self.table(req.request_id))
+        req.reserved_blocks = 0
 
     def reuse(self, req: "Request") -> None:
         """A started request whose prompt is still to be fed takes the blocks published meanwhile
@@ -234,15 +243,11 @@ class BlockManager:
     def release(self, req: "Request") -> None:
         """The request left: its references on both tiers and its reservation return to the pool."""
         rid = req.request_id
-        table = self.device.tables.pop(rid, [])
-        for b in table:
+        self.unreserve(req)
+        for b in self.device.tables.pop(rid, ()):
             self.device.drop(b)
         for b in self.host.tables.pop(rid, ()):
             self.host.drop(b)
-        if rid in self.started:
-            self.started.discard(rid)
-            self.pending -= req.reserved_blocks - len(table)
-            self.reserved_total -= req.reserved_blocks
 
     # ------------------------------------------------------------ tiers
 

@@ -1,34 +1,42 @@
 """FastServe's KV cache manager, scheduler side: which jobs keep their KV on the device, which on the host.
 
-Preemptive MLFQ leaves many jobs started but not running, each holding KV, so the device pool
-can fill. Three policies (`fastserve.kv_policy`) decide what happens then:
+A job runs only while it is *resident*: its KV on the device and its whole KV (prompt + max_tokens)
+reserved there, as ORCA reserves it, so growing never fails and the resident jobs never outgrow the
+device pool. Preemptive MLFQ leaves started jobs idle, each holding KV; three policies
+(`fastserve.kv_policy`) decide what a job that is not resident does:
 
-* `defer`: no swapping. A job starts only when its whole KV (prompt + max_tokens) fits in the
-  device pool next to every started job's, so new jobs wait for free blocks (MLFQ degrades to FCFS).
-* `reactive`: offload jobs, largest ENST first, only when an allocation of the batch fails; upload
-  a job's KV in the very iteration that runs it (that iteration waits for the copy).
-* `proactive` (FastServe): as reactive, and also keep max(K, burst) blocks free for arrivals by
-  offloading ahead of time, and upload the smallest-ENST job before it is scheduled, so the copy
-  overlaps with the iteration in flight.
+* `defer`: no swapping. A new job starts once its reservation fits next to the resident jobs'; it
+  waits for free room meanwhile (the MLFQ then degrades to FCFS for the jobs waiting to start).
+* `reactive`: a new job that needs room takes it from idle resident jobs of lower priority expected
+  to need at least twice its service, largest ENST first: their KV goes to the host pool and their
+  reservation is released. A job whose KV is on the host waits for room (it takes none from others)
+  and is uploaded in the iteration that runs it (which waits for the copy).
+* `proactive` (FastServe): as reactive, and ahead of time: keep max(K, burst) blocks unreserved for
+  arrivals by offloading the idle jobs with the largest ENST (among those expected to need more than
+  a new job), and upload the smallest-ENST jobs on the host before they are scheduled, so the copies
+  overlap the iterations in flight.
 
-`select` only promises a job the blocks its new tokens may need (at most the budget's chunk) and
-leaves free, uploaded or not; the scheduler allocates for the chunk the token budget actually
-gives (`Scheduler.fit_budget` may give less), so no block is taken, or offloaded, unwritten.
+Residency keeps swapping from thrashing: a policy that started every job the host could back (the
+earlier design) left more started jobs than the device could run, swapped them in and out every few
+iterations and served them all slowly: 1.7x ORCA's mean JCT on the ORCA trace at 2x its capacity.
+And a started job is preempted for another only when it is expected to need more service than that
+one (sched/lengths.py learns the law of output lengths): that is when preemption shortens mean JCT
+(heavy-tailed lengths, FastServe's traces), and it never is with light-tailed ones (ORCA's trace),
+where preempting only made both jobs finish later (2x ORCA's mean JCT with 4096 device slots).
+Measured with tools/simulate.py; BENCHMARKS.md.
 
 The policies decide; the block manager (block_manager.py) moves blocks between its tiers and
-collects the plan's copies, which every stage applies before computing (swapper.py). With prefix
-caching a new job starts with the cached head of its prompt (held while it is considered, so no
-offload frees it), and an offload frees only the blocks no other job holds: preemption never
-frees a block another job reads.
+collects the plan's copies, which every stage applies before computing (swapper.py). A job offloaded
+by a plan waits for a later one. Nothing is ever lost: a job is offloaded only where the host pool
+has room for it, and a job on the host is uploaded before it runs.
 
-Nothing is ever lost: the host pool is the backing store. With swapping, a job starts only while
-every started job's maximum KV would fit in the host pool (or all of them in the device pool), so
-an offload always finds room. When the host pool is full, new jobs wait to start; a job that cannot
-get device blocks in one iteration simply waits for a later one.
+With prefix caching a new job starts with the cached head of its prompt (held while it is
+considered, so no offload frees it) and reserves only the blocks it does not share; an offload
+frees only the blocks no other job holds: preemption never frees a block another job reads.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from orca_mq.kv.block_manager import BlockManager, Match
 
@@ -36,115 +44,120 @@ if TYPE_CHECKING:
     from orca_mq.sched.request import Request
 
 
+class Remaining(Protocol):
+    """Expected remaining service in seconds (FastServe's scheduler: sched/lengths.py)."""
+
+    def remaining_s(self, req: "Request") -> float: ...
+
+    def new_job_s(self) -> float: ...
+
+
 class DeferKV:
-    def __init__(self, bm: BlockManager, max_bs: int) -> None:
-        self.bm, self.max_bs = bm, max_bs
-        self._promised = 0                      # free device blocks the batch being selected may grow into
+    def __init__(self, bm: BlockManager, max_bs: int, expect: Remaining, margin: float) -> None:
+        self.bm, self.max_bs, self.expect, self.margin = bm, max_bs, expect, margin
+        self._evicted: set[str] = set()   # jobs the plan being built offloads: they wait for a later one
 
     @property
-    def free(self) -> int:
-        """Free device blocks not promised to the batch being selected."""
-        return self.bm.num_free_blocks - self._promised
+    def room(self) -> int:
+        """Device blocks no resident job has reserved."""
+        return self.bm.num_blocks - self.bm.n_rsrv
+
+    def resident(self, req: "Request") -> bool:
+        return req.reserved_blocks > 0
 
     def select(self, order: list["Request"], enst: dict[str, float], reserve: int,
-               max_prompt_tokens: int | None = None) -> list["Request"]:
-        """The batch: jobs in priority order, up to max_bs, each with its KV on the device for this
-        iteration (uploaded by this plan if need be) and room for its new tokens (at most
-        `max_prompt_tokens` of a prompt: a chunk of it under a token budget)."""
+               budget: int | None = None) -> list["Request"]:
+        """The batch: jobs in priority order, up to max_bs, each resident for this iteration (made
+        resident by this plan if need be: started, or uploaded). A new job may not start ahead of an
+        earlier one that is waiting for room: big jobs are not starved by small ones. Under a token
+        budget a prompt the budget cannot feed any more is passed over, so that decodes fill the batch:
+        arrivals never take the running jobs' places for nothing."""
         bm = self.bm
         batch: list[Request] = []
         taken: set[str] = set()
         admitting = True
-        self._promised = 0   # the previous batch's blocks are allocated by now
-        for req in order:
+        for i, req in enumerate(order):
             if len(batch) == self.max_bs:
                 break
             rid = req.request_id
-            if bm.on_host(rid) and not bm.movable(rid):
-                continue   # offloaded by the plan being built: it waits for a later one
-            m: Match | None = None
-            if not req.reserved_blocks:   # a new job: its cached prefix is held while it is considered
-                if not admitting:
-                    continue
-                m, size = bm.match(req), bm.blocks_for(req.max_total_tokens)
-                bm.hold(m)
-                if not self.admits(m, size):
-                    bm.let_go(m)
-                    admitting = False  # no later job starts before this one: big jobs are not starved by small ones
-                    continue
-                held, end = len(m.hits), len(req.prompt_token_ids)
-                if max_prompt_tokens is not None:
-                    end = min(end, held * bm.block_size + max_prompt_tokens)
-                need = m.n_host                      # its host hits are uploaded now
-            else:
-                tokens, start = req.next_tokens(max_prompt_tokens)
-                held, end = bm.held(rid), start + len(tokens)
-                need = held if bm.on_host(rid) else 0   # an upload takes its blocks now
-            grow = max(0, bm.blocks_for(end) - held)
-            need += grow
-            taken.add(rid)  # from here on, not a victim
-            if need > self.free and not self.make_room(need, order, taken, enst):
-                taken.discard(rid)
-                if m is not None:
-                    bm.let_go(m)
+            if rid in self._evicted or (budget is not None and budget <= 0 and req.prompt_pending):
                 continue
-            if m is not None:
-                bm.start(req, m, size)
-            elif bm.on_host(rid):
-                self.upload(req)
-            self._promised += grow
+            if not self.resident(req):
+                new = not bm.on_host(rid)
+                if new and not admitting:
+                    continue
+                size = bm.blocks_for(req.max_total_tokens)
+                m = bm.match(req) if new else Match()
+                bm.hold(m)                 # a block it shares counts once, and no offload frees it meanwhile
+                need = size - m.n_device
+                if need > self.room and not (new and self.make_room(need, req, order[i + 1:], taken, enst)):
+                    bm.let_go(m)
+                    admitting = admitting and not new
+                    continue
+                if new:
+                    bm.start(req, m, size)
+                else:
+                    self.upload(req)
+            taken.add(rid)
             batch.append(req)
+            if budget is not None:
+                budget -= min(req.prompt_left, budget) if req.prompt_pending else 1
         if batch:  # swaps ride on a plan: none without one
             self.ahead_of_time(order, taken, enst, reserve)
         return batch
 
-    def admits(self, m: Match, size: int) -> bool:
-        """Whether a new job of `size` blocks (less its held cached prefix) may start: every started
-        job's KV fits the device pool together."""
-        return self.bm.n_rsrv_after(m, size) <= self.bm.num_blocks
-
-    def make_room(self, need: int, order: list["Request"], taken: set[str], enst: dict[str, float]) -> bool:
+    def make_room(self, size: int, job: "Request", lower: list["Request"], taken: set[str],
+                  enst: dict[str, float]) -> bool:
+        """Free `size` unreserved device blocks for `job` by offloading idle jobs among `lower` (priority)."""
         return False
 
     def ahead_of_time(self, order: list["Request"], taken: set[str], enst: dict[str, float], reserve: int) -> None:
         pass
 
+    def take_swaps(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The swap lists of the plan being sent; offloaded jobs may run again in later plans."""
+        self._evicted = set()
+        return self.bm.take_swaps()
+
     def offload(self, req: "Request") -> None:
-        n = self.bm.offload(req.request_id)
-        req.swaps.offloads += 1
-        req.swaps.offload_blocks += n
+        """Its KV to the host, its reservation released: it is no longer resident. (A job that was
+        made resident but has written no KV yet only gives its reservation back.)"""
+        self.bm.unreserve(req)
+        self._evicted.add(req.request_id)
+        if self.bm.table(req.request_id):
+            req.swaps.offloads += 1
+            req.swaps.offload_blocks += self.bm.offload(req.request_id)
 
     def upload(self, req: "Request") -> None:
+        """Its KV back to the device, its whole KV reserved again: resident."""
+        self.bm.reserve(req, self.bm.blocks_for(req.max_total_tokens))
         n = self.bm.upload(req.request_id)
         req.swaps.uploads += 1
         req.swaps.upload_blocks += n
 
 
 class ReactiveKV(DeferKV):
-    def admits(self, m: Match, size: int) -> bool:
-        """...or every started job's whole KV fits the host pool (an offload copies a job's shared
-        blocks too), so an offload always finds room."""
-        return super().admits(m, size) or self.bm.reserved_total + size <= self.bm.num_host_blocks
+    def victims(self, jobs: list["Request"], taken: set[str], enst: dict[str, float], than: float) -> list["Request"]:
+        """Idle resident jobs among `jobs`, not in this batch, expected to need `margin` times more
+        service than `than` seconds (preempting one that is likely closer to its end only delays both,
+        and a small gain does not pay for the copies and the churn), largest ENST first."""
+        idle = [(enst[r.request_id], i) for i, r in enumerate(jobs) if r.request_id not in taken
+                and self.resident(r) and self.bm.movable(r.request_id) and self.expect.remaining_s(r) > self.margin * than]
+        return [jobs[i] for _, i in sorted(idle, reverse=True)]
 
-    def victims(self, order: list["Request"], taken: set[str], enst: dict[str, float]) -> list["Request"]:
-        """Idle jobs with KV on the device, not in this batch nor uploaded by this plan, largest ENST
-        (then lowest priority) first."""
-        idle = [(enst[r.request_id], i) for i, r in enumerate(order)
-                if r.request_id not in taken and self.bm.table(r.request_id) and self.bm.movable(r.request_id)]
-        return [order[i] for _, i in sorted(idle, reverse=True)]
-
-    def make_room(self, need: int, order: list["Request"], taken: set[str], enst: dict[str, float]) -> bool:
-        """Offload victims until `need` device blocks are free; none if that cannot be reached."""
-        bm = self.bm
-        chosen, free, host_free = [], self.free, bm.num_free_host_blocks
-        for victim in self.victims(order, taken, enst):
-            if free >= need:
+    def make_room(self, size: int, job: "Request", lower: list["Request"], taken: set[str],
+                  enst: dict[str, float]) -> bool:
+        """Offload victims until `size` blocks are unreserved; none if that cannot be reached."""
+        chosen, room, host_free = [], self.room, self.bm.num_free_host_blocks
+        for victim in self.victims(lower, taken, enst, self.expect.remaining_s(job)):
+            if room >= size:
                 break
-            n = bm.held(victim.request_id)
-            if n <= host_free:
+            rid = victim.request_id
+            n = len(self.bm.table(rid))
+            if n <= host_free:   # its blocks other jobs hold stay reserved for them
                 chosen.append(victim)
-                free, host_free = free + bm.freed_by_offload(victim.request_id), host_free - n
-        if free < need:
+                room, host_free = room + victim.reserved_blocks - n + self.bm.freed_by_offload(rid), host_free - n
+        if room < size:
             return False
         for victim in chosen:
             self.offload(victim)
@@ -154,18 +167,18 @@ class ReactiveKV(DeferKV):
 class ProactiveKV(ReactiveKV):
     def ahead_of_time(self, order: list["Request"], taken: set[str], enst: dict[str, float], reserve: int) -> None:
         bm = self.bm
-        for victim in self.victims(order, taken, enst):
-            if self.free >= reserve:
+        for victim in self.victims(order, taken, enst, self.expect.new_job_s()):
+            if self.room >= reserve:
                 break
-            if bm.held(victim.request_id) <= bm.num_free_host_blocks:
+            if len(bm.table(victim.request_id)) <= bm.num_free_host_blocks:
                 self.offload(victim)
-        # upload only with a batch's growth (a block per job) to spare, so the job is not the next victim
-        waiting = sorted((enst[r.request_id], i) for i, r in enumerate(order)
-                         if bm.on_host(r.request_id) and bm.movable(r.request_id))
-        for _, i in waiting:
-            if self.free - bm.held(order[i].request_id) < reserve + self.max_bs:
+        for _, i in sorted((enst[r.request_id], i) for i, r in enumerate(order) if bm.on_host(r.request_id)):
+            job = order[i]
+            if job.request_id in self._evicted:
+                continue
+            if self.room - bm.blocks_for(job.max_total_tokens) < reserve:
                 break
-            self.upload(order[i])
+            self.upload(job)
 
 
 KV_POLICIES: dict[str, type[DeferKV]] = {"defer": DeferKV, "reactive": ReactiveKV, "proactive": ProactiveKV}

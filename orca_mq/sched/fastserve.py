@@ -22,6 +22,7 @@ import structlog
 from orca_mq.engine.dtype import DTYPE_BYTES, resolve_dtype
 from orca_mq.protocol.iteration import IterationPlan
 from orca_mq.kv.policy import KV_POLICIES
+from orca_mq.sched.lengths import OutputLengths
 from orca_mq.sched.mlfq import SkipJoinMLFQ
 from orca_mq.sched.profiler import IterationProfile
 from orca_mq.sched.registry import register
@@ -31,7 +32,6 @@ from orca_mq.sched.request import Phase, Request
 if TYPE_CHECKING:
     from orca_mq.config import Config
     from orca_mq.engine.model_info import ModelInfo
-
 
 
 def _logger() -> Any:
@@ -51,10 +51,11 @@ class FastServeScheduler(Scheduler):
         fs, eng = cfg.fastserve, cfg.engine
         if fs.kv_policy not in KV_POLICIES:
             raise ValueError(f"fastserve.kv_policy must be one of {sorted(KV_POLICIES)}, got {fs.kv_policy!r}")
-        if fs.min_free_blocks < 0 or fs.burst_queues < 0:
-            raise ValueError("fastserve.min_free_blocks and fastserve.burst_queues must be >= 0")
+        if fs.min_free_blocks < 0 or fs.burst_queues < 0 or fs.preempt_margin < 0:
+            raise ValueError("fastserve.min_free_blocks, fastserve.burst_queues and fastserve.preempt_margin must be >= 0")
         self.fs = fs
-        self.kv = KV_POLICIES[fs.kv_policy](self.block_manager, self.max_bs)
+        self.kv = KV_POLICIES[fs.kv_policy](self.block_manager, self.max_bs, self, fs.preempt_margin)
+        self.lengths = OutputLengths(info.max_model_len(cfg), fs.length_window, fs.prior_jobs)
         dtype = resolve_dtype(cfg.model.dtype, eng.device)
         self.block_bytes = 2 * info.n_layers * eng.block_size * info.n_kv_heads * info.head_dim * DTYPE_BYTES[dtype]
         self.log = _logger()
@@ -76,6 +77,16 @@ class FastServeScheduler(Scheduler):
         self.mlfq = SkipJoinMLFQ(self.fs.n_queues, q1, self.fs.quantum_ratio, self.fs.starve_limit)
         self.log.info("fastserve quanta", quanta_s=[round(q, 4) for q in self.mlfq.quanta], kv_policy=self.fs.kv_policy)
 
+    def remaining_s(self, req: Request) -> float:
+        """Its expected remaining service: its prompt still to feed, then its expected remaining tokens
+        (the learned law of output lengths) at one increment iteration at max_bs each."""
+        prompt = self.profile.initiation_time(req.prompt_left) - self.profile.increment_time(1) if req.prompt_pending else 0.0
+        return max(0.0, prompt) + self.lengths.expected_remaining(len(req.output_token_ids)) * self.profile.increment_time(self.max_bs)
+
+    def new_job_s(self) -> float:
+        """A new job's expected service, its prompt aside."""
+        return self.lengths.expected_remaining(0) * self.profile.increment_time(self.max_bs)
+
     def next_iteration_time(self, req: Request) -> float:
         """Its next iteration: the next prompt chunk (the whole prompt without a token budget), or an increment."""
         if req.prompt_pending:
@@ -93,6 +104,8 @@ class FastServeScheduler(Scheduler):
         self.log.debug("skip-join", request_id=req.request_id, queue=q + 1, prompt=len(req.prompt_token_ids))
 
     def release(self, req: Request) -> None:
+        if self.lengths.observe(len(req.output_token_ids), req.finish_reason in ("stop", "length")):
+            self.lengths.refresh(len(r.output_token_ids) for r in self.pool.values())
         self.log.info("fastserve request done", request_id=req.request_id, finish_reason=req.finish_reason,
                       **self.finished[req.request_id])
 
@@ -101,7 +114,7 @@ class FastServeScheduler(Scheduler):
     def schedule(self, now: float) -> IterationPlan | None:
         plan = super().schedule(now)
         if plan is not None:
-            plan.swap_out, plan.swap_in = self.block_manager.take_swaps()
+            plan.swap_out, plan.swap_in = self.kv.take_swaps()
             if plan.swap_out or plan.swap_in:
                 self.log.debug("kv swap", iteration=plan.iteration, offload_blocks=len(plan.swap_out),
                                upload_blocks=len(plan.swap_in))
@@ -124,12 +137,13 @@ class FastServeScheduler(Scheduler):
                 req.waits.queued_s += waited
 
     def free_target(self) -> int:
-        """Device blocks kept free: max(K, burst). A burst of arrivals skip-joins the top queues, so
-        the burst predictor is the KV the jobs there without device KV (new or offloaded) need to run."""
+        """Device blocks kept unreserved: max(K, burst). A burst of arrivals skip-joins the top queues,
+        so the burst predictor is the reservations of the jobs there that are not resident (new or
+        offloaded): what they need to run."""
         bm, burst = self.block_manager, 0
         for req in self.pool.values():
-            if req.job.queue < self.fs.burst_queues and not bm.table(req.request_id):
-                burst += bm.blocks_for(req.num_tokens)
+            if req.job.queue < self.fs.burst_queues and not self.kv.resident(req):
+                burst += bm.blocks_for(req.max_total_tokens)
         return max(self.fs.min_free_blocks, burst)
 
     def after_iteration(self, batch: list[Request], now: float) -> None:
