@@ -247,7 +247,10 @@ class Scheduler:
             self.add(req)
 
     def check(self, req: Request) -> None:
-        """Refuse a request this policy can never run (raise ValueError)."""
+        """Refuse a request this policy can never run (raise ValueError): one whose whole KV (prompt
+        and max_tokens) exceeds the device pool would wait forever for its reservation."""
+        if self.block_manager.blocks_for(req.max_total_tokens) > self.block_manager.num_blocks:
+            raise ValueError(f"request {req.request_id}: {req.max_total_tokens} tokens exceed the device KV pool")
 
     def enter(self, req: Request) -> None:
         """A request joined the pool (FastServe: its skip-join)."""

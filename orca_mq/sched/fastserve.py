@@ -95,10 +95,6 @@ class FastServeScheduler(Scheduler):
 
     # ------------------------------------------------------------ pool
 
-    def check(self, req: Request) -> None:
-        if self.block_manager.blocks_for(req.max_total_tokens) > self.block_manager.num_blocks:
-            raise ValueError(f"request {req.request_id}: {req.max_total_tokens} tokens exceed the device KV pool")
-
     def enter(self, req: Request) -> None:
         q = self.mlfq.join(req, self.next_iteration_time(req), req.arrival)
         self.log.debug("skip-join", request_id=req.request_id, queue=q + 1, prompt=len(req.prompt_token_ids))
