@@ -37,6 +37,7 @@ class EngineConfig:
     n_slots: int = 16384
     block_size: int = 16
     host_slots: int = 65536
+    prefix_caching: bool = True
 
 
 @dataclass(slots=True)

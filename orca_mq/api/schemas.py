@@ -156,10 +156,15 @@ class ChatCompletionRequest(_Sampling):
 
 # ---------------------------------------------------------------- responses
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0   # prompt tokens whose K/V came from the prefix cache (as OpenAI reports it)
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionChoice(BaseModel):

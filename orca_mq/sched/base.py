@@ -8,14 +8,16 @@ or simulated here is what serves.
 """
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from orca_mq.protocol.iteration import IterationPlan, IterationResult, SeqWork
+from orca_mq.engine.dtype import resolve_dtype
 from orca_mq.kv.block_manager import BlockManager
 from orca_mq.kv.pool import PoolSize
+from orca_mq.kv.prefix import chain_seed
 from orca_mq.sched.profiler import IterationProfile, Profiler, profile_max_len
 from orca_mq.sched.request import Phase, Request
 from orca_mq.structured.bitmask import fill_masks
@@ -25,6 +27,7 @@ if TYPE_CHECKING:
     from orca_mq.engine.model_info import ModelInfo
 
 RECORD_WINDOW = 10_000   # iterations kept in `record`: it is read by tests and stats, and must not grow forever
+KEPT_METRICS = 10_000    # finished requests whose metrics stay available
 
 
 @dataclass(slots=True)
@@ -51,7 +54,10 @@ class Scheduler:
         self.max_bs = cfg.scheduler.max_bs
         self.token_budget = cfg.scheduler.max_num_batched_tokens  # 0: no budget, whole prompts (ORCA)
         self.n_workers = cfg.engine.n_workers
-        self.block_manager = BlockManager(PoolSize.from_config(cfg))
+        # prefix hashes are seeded with what besides the tokens changes K/V: the model and its dtype
+        seed = chain_seed(info.path, info.arch, resolve_dtype(cfg.model.dtype, cfg.engine.device)) if cfg.engine.prefix_caching else None
+        self.block_manager = BlockManager(PoolSize.from_config(cfg), seed, host=self.swaps_kv)
+        self.finished: OrderedDict[str, dict[str, Any]] = OrderedDict()   # metrics of the last KEPT_METRICS finished
         self.eos_token_ids = set(info.eos_token_ids)
         self.pool: dict[str, Request] = {}            # insertion order = arrival order
         self.in_flight: dict[int, list[Request]] = {}
@@ -136,7 +142,10 @@ class Scheduler:
 
     def schedule(self, now: float) -> IterationPlan | None:
         """The next iteration, or None when nothing can run (`step` keeps the pipeline's cap)."""
-        batch = self.fit_budget(self.select(now))
+        selected = self.select(now)
+        for req in selected:   # blocks of its prompt that requests prefilling the same prefix published since it started
+            self.block_manager.reuse(req)
+        batch = self.fit_budget(selected)
         if not batch:
             return None
         self.admitted(batch, now)
@@ -187,6 +196,8 @@ class Scheduler:
             if req.phase is Phase.FINISHED:  # the request-level baseline's inactive request: compute wasted
                 continue
             req.n_iterations += 1
+            if req.request_id not in failed:   # its K/V is written: its full blocks join the prefix cache
+                self.block_manager.computed(req, req.n_prompt_fed if req.prompt_pending else req.num_tokens)
             if req.aborted or req.request_id in failed:  # its work failed on a worker: it ends, the batch goes on
                 reason = "abort" if req.aborted else "error"
                 self._finish(req, reason)
@@ -223,6 +234,9 @@ class Scheduler:
         """A finished request leaves the pool and frees its KV."""
         del self.pool[req.request_id]
         self.block_manager.release(req)
+        self.finished[req.request_id] = self.metrics(req)
+        while len(self.finished) > KEPT_METRICS:
+            self.finished.popitem(last=False)
         self.release(req)
 
     # ------------------------------------------------------------ policy hooks
@@ -269,6 +283,14 @@ class Scheduler:
     def emit(self, events: list[TokenEvent]) -> list[TokenEvent]:
         return events
 
+    def metrics(self, req: Request) -> dict[str, Any]:
+        """A request's scheduler metrics for its final message: its prompt tokens taken from the
+        prefix cache, and what the policy adds (FastServe: queues, swaps)."""
+        return {"cached_tokens": req.cached_tokens}
+
     def request_metrics(self, request_id: str) -> dict[str, Any] | None:
-        """Policy-specific metrics of a request for its final message (FastServe: queues, swaps)."""
-        return None
+        """A request's metrics, live or (one of the last KEPT_METRICS) finished; None if unknown."""
+        if request_id in self.finished:
+            return self.finished[request_id]
+        req = self.pool.get(request_id)
+        return None if req is None else self.metrics(req)

@@ -63,6 +63,9 @@ class Request:
     finish_time: float | None = None
     finish_reason: str | None = None
     reserved_blocks: int = 0       # KV blocks of max_total_tokens, reserved when it starts (ORCA's n_rsrv, FastServe's admission)
+    cached_tokens: int = 0         # prompt tokens whose K/V it took from the prefix cache instead of computing
+    kv_hashes: list[bytes] = field(default_factory=list)   # prefix hashes of its first full blocks (orca_mq/kv/prefix.py)
+    kv_published: int = 0          # its leading blocks known computed (taken from, or offered to, the prefix cache)
     job: JobState = field(default_factory=JobState)
     waits: Waits = field(default_factory=Waits)
     swaps: SwapCounts = field(default_factory=SwapCounts)
