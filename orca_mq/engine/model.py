@@ -11,6 +11,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from orca_mq.engine import gemm
 from orca_mq.engine.attention import AttentionBackend, AttentionMetadata
 from orca_mq.engine.kv_cache import KVCache
 from orca_mq.engine.model_info import ModelInfo
@@ -56,7 +57,7 @@ class StageModel:
         if not self.last:
             return h
         h = h.index_select(0, meta.last_token_idx)
-        return self.tp.gather_logits(F.linear(self._norm(h, self.w.final_norm["w"], self.w.final_norm.get("b")), self.w.lm_head))
+        return self.tp.gather_logits(gemm.linear(self._norm(h, self.w.final_norm["w"], self.w.final_norm.get("b")), self.w.lm_head))
 
     def embed(self, tokens: Tensor, meta: AttentionMetadata) -> Tensor:
         h = self.tp.embed(tokens, self.w.embed)
@@ -74,7 +75,7 @@ class StageModel:
                k_cache: Tensor, v_cache: Tensor, rope: tuple[Tensor, Tensor] | None) -> Tensor:
         gpt2 = self.info.arch == "gpt2"
         x = self._norm(h, w["ln1_w"], w["ln1_b"]) if gpt2 else self._norm(h, w["attn_norm"], None)
-        qkv = F.linear(x, w["qkv"], w.get("qkv_b"))
+        qkv = gemm.linear(x, w["qkv"], w.get("qkv_b"))
         t, d = h.shape[0], self.info.head_dim
         q, k = qkv[:, : self.split[0]].reshape(t, -1, d), qkv[:, self.split[0]: -self.split[2]].reshape(t, -1, d)
         v = qkv[:, -self.split[2]:].reshape(t, -1, d)
@@ -85,12 +86,12 @@ class StageModel:
             q, k = self.fused.rotary(q, k, meta.positions, self.cos, self.sin)
         self.attention.write_kv(k, v, k_cache, v_cache, meta)
         o = self.attention.attend(q, k, v, k_cache, v_cache, meta, self.scale).reshape(t, -1)
-        h = h + self.tp.reduce(F.linear(o, w["o"], w.get("o_b")))  # row-parallel: partial sums per rank
+        h = h + self.tp.reduce(gemm.linear(o, w["o"], w.get("o_b")))  # row-parallel: partial sums per rank
         if gpt2:
             x = self._norm(h, w["ln2_w"], w["ln2_b"])
-            return h + self.tp.reduce(F.linear(F.gelu(F.linear(x, w["fc"], w["fc_b"]), approximate="tanh"), w["proj"], w.get("proj_b")))
-        gate, up = F.linear(self._norm(h, w["ffn_norm"], None), w["gate_up"]).chunk(2, dim=-1)
-        return h + self.tp.reduce(F.linear(F.silu(gate) * up, w["down"]))
+            return h + self.tp.reduce(gemm.linear(F.gelu(gemm.linear(x, w["fc"], w["fc_b"]), approximate="tanh"), w["proj"], w.get("proj_b")))
+        gate, up = gemm.linear(self._norm(h, w["ffn_norm"], None), w["gate_up"]).chunk(2, dim=-1)
+        return h + self.tp.reduce(gemm.linear(F.silu(gate) * up, w["down"]))
 
 
 def _rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from orca_mq.engine import gemm
 from orca_mq.engine.attention import build_metadata, resolve
 from orca_mq.engine.dtype import native_bf16_flags, resolve_dtype
 from orca_mq.protocol.iteration import IterationPlan, IterationResult
@@ -15,7 +16,7 @@ from orca_mq.engine.parallel import TensorParallel, TPGroup
 from orca_mq.engine.sampler import sample
 from orca_mq.engine.threads import use_threads
 from orca_mq.engine.model_info import ModelInfo, read_model_info
-from orca_mq.engine.weights import load_stage_weights
+from orca_mq.engine.weights import MATRICES, load_stage_weights
 
 if TYPE_CHECKING:
     from orca_mq.config import Config
@@ -65,7 +66,14 @@ class ModelRunner:
             if t is not None:
                 setattr(weights, name, t.to(self.device))
         if weights.lm_head is not None and weights.embed is not None and self.info.tie_embeddings:
-            weights.lm_head = weights.embed  # one copy of a tied head
+            weights.lm_head = weights.embed  # one copy of a tied head (a second one when the GEMM reorders it)
+        self.gemm = gemm.resolve_method(cfg.engine.gemm, self.device, self.dtype)
+        for w in weights.layers:
+            for k in MATRICES:
+                if k in w:
+                    w[k] = gemm.prepare(w[k], self.gemm)
+        if weights.lm_head is not None:
+            weights.lm_head = gemm.prepare(weights.lm_head, self.gemm)
         self.block_size = cfg.engine.block_size
         self.model = StageModel(self.info, weights, layers, self.info.max_model_len(cfg), self.device,
                                 resolve(cfg.engine.attention_backend, self.device, self.dtype), self.tp)
