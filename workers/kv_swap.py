@@ -24,6 +24,7 @@ import torch
 
 from orca_mq.protocol.iteration import IterationPlan
 from orca_mq.engine.kv_cache import KVCache
+from orca_mq.engine.device import use_device
 from orca_mq.engine.threads import use_threads
 
 
@@ -82,6 +83,7 @@ class KVSwapper:
         self._items.put(None)
 
     def _run(self) -> None:
+        use_device(self.kv.k.device)   # its events and pinned buffers belong to the stage's GPU
         use_threads(1)   # copies are memory-bound: no second OpenMP team beside the compute thread's
         self._threads_set.set()
         item = 0

@@ -8,6 +8,7 @@ import torch
 
 from orca_mq.engine import gemm
 from orca_mq.engine.attention import build_metadata, resolve
+from orca_mq.engine.device import resolve_device, use_device
 from orca_mq.engine.dtype import native_bf16_flags, resolve_dtype
 from orca_mq.protocol.iteration import IterationPlan, IterationResult
 from orca_mq.engine.kv_cache import KVCache
@@ -34,24 +35,17 @@ class Swapper(Protocol):
     def wait(self, plan: IterationPlan) -> None: ...
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("engine.device = cuda but no CUDA device is available")
-    return torch.device(name)
-
-
 class ModelRunner:
     def __init__(self, cfg: "Config", stage: int = 0, n_stages: int = 1, info: ModelInfo | None = None,
-                 tp: TPGroup | None = None) -> None:
-        self.device = resolve_device(cfg.engine.device)
+                 tp: TPGroup | None = None, device: torch.device | None = None) -> None:
+        self.device = device or resolve_device(cfg.engine.device)
+        use_device(self.device)   # the thread that builds a runner is the one that runs it
         dtype = resolve_dtype(cfg.model.dtype, self.device.type)
         if cfg.model.dtype == "auto":
             log.info("model.dtype auto: %s (%s, native bfloat16 flags: %s)", dtype, self.device.type,
                      ", ".join(native_bf16_flags()) or "none")
         self.dtype = DTYPES[dtype]
-        use_threads(cfg.engine.threads_per_worker)   # the thread that builds a runner is the one that runs it
+        use_threads(cfg.engine.threads_per_worker)
         self.info = info or read_model_info(cfg.model.path, cfg.model.cache_dir)
         self.stage, self.n_stages = stage, n_stages
         self.first, self.last = stage == 0, stage == n_stages - 1
