@@ -2,7 +2,7 @@
 
 All tokens of the iteration flow as one [T, hidden] tensor through embeddings, norms, QKV/out
 projections, MLP and residual adds; only attention is split per request (the backend of attention/); the LM
-head runs on each request's last token only.
+head runs only on the last token of each request that samples (a prompt chunk with more to come does not).
 """
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ class StageModel:
     @torch.inference_mode()
     def forward(self, inputs: Tensor, meta: AttentionMetadata, kv: KVCache) -> Tensor:
         """inputs: token ids [T] on the first stage, else hidden [T, H]. Returns hidden [T, H],
-        or logits [B, vocab] of each request's last token on the last stage."""
+        or on the last stage logits [S, vocab] of the last token of each request that samples."""
         h = self.embed(inputs, meta) if self.first else inputs
         # the torch path gathers this iteration's rotary rows once for all layers
         rope = (self.cos[meta.positions], self.sin[meta.positions]) if self.info.arch == "llama" and self.fused is None else None
@@ -56,7 +56,7 @@ class StageModel:
             h = self._layer(h, w, meta, k_cache, v_cache, rope)
         if not self.last:
             return h
-        h = h.index_select(0, meta.last_token_idx)
+        h = h.index_select(0, meta.logit_rows)
         return self.tp.gather_logits(gemm.linear(self._norm(h, self.w.final_norm["w"], self.w.final_norm.get("b")), self.w.lm_head))
 
     def embed(self, tokens: Tensor, meta: AttentionMetadata) -> Tensor:

@@ -91,8 +91,11 @@ class ModelRunner:
             return out
         if self.tp.where.rank != 0:
             return None
-        tokens, failed = sample(out, plan.seqs)
-        return IterationResult(plan.iteration, [s.request_id for s in plan.seqs], tokens, [plan.seqs[b].request_id for b in failed])
+        seqs = [s for s in plan.seqs if s.sample]   # logits' rows, in plan order
+        tokens, failed = sample(out, seqs) if seqs else ([], [])
+        drawn = iter(tokens)
+        return IterationResult(plan.iteration, [s.request_id for s in plan.seqs],
+                               [next(drawn) if s.sample else -1 for s in plan.seqs], [seqs[b].request_id for b in failed])
 
     def prepare(self, plan: IterationPlan) -> None:
         """Start the plan's KV copies ahead of its compute (the controller calls it on frame arrival)."""
@@ -110,7 +113,7 @@ class ModelRunner:
             self.host_kv.copy_blocks(self.kv, plan.swap_in)
 
     def forward(self, plan: IterationPlan, hidden_in: Tensor | None = None) -> Tensor:
-        """Hidden states [T, hidden], or on the last stage logits [B, vocab] of each request's last token."""
+        """Hidden states [T, hidden], or on the last stage logits [S, vocab] of each sampling request's last token."""
         meta = build_metadata(plan, self.block_size, self.device)
         if self.first:
             inputs = torch.tensor([t for s in plan.seqs for t in s.token_ids], dtype=torch.int64, device=self.device)

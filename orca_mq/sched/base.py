@@ -97,7 +97,8 @@ class Scheduler:
                 req.n_prompt_fed = start + len(tokens)
             table = self.block_manager.ensure(req.request_id, start + len(tokens))
             p = req.params
-            seqs.append(SeqWork(req.request_id, tokens, start, list(table), p.temperature, p.top_k, p.top_p, p.seed))
+            seqs.append(SeqWork(req.request_id, tokens, start, list(table), p.temperature, p.top_k, p.top_p, p.seed,
+                                sample=not req.prompt_pending))
             req.running = True
         self.iteration += 1
         plan = IterationPlan(self.iteration, seqs)
