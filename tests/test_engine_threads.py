@@ -10,7 +10,7 @@ import torch
 from orca_mq.config import load_config
 from orca_mq.engine.model_runner import ModelRunner
 from orca_mq.engine.threads import use_threads
-from kernels import cpu_decode
+from kernels import cpu_kernels
 from orca_mq.protocol.iteration import IterationPlan, SeqWork
 from workers.data_plane import DataPlane
 from workers.kv_swap import KVSwapper
@@ -44,8 +44,9 @@ def test_a_later_set_num_threads_elsewhere_does_not_reset_a_thread():
 def test_the_decode_kernel_keeps_its_thread_count_after_another_thread_set_one():
     """A C++ extension has its own copy of torch's lazy per-thread init: with at::parallel_for, the
     kernel's first call reset the calling thread to the 1 another thread set last (issue 21)."""
-    kernel = cpu_decode.load()
-    assert kernel is not None, "the CPU decode kernel must build on this machine (gcc is required)"
+    ext = cpu_kernels.load()
+    assert ext is not None, "the CPU kernels must build on this machine (gcc is required)"
+    kernel = ext.paged_decode_attention
     first_set, second_set, seen = threading.Event(), threading.Event(), []
 
     def first() -> None:
