@@ -14,7 +14,7 @@ DType = Literal["auto", "float32", "bfloat16", "float16"]
 Device = Literal["auto", "cpu", "cuda"]
 AttentionBackend = Literal["auto", "torch", "cpu", "triton"]
 Gemm = Literal["auto", "torch", "onednn"]
-Policy = Literal["orca", "request", "fastserve"]
+Policy = Literal["orca", "request", "fastserve", "srpt"]
 KVPolicy = Literal["proactive", "defer", "reactive"]
 LogLevel = Literal["debug", "info", "warning", "error"]
 
@@ -53,6 +53,9 @@ class FastServeConfig:
     quantum: float = 0.0
     quantum_ratio: float = 2.0
     starve_limit: float = 60.0
+    length_window: int = 1000
+    prior_jobs: float = 8.0
+    preempt_margin: float = 2.0
     kv_policy: KVPolicy = "proactive"
     min_free_blocks: int = 8
     burst_queues: int = 2

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from orca_mq.kv.pool import PoolSize
 from orca_mq.sampling_params import InvalidRequest, SamplingParams
 
 if TYPE_CHECKING:
@@ -55,10 +56,9 @@ def validate_request(prompt_token_ids: list[int], params: SamplingParams, info: 
             f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
             f"exceeds the context length {max_len}"
         )
-    bs = cfg.engine.block_size
-    pool = cfg.engine.n_slots // bs * bs
-    if -(-total // bs) * bs > pool:
+    pool = PoolSize.from_config(cfg)
+    if not pool.fits(total):
         raise InvalidRequest(
             f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
-            f"exceeds the KV pool of {pool} slots (engine.n_slots)"
+            f"exceeds the KV pool of {pool.device_slots} slots (engine.n_slots)"
         )

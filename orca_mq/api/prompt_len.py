@@ -7,6 +7,7 @@ import asyncio
 from typing import Any
 
 from orca_mq.config import Config
+from orca_mq.kv.pool import PoolSize
 from orca_mq.protocol.client_msgs import Generate
 from orca_mq.sampling_params import InvalidRequest
 from orca_mq.server.prompts import Prompts
@@ -16,8 +17,7 @@ from orca_mq.tokenizer import load_tokenizer
 class PromptCounter:
     def __init__(self, cfg: Config, max_model_len: int) -> None:
         self.prompts = Prompts.for_model(load_tokenizer(cfg.model.path, cfg.model.cache_dir), max_model_len)
-        bs = cfg.engine.block_size
-        self.budget = min(max_model_len, cfg.engine.n_slots // bs * bs)
+        self.budget = min(max_model_len, PoolSize.from_config(cfg).device_slots)
 
     async def remaining(self, prompt: dict[str, Any]) -> int:
         """Context left after the prompt (at least 1: a prompt that cannot be served is the frontend's to refuse)."""
