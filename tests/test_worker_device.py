@@ -16,7 +16,7 @@ import torch
 from orca_mq.config import load_config
 from orca_mq.engine.device import resolve_device, worker_device
 from workers.data_plane import DataPlane
-from workers.kv_swap import KVSwapper
+from orca_mq.kv.swapper import KVSwapper
 from workers.stage_executor import StageExecutor
 
 
@@ -60,7 +60,8 @@ def test_the_compute_and_swap_threads_use_the_worker_device(bound: dict[str, tor
     executor.stop()
     assert built["compute"] == device
 
-    kv = SimpleNamespace(k=SimpleNamespace(device=device, is_cuda=False), host_pool=lambda n: None)
-    swapper = KVSwapper(kv, 4)   # type: ignore[arg-type]
+    # a pool on the worker's device as far as the swapper asks (its host pool is built on the CPU)
+    kv = SimpleNamespace(k=SimpleNamespace(device=device, is_cuda=False, shape=(1, 1, 1, 1), dtype=torch.float32))
+    swapper = KVSwapper(kv, 4, depth=1)   # type: ignore[arg-type]
     swapper.close()
     assert bound["kv-swap"] == device
