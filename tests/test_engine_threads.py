@@ -87,7 +87,7 @@ def test_a_worker_with_a_copy_thread_computes_on_all_its_threads(tiny_llama_dir)
         seen.append(torch.get_num_threads())   # on the compute thread, after a decode iteration
         done.set()
 
-    executor = StageExecutor(build, DataPlane(0, 1, 0, torch.device("cpu")), torch.device("cpu"), on_ready=lambda r: None,
+    executor = StageExecutor(build, DataPlane(0, 1, torch.device("cpu"), None), torch.device("cpu"), on_ready=lambda r: None,
                              on_result=on_result, on_error=lambda e: done.set(), log=structlog.get_logger())
     executor.start()
     executor.submit(IterationPlan(1, [SeqWork("a", [5], 3, [0]), SeqWork("b", [6], 7, [1])]), 0.0)
@@ -108,7 +108,7 @@ def test_the_stage_executor_builds_its_runner_on_its_compute_thread(tiny_llama_d
         built.append(torch.get_num_threads())   # on the compute thread, after the build
         ready.set()
 
-    executor = StageExecutor(build, DataPlane(0, 1, 0, torch.device("cpu")), torch.device("cpu"), on_ready=on_ready,
+    executor = StageExecutor(build, DataPlane(0, 1, torch.device("cpu"), None), torch.device("cpu"), on_ready=on_ready,
                              on_result=lambda *a: None, on_error=lambda e: ready.set(), log=structlog.get_logger())
     executor.start()
     assert ready.wait(60)
