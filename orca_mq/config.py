@@ -13,6 +13,7 @@ DEFAULT_CONFIG_PATH = Path(__file__).resolve().parent.parent / "config.toml"
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 Device = Literal["auto", "cpu", "cuda"]
 AttentionBackend = Literal["auto", "torch", "cpu", "triton"]
+Gemm = Literal["auto", "torch", "onednn"]
 Policy = Literal["orca", "request", "fastserve", "srpt"]
 KVPolicy = Literal["proactive", "defer", "reactive"]
 LogLevel = Literal["debug", "info", "warning", "error"]
@@ -34,6 +35,7 @@ class EngineConfig:
     threads_per_worker: int = 2
     device: Device = "auto"
     attention_backend: AttentionBackend = "auto"
+    gemm: Gemm = "auto"
     n_slots: int = 16384
     block_size: int = 16
     host_slots: int = 65536

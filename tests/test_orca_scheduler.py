@@ -221,6 +221,7 @@ def test_token_budget_chunks_prompts_and_never_stalls_increments():
         by_id = {s.request_id: s for s in plan.seqs}
         assert plan.num_tokens <= 8 and len(by_id["r0"].token_ids) == len(by_id["r1"].token_ids) == 1
         fed.append((by_id["r2"].start_pos, len(by_id["r2"].token_ids)))
+        assert by_id["r0"].sample and by_id["r1"].sample and by_id["r2"].sample == (sum(n for _, n in fed) == 41)
         events = sched.process_result(finish(plan), 0.0)
         assert sched.block_manager.n_rsrv == reserved + 11                  # 41 + 2 tokens -> 11 blocks of 4
         assert ("r2" in {e.request_id for e in events}) == (sum(n for _, n in fed) == 41)  # no token before the prompt ends

@@ -28,6 +28,7 @@ class SeqWork:
     top_p: float = 1.0
     seed: int | None = None
     allowed_token_bitmask: bytes | None = None  # structured outputs: the grammar's allowed tokens, mask_bytes(vocab) long (engine/sampler.py)
+    sample: bool = True           # False: a prompt chunk with more of the prompt to come: no logits, no token
 
     @property
     def seq_len(self) -> int:
@@ -51,5 +52,5 @@ class IterationPlan:
 class IterationResult:
     iteration: int
     request_ids: list[str]
-    token_ids: list[int]          # one sampled token per request, same order as the plan
+    token_ids: list[int]          # one sampled token per request, same order as the plan (-1 where it samples nothing)
     failed: list[str] = field(default_factory=list)  # requests whose work failed: they end with an error

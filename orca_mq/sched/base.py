@@ -156,7 +156,8 @@ class Scheduler:
                 req.n_prompt_fed = start + len(tokens)
             table = self.block_manager.ensure(req.request_id, start + len(tokens))
             p = req.params
-            seqs.append(SeqWork(req.request_id, tokens, start, list(table), p.temperature, p.top_k, p.top_p, p.seed))
+            seqs.append(SeqWork(req.request_id, tokens, start, list(table), p.temperature, p.top_k, p.top_p, p.seed,
+                                sample=not req.prompt_pending))
             req.running = True
         fill_masks(seqs, [None if r.prompt_pending else r.grammar for r in batch])  # only rows that sample
         self.iteration += 1
