@@ -26,7 +26,6 @@ from orca_mq.protocol.codec import channel
 from orca_mq.protocol.control_msgs import Progress, Ready
 from orca_mq.protocol.engine_msgs import (AbortRequest, AddRequest, ControlFrame, IterationDone, StatsQuery,
                                           StatsResult, TokenBatch, WorkerStats, WorkerStatsQuery)
-from orca_mq.sampling_params import SamplingParams
 from orca_mq.sched import TokenEvent, make_scheduler
 from orca_mq.sched.profiler import Profiler
 from orca_mq.sched.request import Request
@@ -126,8 +125,7 @@ class SchedulerProcess:
             return
         if isinstance(msg, AddRequest):
             try:
-                params = SamplingParams.from_dict(msg.params)
-                self.sched.add(Request(msg.request_id, msg.prompt_token_ids, params, time.monotonic()))
+                self.sched.add(Request(msg.request_id, msg.prompt_token_ids, msg.params, time.monotonic()))
             except Exception:  # the frontend validated it: a refusal here is a bug, fail only this request
                 self.log.exception("request refused by the scheduler", request_id=msg.request_id)
                 await self.link.to_peer("frontend", TokenBatch(-1, [(msg.request_id, None, "error")]))
@@ -203,7 +201,7 @@ class SchedulerProcess:
 
 
 def main() -> None:
-    process_main("orca-mq iteration scheduler", lambda cfg, args: SchedulerProcess(cfg, args.run_dir).run(),
+    process_main("scheduler", "orca-mq iteration scheduler", lambda cfg, args: SchedulerProcess(cfg, args.run_dir).run(),
                  ("--run-dir", {"required": True, "help": "directory of the workers' control sockets"}))
 
 
