@@ -91,7 +91,7 @@ class Api:
 
         @app.exception_handler(HTTPException)
         async def http_error(_: Request, e: HTTPException) -> JSONResponse:  # unknown route, wrong method
-            code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+            code = {400: "invalid_json", 404: "not_found", 405: "method_not_allowed"}.get(e.status_code, "error")
             return _json_error(ApiError(e.status_code, str(e.detail), code))
 
         @app.exception_handler(Exception)
