@@ -41,6 +41,8 @@ def create_keys(directory: str | Path) -> tuple[Path, Path]:
     import zmq.auth
 
     directory = Path(directory).expanduser()
+    if (directory / "server.key_secret").exists():
+        raise FileExistsError(f"{directory} holds a key pair already (a server may use it): remove it first")
     directory.mkdir(parents=True, exist_ok=True)
     public, secret = zmq.auth.create_certificates(str(directory), "server")
     os.chmod(secret, 0o600)

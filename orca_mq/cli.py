@@ -214,7 +214,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "keys":
         from orca_mq.auth import create_keys
 
-        public, secret = create_keys(args.dir)
+        try:
+            public, secret = create_keys(args.dir)
+        except OSError as e:
+            raise SystemExit(f"orca-mq keys: {e}") from None
         print(f"public key (give it to clients: server_key=, --server-key): {public}\n"
               f"secret key (keep it: --set server.curve_secret_key={secret}): {secret}")
         return 0
