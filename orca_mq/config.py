@@ -17,7 +17,7 @@ MAX_API_KEY_CHARS = 256
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 Device = Literal["auto", "cpu", "cuda"]
 AttentionBackend = Literal["auto", "torch", "cpu", "triton"]
-Policy = Literal["orca", "request", "fastserve"]
+Policy = Literal["orca", "request", "fastserve", "srpt"]
 KVPolicy = Literal["proactive", "defer", "reactive"]
 LogLevel = Literal["debug", "info", "warning", "error"]
 

@@ -9,7 +9,7 @@ from typing import Any, Sequence
 from orca_mq.config import load_config
 from orca_mq.outputs import RequestOutput
 from orca_mq.engine.model_runner import ModelRunner
-from orca_mq.sched.profiler import measure
+from orca_mq.protocol.iteration import IterationResult
 from orca_mq.sampling_params import InvalidRequest, SamplingParams
 from orca_mq.sched import make_scheduler
 from orca_mq.sched.request import Request
@@ -35,8 +35,7 @@ class LLM:
         self.prompts = Prompts.for_model(self.tokenizer, self.info.max_model_len(self.cfg))
         self.runner = ModelRunner(self.cfg, info=self.info)
         self.scheduler = make_scheduler(self.cfg, self.info)
-        if (profiler := self.scheduler.profiler()) is not None:
-            self.scheduler.use_profile(measure(profiler, self.runner.execute))
+        self.run_until_done()   # a policy that needs this engine's iteration profile times its probes now
         self._ids = itertools.count()
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
@@ -67,9 +66,12 @@ class LLM:
         return self.generate(prompts, params)
 
     def run_until_done(self) -> None:
-        sched = self.scheduler
-        while sched.has_work():
-            plan = sched.schedule(time.monotonic())
-            if plan is None:
-                raise RuntimeError("scheduler has requests but cannot schedule any (KV pool too small?)")
-            sched.process_result(self.runner.execute(plan), time.monotonic())  # type: ignore[arg-type]
+        """The scheduler's iteration loop (`Scheduler.step`), offline: each plan runs here, in order."""
+        results: list[IterationResult] = []
+        while True:
+            out = self.scheduler.step(time.monotonic(), results)
+            results = [self.runner.execute(plan) for plan in out.plans]  # type: ignore[misc]
+            if not results:
+                if self.scheduler.has_work():
+                    raise RuntimeError("scheduler has requests but cannot schedule any (KV pool too small?)")
+                return

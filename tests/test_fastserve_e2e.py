@@ -17,7 +17,6 @@ from orca_mq.client import AsyncClient
 from orca_mq.sched.fastserve import FastServeScheduler
 from orca_mq.protocol.iteration import IterationPlan, SeqWork
 from orca_mq.engine.kv_cache import KVCache
-from orca_mq.sched.profiler import profile_engine
 from workers.kv_swap import KVSwapper
 
 PROMPTS = [
@@ -36,12 +35,8 @@ DEVICE_SLOTS = 8 * 16   # 8 blocks: the jobs started together need about 16
 
 @pytest.fixture(scope="module")
 def fastserve_llm():
-    llm = LLM(scheduler__policy="fastserve", dtype="float32", max_bs=2, n_slots=DEVICE_SLOTS, host_slots=64 * 16,
-              min_free_blocks=2, starve_limit=0.5)
-    bm = llm.scheduler.block_manager
-    llm.scheduler.use_profile(profile_engine(llm.runner.execute, bm.block_size, bm.num_blocks, max_len=DEVICE_SLOTS,
-                                             max_bs=2, repeats=1))
-    return llm
+    return LLM(scheduler__policy="fastserve", dtype="float32", max_bs=2, n_slots=DEVICE_SLOTS, host_slots=64 * 16,
+               min_free_blocks=2, starve_limit=0.5)   # its probes run in the constructor
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from orca_mq.sched.fastserve import FastServeScheduler
 from orca_mq.protocol.iteration import IterationPlan, IterationResult
 from orca_mq.sched.kv_policy import ProactiveKV, ReactiveKV
 from orca_mq.sched.mlfq import SkipJoinMLFQ
-from orca_mq.sched.profiler import IterationProfile, profile_engine
+from orca_mq.sched.profiler import IterationProfile
 from orca_mq.sampling_params import SamplingParams
 from orca_mq.sched.request import Request
 from orca_mq.engine.model_info import ModelInfo
@@ -69,28 +69,30 @@ def duration(plan: IterationPlan) -> float:
 
 
 def run(sched: FastServeScheduler, arrivals: list[Request], check=None) -> list[IterationPlan]:
-    """Drive the scheduler like the scheduler process: arrivals at their times, up to n_workers
-    plans in flight, results in order, the clock advancing by each iteration's duration."""
+    """Drive the scheduler's own loop (`step`) as the scheduler process does: arrivals at their times,
+    up to n_workers plans in flight, results in order, the clock advancing by each iteration's duration."""
     engine, pending, in_flight, plans = FakeEngine(), deque(sorted(arrivals, key=lambda r: r.arrival)), deque(), []
-    now = 0.0
-    while pending or sched.has_work():
+    now, results = 0.0, []
+    while True:
         while pending and pending[0].arrival <= now:
             sched.add(pending.popleft())
-        while (plan := sched.schedule(now)) is not None:
+        for plan in sched.step(now, results).plans:
             assert not any(sched.kv.on_host(s.request_id) for s in plan.seqs), "a job ran with its KV on the host"
             if check:
                 check(sched, plan)
             plans.append(plan)
             in_flight.append((plan, engine.execute(plan)))
+        results = []
         if in_flight:
             plan, result = in_flight.popleft()
             now += duration(plan)
-            sched.process_result(result, now)
+            results = [result]
         elif pending:
             now = pending[0].arrival
-        else:
+        elif sched.has_work():
             pytest.fail(f"stalled with work left: {sched.stats()}")
-    return plans
+        else:
+            return plans
 
 
 def bursty(n: int, seed: int, rate: float = 40.0) -> list[Request]:
@@ -307,21 +309,33 @@ def test_abort_frees_the_host_copy_and_keeps_metrics():
     assert [s.request_id for s in plan.seqs] == ["b"] and sched.kv.on_host("a") and plan.swap_out
     sched.process_result(engine.execute(plan), now + 0.02)
     assert sched.request_metrics("a")["offloads"] == 1                          # live: read off the request
-    assert sched.abort("a") is not None and sched.request_metrics("a")["offloads"] == 1
+    assert sched.abort("a") and sched.request_metrics("a")["offloads"] == 1
     assert sched.host_block_manager.num_free_blocks == sched.host_block_manager.num_blocks
     with pytest.raises(ValueError):
         sched.add(req("huge", 40, 1))   # more KV than the device pool can ever hold
 
 
-def test_profile_interpolates_measured_points_and_round_trips():
-    timings = iter([0.01 * (i % 7 + 1) for i in range(1000)])
+def test_probes_run_through_the_loop_first_and_requests_wait_for_the_profile():
+    """The profile's probe iterations go through `step()` one at a time before any request; a request
+    arriving meanwhile waits (it is skip-joined with the measured profile) and can be aborted."""
+    cfg = Config()
+    for key, value in {"engine.block_size": 16, "engine.n_slots": 64 * 16, "scheduler.max_bs": 8,
+                       "fastserve.profile_max_len": 300}.items():
+        cfg.set(key, value)
+    sched = FastServeScheduler(cfg, INFO)
+    sched.add(req("early", 20, 2))
+    sched.add(req("gone", 20, 2))
+    assert sched.has_work() and not sched.pool and sched.abort("gone")[0].finish_reason == "abort"
     seen: list[IterationPlan] = []
-
-    def fake_run(plan: IterationPlan) -> None:
-        seen.append(plan)
-        next(timings)
-
-    prof = profile_engine(fake_run, block_size=16, num_blocks=64, max_len=300, max_bs=8, repeats=1)
+    now, results = 0.0, []
+    while not seen or seen[-1].iteration < 0:
+        out = sched.step(now, results)
+        assert len(out.plans) == 1 and not out.events      # timed alone
+        seen.append(out.plans[0])
+        now += 0.01 * (len(seen) % 7 + 1)
+        results = [IterationResult(out.plans[0].iteration, [s.request_id for s in out.plans[0].seqs], [0] * len(out.plans[0].seqs))]
+    prof, first = sched.profile, seen.pop()   # the turn that ends the probes already plans the first request
+    assert prof is not None and sched.pool.keys() == {"early"} and [s.request_id for s in first.seqs] == ["early"]
     assert [x for x, _ in prof.initiation] == [1, 16, 32, 64, 128, 256, 300]
     assert [x for x, _ in prof.increment] == [1, 2, 4, 8]
     assert all(p.iteration < 0 for p in seen) and all(max(b for s in p.seqs for b in s.block_table) < 64 for p in seen)

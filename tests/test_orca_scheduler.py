@@ -32,14 +32,20 @@ def finish(plan: IterationPlan, token: int | None = None) -> IterationResult:
                            [token if token is not None else 100 + plan.iteration for _ in plan.seqs])
 
 
-def run(sched: Scheduler, steps: int = 10_000) -> list[tuple[str, int | None, str | None]]:
-    events = []
+def run(sched: Scheduler, steps: int = 10_000, fail: frozenset[str] = frozenset()) -> list[tuple[str, int | None, str | None]]:
+    """The scheduler's own loop against the fake engine, until no work is left; the requests in `fail`
+    fail on the engine in their first iteration."""
+    events, results = [], []
     for _ in range(steps):
-        plan = sched.schedule(0.0)
-        if plan is None:
+        out = sched.step(0.0, results)
+        events += [(e.request_id, e.token_id, e.finish_reason) for e in out.events]
+        if not out.plans:
             assert not sched.has_work(), "work left but nothing schedulable: deadlock"
             break
-        events += [(e.request_id, e.token_id, e.finish_reason) for e in sched.process_result(finish(plan), 0.0)]
+        results = [finish(p) for p in out.plans]
+        for r in results:
+            r.failed = [rid for rid in r.request_ids if rid in fail]
+        fail = frozenset()
     return events
 
 
@@ -110,11 +116,10 @@ def test_pipeline_keeps_n_workers_batches_in_flight():
     sched = make(max_bs=2, **{"engine.n_workers": 2})
     for i in range(4):
         sched.add(req(i))
-    p1, p2 = sched.schedule(0.0), sched.schedule(0.0)
+    p1, p2 = sched.step(0.0).plans
     assert [s.request_id for s in p1.seqs] == ["r0", "r1"] and [s.request_id for s in p2.seqs] == ["r2", "r3"]
-    assert sched.schedule(0.0) is None  # n_scheduled == n_workers: wait for one to return
-    sched.process_result(finish(p1), 0.0)
-    p3 = sched.schedule(0.0)
+    assert sched.step(0.0).plans == []  # n_scheduled == n_workers: wait for one to return
+    (p3,) = sched.step(0.0, [finish(p1)]).plans
     assert [s.request_id for s in p3.seqs] == ["r0", "r1"]  # running requests (r2, r3) are not candidates
 
 
@@ -123,13 +128,13 @@ def test_abort_waiting_and_running_requests_frees_kv():
     sched.add(req(0, max_tokens=10))
     sched.add(req(1))
     plan = sched.schedule(0.0)
-    assert sched.abort("r1").finish_reason == "abort"      # waiting: final event now
-    assert sched.abort("r0") is None                       # running: when its iteration returns
+    assert [e.finish_reason for e in sched.abort("r1")] == ["abort"]   # waiting: final event now
+    assert sched.abort("r0") == []                         # running: when its iteration returns
     events = sched.process_result(finish(plan), 0.0)
     assert [(e.request_id, e.token_id, e.finish_reason) for e in events] == [("r0", None, "abort")]
     assert not sched.has_work() and sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
     assert sched.n_rsrv == 0
-    assert sched.abort("nope") is None
+    assert sched.abort("nope") == []
 
 
 def test_stop_conditions():
@@ -150,7 +155,7 @@ def test_request_level_baseline_runs_batches_to_completion():
     plan = sched.schedule(0.0)
     assert sched.process_result(finish(plan), 0.0) == []    # r0 finished but does not return early
     held_slots = sched.block_manager.num_used_slots
-    assert sched.abort("r0") is None                        # finished already: no second final message
+    assert sched.abort("r0") == []                          # finished already: no second final message
     sched.add(req(2, max_tokens=1))
     seen = []
     while sched.has_work():
@@ -239,3 +244,25 @@ def test_request_level_baseline_ignores_the_token_budget():
     sched.add(req(0, prompt_len=5))
     sched.add(req(1, prompt_len=5))
     assert sched.schedule(0.0).num_tokens == 10
+
+
+def test_request_level_a_member_failing_before_its_first_token_leaves_its_batch():
+    """It used to stay in the batch as an inactive member and be planned again from an empty
+    output (IndexError): the scheduler process died and every request got `unavailable`."""
+    sched = make("request", max_bs=2)
+    sched.add(req(0, max_tokens=3))
+    sched.add(req(1, max_tokens=3))
+    events = run(sched, fail=frozenset({"r0"}))
+    assert [(rid, reason) for rid, _, reason in events if reason] == [("r0", "error"), ("r1", "length")]
+    assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks and sched.n_rsrv == 0
+
+
+def test_request_level_aborting_the_last_unfinished_member_ends_the_batch():
+    """A member aborted between its iterations, with nobody else in its batch left to run, used to
+    leave a batch of finished requests that never ended: `select` returned [] and the next request starved."""
+    sched = make("request", max_bs=1)
+    sched.add(req(0, max_tokens=5))
+    sched.process_result(finish(sched.schedule(0.0)), 0.0)    # r0 has a token and waits for its next iteration
+    assert [(e.request_id, e.finish_reason) for e in sched.abort("r0")] == [("r0", None), ("r0", "abort")]  # held till now
+    sched.add(req(1, max_tokens=2))
+    assert [(rid, reason) for rid, _, reason in run(sched) if reason] == [("r1", "length")]

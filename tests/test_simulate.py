@@ -6,12 +6,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 
-from simulate import SrptOracle, simulate  # noqa: E402
+from simulate import profile_cost, simulate  # noqa: E402
 
 from orca_mq.config import Config  # noqa: E402
 from orca_mq.sched.profiler import IterationProfile  # noqa: E402
 from orca_mq.sampling_params import SamplingParams  # noqa: E402
 from orca_mq.sched.orca import OrcaScheduler  # noqa: E402
+from orca_mq.sched.srpt import SrptOracle  # noqa: E402
 from orca_mq.sched.request import Request  # noqa: E402
 from orca_mq.engine.model_info import ModelInfo  # noqa: E402
 
@@ -33,11 +34,13 @@ def _cfg() -> Config:
 
 def test_orca_runs_fcfs_on_the_virtual_clock():
     # A: t = 1, 2, 3 (done at 3); B waits for A's reservation order: done at 4
-    result = simulate(OrcaScheduler(_cfg(), INFO), _requests(), ONE_SECOND)
+    result = simulate(OrcaScheduler(_cfg(), INFO), _requests(), profile_cost(ONE_SECOND))
     assert result["jct_mean_s"] == 3.5 and result["makespan_s"] == 4.0
 
 
 def test_srpt_oracle_runs_the_shortest_first():
     # B (1 token left) before A: B done at 1, A at 4
-    result = simulate(SrptOracle(_cfg(), INFO, ONE_SECOND), _requests(), ONE_SECOND)
+    oracle = SrptOracle(_cfg(), INFO)
+    oracle.use_profile(ONE_SECOND)
+    result = simulate(oracle, _requests(), profile_cost(ONE_SECOND))
     assert result["jct_mean_s"] == 2.5 and result["makespan_s"] == 4.0

@@ -1,21 +1,22 @@
 """Iteration-level scheduling: the policies over one request pool and the KV block tables.
 
-No code outside this package names a policy: it asks the chosen class through its hooks
-(`profiler()`, `use_profile()`, `swaps_kv`) what the policy needs.
+No code outside this package names a policy: it drives the chosen one through `step()` and asks
+its class through its hooks (`swaps_kv`, `needs_profile`) what the policy needs. `srpt` is an
+oracle for benchmarks (it knows output lengths), not a policy to serve with.
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from orca_mq.sched import fastserve, orca, request_level  # noqa: F401  (each registers its policy)
-from orca_mq.sched.base import Scheduler, TokenEvent
+from orca_mq.sched import fastserve, orca, request_level, srpt  # noqa: F401  (each registers its policy)
+from orca_mq.sched.base import Scheduler, StepOutput, TokenEvent
 from orca_mq.sched.registry import POLICIES
 
 if TYPE_CHECKING:
     from orca_mq.config import Config
     from orca_mq.engine.model_info import ModelInfo
 
-__all__ = ["POLICIES", "Scheduler", "TokenEvent", "make_scheduler", "policy_class"]
+__all__ = ["POLICIES", "Scheduler", "StepOutput", "TokenEvent", "make_scheduler", "policy_class"]
 
 
 def policy_class(name: str) -> type[Scheduler]:

@@ -1,23 +1,26 @@
-"""Iteration-level schedulers over one request pool: ORCA (Algorithm 1) and the request-level baseline.
+"""What every iteration-level scheduling policy shares: the request pool, KV blocks, the iteration loop.
 
-A scheduler is pure bookkeeping (no I/O): `schedule()` returns the next iteration to run,
-`process_result()` takes its tokens back. The offline LLM and the scheduler process drive the
-same objects, so what is tested here is what serves.
+A scheduler is pure bookkeeping (no I/O). `step(now, results)` is the one iteration loop: it applies
+the returned iterations' tokens (finishes, preemption) and plans the next iterations while fewer
+than `n_workers` are in flight. The offline `LLM`, the scheduler process and `tools/simulate.py`
+all drive it; they differ only in where plans go and where results come from, so what is tested
+or simulated here is what serves.
 """
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from orca_mq.protocol.iteration import IterationPlan, IterationResult, SeqWork
 from orca_mq.sched.block_manager import BlockManager
+from orca_mq.sched.profiler import IterationProfile, Profiler, profile_max_len
 from orca_mq.sched.request import Phase, Request
 
 if TYPE_CHECKING:
     from orca_mq.config import Config
     from orca_mq.engine.model_info import ModelInfo
-    from orca_mq.sched.profiler import IterationProfile, Profiler
 
 RECORD_WINDOW = 10_000   # iterations kept in `record`: it is read by tests and stats, and must not grow forever
 
@@ -29,10 +32,17 @@ class TokenEvent:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" when the request is done
 
 
+@dataclass(slots=True)
+class StepOutput:
+    plans: list[IterationPlan] = field(default_factory=list)   # to run now, in this order
+    events: list[TokenEvent] = field(default_factory=list)     # tokens and finals to stream, in order
+
+
 class Scheduler:
     """What every policy shares: the pool, KV blocks, iterations in flight, finishing."""
 
-    swaps_kv: ClassVar[bool] = False  # plans carry KV offloads/uploads: workers copy them on their own thread
+    swaps_kv: ClassVar[bool] = False       # plans carry KV offloads/uploads: workers copy them on their own thread
+    needs_profile: ClassVar[bool] = False  # it times this engine's iterations (`profiler()`) before serving
 
     def __init__(self, cfg: "Config", info: "ModelInfo") -> None:
         self.max_bs = cfg.scheduler.max_bs
@@ -44,32 +54,73 @@ class Scheduler:
         self.in_flight: dict[int, list[Request]] = {}
         self.iteration = 0
         self.record: deque[tuple[int, list[str]]] = deque(maxlen=RECORD_WINDOW)  # (iteration, request ids) for FCFS checks
+        self.profile: IterationProfile | None = None   # this engine's iteration times, for policies that need them
+        self.profile_max_len = profile_max_len(cfg, info)
+        self.probes: Profiler | None = None   # the policy's probe iterations, while they are timed
+        self.held: dict[str, Request] = {}    # requests that arrived before the profile
+        self.profiled = not self.needs_profile
         if self.max_bs < 1 or self.n_workers < 1 or self.token_budget < 0:
             raise ValueError("max_bs and n_workers must be >= 1, max_num_batched_tokens >= 0")
+
+    # ------------------------------------------------------------ the iteration loop
+
+    def step(self, now: float, results: Sequence[IterationResult] = ()) -> StepOutput:
+        """One turn of the loop: apply the returned iterations (tokens, finishes, preemption), then
+        plan iterations while fewer than n_workers are in flight (ORCA §4.2: one per pipeline
+        stage). A policy that needs this engine's iteration profile first times its probe
+        iterations, one at a time, through this same loop; requests arriving meanwhile wait."""
+        out = StepOutput()
+        for result in results:
+            if self.probes is not None and self.probes.owns(result.iteration):
+                if (profile := self.probes.finish(now)) is not None:
+                    self.use_profile(profile)
+            else:
+                out.events.extend(self.process_result(result, now))
+        if not self.profiled and self.probes is None:
+            self.probes = self.profiler()
+        while len(self.in_flight) < self.n_workers:
+            plan = self.probes.next_plan(now) if self.probes is not None else self.schedule(now)
+            if plan is None:
+                break
+            out.plans.append(plan)
+        return out
 
     # ------------------------------------------------------------ pool
 
     def add(self, req: Request) -> None:
-        if req.request_id in self.pool:
+        if req.request_id in self.pool or req.request_id in self.held:
             raise ValueError(f"duplicate request id {req.request_id}")
+        self.check(req)
+        if not self.profiled:
+            self.held[req.request_id] = req
+            return
         self.pool[req.request_id] = req
+        self.enter(req)
 
-    def abort(self, request_id: str) -> TokenEvent | None:
+    def abort(self, request_id: str) -> list[TokenEvent]:
+        """The events the abort ends with now: its final, or none while its iteration is in
+        flight (it finishes when the tokens come back) or when it is unknown."""
+        if self.held.pop(request_id, None) is not None:
+            return [TokenEvent(request_id, None, "abort")]
         req = self.pool.get(request_id)
         if req is None:
-            return None
-        if req.running:  # its iteration is in flight: finish when the tokens come back
+            return []
+        if req.running:
             req.aborted = True
-            return None
+            return []
         self._finish(req, "abort")
-        return TokenEvent(request_id, None, "abort")
+        return [TokenEvent(request_id, None, "abort")]
 
     def has_work(self) -> bool:
-        return bool(self.pool) or bool(self.in_flight)
+        return bool(self.pool) or bool(self.in_flight) or bool(self.held) or not self.profiled
 
     @property
     def n_in_flight(self) -> int:
         return len(self.in_flight)
+
+    def expects(self, iteration: int) -> bool:
+        """Whether a result for `iteration` has a plan or probe in flight to apply to (else it is stray)."""
+        return iteration in self.in_flight or (self.probes is not None and self.probes.owns(iteration))
 
     def stats(self) -> dict[str, int]:
         bm = self.block_manager
@@ -83,9 +134,7 @@ class Scheduler:
     # ------------------------------------------------------------ iterations
 
     def schedule(self, now: float) -> IterationPlan | None:
-        """The next iteration, or None when the pipeline is full or nothing can run."""
-        if len(self.in_flight) >= self.n_workers:
-            return None
+        """The next iteration, or None when nothing can run (`step` keeps the pipeline's cap)."""
         batch = self.fit_budget(self.select(now))
         if not batch:
             return None
@@ -171,12 +220,24 @@ class Scheduler:
 
     # ------------------------------------------------------------ policy hooks
 
-    def profiler(self) -> "Profiler | None":
-        """Iterations to time on the real engine before any request (FastServe's skip-join profile)."""
-        return None
+    def profiler(self) -> Profiler | None:
+        """Iterations to time on the real engine before any request, when the policy needs them."""
+        bm = self.block_manager
+        return Profiler(bm.block_size, bm.num_blocks, self.profile_max_len, self.max_bs) if self.needs_profile else None
 
-    def use_profile(self, profile: "IterationProfile") -> None:
-        """The timings of `profiler()`'s plans, fitted."""
+    def use_profile(self, profile: IterationProfile) -> None:
+        """This engine's iteration times: the fitted timings of `profiler()`'s plans, or a profile
+        given before the first step (nothing is probed then). Requests held until now join."""
+        self.profile, self.probes, self.profiled = profile, None, True
+        held, self.held = self.held, {}
+        for req in held.values():
+            self.add(req)
+
+    def check(self, req: Request) -> None:
+        """Refuse a request this policy can never run (raise ValueError)."""
+
+    def enter(self, req: Request) -> None:
+        """A request joined the pool (FastServe: its skip-join)."""
 
     def select(self, now: float) -> list[Request]:
         raise NotImplementedError

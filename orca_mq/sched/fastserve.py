@@ -25,7 +25,7 @@ from orca_mq.sched.block_manager import BlockManager
 from orca_mq.protocol.iteration import IterationPlan
 from orca_mq.sched.kv_policy import KV_POLICIES
 from orca_mq.sched.mlfq import SkipJoinMLFQ
-from orca_mq.sched.profiler import IterationProfile, Profiler, profile_max_len
+from orca_mq.sched.profiler import IterationProfile
 from orca_mq.sched.registry import register
 from orca_mq.sched.base import Scheduler
 from orca_mq.sched.request import Phase, Request
@@ -47,6 +47,7 @@ def _logger() -> Any:
 @register("fastserve")
 class FastServeScheduler(Scheduler):
     swaps_kv = True
+    needs_profile = True
 
     def __init__(self, cfg: "Config", info: "ModelInfo", profile: IterationProfile | None = None) -> None:
         super().__init__(cfg, info)
@@ -56,25 +57,25 @@ class FastServeScheduler(Scheduler):
         if fs.min_free_blocks < 0 or fs.burst_queues < 0:
             raise ValueError("fastserve.min_free_blocks and fastserve.burst_queues must be >= 0")
         self.fs = fs
-        self.profile_max_len = profile_max_len(cfg, info)
         self.host_block_manager = BlockManager(max(1, eng.host_slots // eng.block_size), eng.block_size)
         self.kv = KV_POLICIES[fs.kv_policy](self.block_manager, self.host_block_manager, self.max_bs)
         dtype = resolve_dtype(cfg.model.dtype, eng.device)
         self.block_bytes = 2 * info.n_layers * eng.block_size * info.n_kv_heads * info.head_dim * DTYPE_BYTES[dtype]
         self.finished: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self.log = _logger()
-        self.use_profile(profile or IterationProfile.estimate(info, dtype))
-
-    def profiler(self) -> Profiler:
-        """Skip-join needs this engine's own iteration times, measured before any request."""
-        bm = self.block_manager
-        return Profiler(bm.block_size, bm.num_blocks, self.profile_max_len, self.max_bs)
+        self._set_quanta(IterationProfile.estimate(info, dtype))   # a stand-in until the measured one
+        if profile is not None:
+            self.use_profile(profile)
 
     def use_profile(self, profile: IterationProfile) -> None:
-        """Predict iteration times from `profile` (measured at start-up by profiler.profile_engine);
-        Q1's quantum is one increment iteration at max_bs unless fastserve.quantum sets it."""
+        """Predict iteration times from `profile` (measured by the probes of `profiler()`)."""
         if self.pool:
             raise RuntimeError("the iteration profile must be set before any request arrives")
+        self._set_quanta(profile)
+        super().use_profile(profile)
+
+    def _set_quanta(self, profile: IterationProfile) -> None:
+        """Q1's quantum is one increment iteration at max_bs unless fastserve.quantum sets it."""
         self.profile = profile
         q1 = self.fs.quantum or profile.increment_time(self.max_bs)
         self.mlfq = SkipJoinMLFQ(self.fs.n_queues, q1, self.fs.quantum_ratio, self.fs.starve_limit)
@@ -88,10 +89,11 @@ class FastServeScheduler(Scheduler):
 
     # ------------------------------------------------------------ pool
 
-    def add(self, req: Request) -> None:
+    def check(self, req: Request) -> None:
         if self.block_manager.blocks_for(req.max_total_tokens) > self.block_manager.num_blocks:
             raise ValueError(f"request {req.request_id}: {req.max_total_tokens} tokens exceed the device KV pool")
-        super().add(req)
+
+    def enter(self, req: Request) -> None:
         q = self.mlfq.join(req, self.next_iteration_time(req), req.arrival)
         self.log.debug("skip-join", request_id=req.request_id, queue=q + 1, prompt=len(req.prompt_token_ids))
 

@@ -1,6 +1,7 @@
 """ORCA Algorithm 1: iteration-level FCFS with `n_rsrv` KV reservation at a request's first schedule."""
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from orca_mq.sched.base import Scheduler
@@ -22,9 +23,15 @@ class OrcaScheduler(Scheduler):
         self.n_rsrv = 0  # slots reserved by the requests in the pool
 
     def select(self, now: float) -> list[Request]:
+        return self.reserve_in_order(self.pool.values(), strict=True)   # arrival order
+
+    def reserve_in_order(self, order: Iterable[Request], strict: bool) -> list[Request]:
+        """Up to max_bs idle requests in `order`, each new one reserving its max_tokens (n_rsrv) first.
+        One that does not fit stops the batch when `strict` (FCFS: a later request may not pass it),
+        else is passed over."""
         bm = self.block_manager
         batch: list[Request] = []
-        for req in self.pool.values():  # arrival order
+        for req in order:
             if req.running:
                 continue
             if len(batch) == self.max_bs:
@@ -32,7 +39,9 @@ class OrcaScheduler(Scheduler):
             if req.phase is Phase.INITIATION and not req.reserved_blocks:
                 blocks = bm.blocks_for(req.max_total_tokens)
                 if self.n_rsrv + blocks * bm.block_size > self.n_slots:
-                    break  # strict FCFS: a later request may not pass one that does not fit
+                    if strict:
+                        break
+                    continue
                 self.n_rsrv += blocks * bm.block_size
                 req.reserved_blocks = blocks
             batch.append(req)

@@ -5,17 +5,15 @@ time is predictable from its shape. The initiation iteration grows about linearl
 length; an increment iteration barely grows with the batch. The skip-join MLFQ uses the first
 to place a new job and the second for Q1's quantum and for demotion.
 
-`profile_engine` times synthetic plans through whatever executes them (a ModelRunner offline, the
-whole worker pipeline when served); `IterationProfile` interpolates the measured points
-piecewise-linearly and travels as a plain dict (a message, a JSON cache file).
+`Profiler` is the set of synthetic probe iterations the scheduler times through its own loop
+before any request; `IterationProfile` interpolates the measured points piecewise-linearly and
+travels as a plain dict (a message, a JSON cache file).
 """
 from __future__ import annotations
 
 import json
 import statistics
-import time
 from bisect import bisect_left
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -97,8 +95,10 @@ class Profiler:
     """The synthetic iterations to time and the profile fitted from their timings:
     initiation of one request of 1, 16, 32, 64, ... up to max_len tokens, and increments of
     1, 2, 4, ... max_bs requests, all inside a KV pool of num_blocks blocks. The probes write
-    garbage into blocks no request owns yet, so they must run before any request. Their iteration
-    numbers are negative: they never collide with a scheduler's. The first pass is a warm-up."""
+    garbage into blocks no request owns yet, so they run before any request, one at a time, through
+    the scheduler's own iteration loop (`Scheduler.step`): offline, served (timing the whole
+    pipeline, control frame out to tokens back) and simulated alike. Their iteration numbers are
+    negative: they never collide with a scheduler's. The first pass is a warm-up."""
 
     def __init__(self, block_size: int, num_blocks: int, max_len: int, max_bs: int, repeats: int = 3) -> None:
         max_len = min(max_len, num_blocks * block_size)
@@ -120,11 +120,30 @@ class Profiler:
                 if rep:
                     self._what[self.plans[-1].iteration] = (kind, x)
         self._samples: dict[str, dict[int, list[float]]] = {"initiation": {}, "increment": {}}
+        self._next = 0
+        self._sent: tuple[int, float] | None = None   # the probe in flight: (iteration, when it was planned)
 
-    def record(self, plan: IterationPlan, seconds: float) -> None:
-        if plan.iteration in self._what:
-            kind, x = self._what[plan.iteration]
-            self._samples[kind].setdefault(x, []).append(seconds)
+    def next_plan(self, now: float) -> IterationPlan | None:
+        """The next probe, when none is in flight (each is timed alone)."""
+        if self._sent is not None or self._next == len(self.plans):
+            return None
+        plan = self.plans[self._next]
+        self._next += 1
+        self._sent = (plan.iteration, now)
+        return plan
+
+    def owns(self, iteration: int) -> bool:
+        return self._sent is not None and self._sent[0] == iteration
+
+    def finish(self, now: float) -> IterationProfile | None:
+        """The probe in flight returned at `now`; the fitted profile once the last one has."""
+        assert self._sent is not None
+        iteration, sent = self._sent
+        self._sent = None
+        if iteration in self._what:
+            kind, x = self._what[iteration]
+            self._samples[kind].setdefault(x, []).append(now - sent)
+        return self.profile() if self._next == len(self.plans) else None
 
     def profile(self) -> IterationProfile:
         return IterationProfile.fit(self._samples["initiation"], self._samples["increment"])
@@ -133,19 +152,3 @@ class Profiler:
 def profile_max_len(cfg: "Config", info: "ModelInfo") -> int:
     """Longest initiation probe: longer inputs are extrapolated along the last measured segment."""
     return min(info.max_model_len(cfg), cfg.fastserve.profile_max_len)
-
-
-def profile_engine(run: Callable[[IterationPlan], Any], block_size: int, num_blocks: int, max_len: int, max_bs: int,
-                   repeats: int = 3) -> IterationProfile:
-    """Time every probe through `run`, which returns once the iteration is done (offline:
-    `ModelRunner.execute`). An asyncio caller (the scheduler process, timing the whole pipeline)
-    runs the same loop over `Profiler.plans` with `await`."""
-    return measure(Profiler(block_size, num_blocks, max_len, max_bs, repeats), run)
-
-
-def measure(profiler: Profiler, run: Callable[[IterationPlan], Any]) -> IterationProfile:
-    for plan in profiler.plans:
-        t0 = time.perf_counter()
-        run(plan)
-        profiler.record(plan, time.perf_counter() - t0)
-    return profiler.profile()

@@ -29,7 +29,7 @@ class RequestLevelScheduler(OrcaScheduler):
         self.batch: list[Request] = []
         self.batch_input_len = 0                # the batch's shortest prompt
         self.inactive: dict[str, Request] = {}  # finished, still computed, KV held until the batch ends
-        self.held: list[TokenEvent] = []
+        self.held_events: list[TokenEvent] = []
 
     def select(self, now: float) -> list[Request]:
         if not self.batch:
@@ -40,23 +40,28 @@ class RequestLevelScheduler(OrcaScheduler):
     def prompt_chunk(self, req: Request) -> int | None:
         return self.batch_input_len if req.n_prompt_fed == 0 else 1
 
-    def abort(self, request_id: str) -> TokenEvent | None:
+    def abort(self, request_id: str) -> list[TokenEvent]:
         if request_id in self.inactive:
-            return None  # already finished: its final message is held for the batch's end
-        return super().abort(request_id)
+            return []  # already finished: its final message is held for the batch's end
+        if not any(r.request_id == request_id for r in self.batch):
+            return super().abort(request_id)
+        return self.emit(super().abort(request_id))   # a member's final waits for the batch's end, which it may be
 
     def _retire(self, req: Request) -> None:
-        """A batch member that finished (not aborted) stays in the pool, inactive, until the batch ends."""
-        if req.finish_reason != "abort" and any(r is req for r in self.batch):
+        """A batch member that finished with its tokens stays in the pool, inactive, until the batch
+        ends; one aborted or failed leaves at once (a failed one has nothing to recompute)."""
+        if req.finish_reason not in ("abort", "error") and any(r is req for r in self.batch):
             self.inactive[req.request_id] = req
         else:
             super()._retire(req)
 
     def emit(self, events: list[TokenEvent]) -> list[TokenEvent]:
-        self.held.extend(events)
+        """Finals are held until the whole batch has finished (no early return); then the inactive
+        members leave and the next batch may start."""
+        self.held_events.extend(events)
         if any(r.phase is not Phase.FINISHED for r in self.batch):
             return []
         for req in self.inactive.values():
             super()._retire(req)
-        self.batch, self.inactive, out, self.held = [], {}, self.held, []
+        self.batch, self.inactive, out, self.held_events = [], {}, self.held_events, []
         return out

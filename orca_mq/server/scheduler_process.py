@@ -1,9 +1,11 @@
 """The iteration scheduler process: owns the request pool (the scheduler object of
-orca_mq.sched.base, policy from `scheduler.policy`) and drives the worker pipeline.
+orca_mq.sched, policy from `scheduler.policy`) and drives the worker pipeline with its `step()`.
 
-Each step: schedule plans while fewer than `engine.n_workers` are in flight (one per pipeline
-stage, ORCA §4.2), push them on the control chain to worker 0, and when the last worker returns
-an iteration's tokens, retire/append them and stream them to the frontend at once.
+On every message it takes one turn of the loop: the returned iteration's tokens are applied, the
+plans `step` gives (at most `engine.n_workers` in flight, one per pipeline stage, ORCA §4.2) go on
+the control chain to worker 0 at once, and then the tokens stream to the frontend. A policy that
+needs this engine's iteration profile times its probes the same way, through the whole pipeline,
+before the process reports ready.
 """
 from __future__ import annotations
 
@@ -24,10 +26,10 @@ from orca_mq.protocol import ProtocolError, decode, encode
 from orca_mq.protocol.common_msgs import PROTOCOL, Error
 from orca_mq.protocol.codec import channel
 from orca_mq.protocol.control_msgs import Progress, Ready
+from orca_mq.protocol.iteration import IterationResult
 from orca_mq.protocol.engine_msgs import (AbortRequest, AddRequest, ControlFrame, IterationDone, StatsQuery,
                                           StatsResult, TokenBatch, WorkerStats, WorkerStatsQuery)
-from orca_mq.sched import TokenEvent, make_scheduler
-from orca_mq.sched.profiler import Profiler
+from orca_mq.sched import StepOutput, TokenEvent, make_scheduler
 from orca_mq.sched.request import Request
 from orca_mq.engine.model_info import read_model_info
 from orca_mq.server.telemetry import Telemetry
@@ -62,46 +64,21 @@ class SchedulerProcess:
         self.turnaround: deque[float] = deque(maxlen=WINDOW)  # result received -> next plan sent
         self.result_latency: deque[float] = deque(maxlen=WINDOW)  # last stage done -> result received
         self.queries: dict[str, _StatsQuery] = {}
-        self.backlog: list[Envelope] = []   # frames that arrived while profiling
         self.telemetry = Telemetry()        # cumulative histograms for the API server's /metrics
+        self.ready = False
+        self.started = time.perf_counter()
 
     async def run(self) -> int:
-        if (profiler := self.sched.profiler()) is not None:
-            await self.link.to_peer("launcher", Progress("scheduler", f"timing {len(profiler.plans)} probe iterations for the policy's profile"))
-            await self._profile(profiler)
-        await self.link.to_peer("launcher", Ready("scheduler", os.getpid()))
+        if not self.sched.profiled:
+            await self.link.to_peer("launcher", Progress("scheduler", "timing the probe iterations of the policy's profile"))
+        await self._step([])
         code = await serve([self._loop()], self.log)
         self.link.close()
         self.control.close()
         self.ctx.term()
         return code
 
-    async def _profile(self, profiler: Profiler) -> None:
-        """FastServe's iteration profile, timed through the whole pipeline (control frame out ->
-        tokens back), one probe at a time, before any request: frames arriving meanwhile wait."""
-        start = time.perf_counter()
-        for plan in profiler.plans:
-            sent = time.perf_counter()
-            await self.control.send(encode(ControlFrame(plan, time.time())), copy=False)
-            while True:
-                env = await self.link.recv()
-                try:
-                    msg = decode(env.payload, ACCEPTED)
-                except ProtocolError:
-                    msg = None
-                if isinstance(msg, IterationDone) and msg.result.iteration == plan.iteration:
-                    break
-                self.backlog.append(env)
-            profiler.record(plan, time.perf_counter() - sent)
-        profile = profiler.profile()
-        self.sched.use_profile(profile)
-        self.log.info("iteration profile measured", probes=len(profiler.plans), seconds=round(time.perf_counter() - start, 2),
-                      **profile.to_dict())
-
     async def _loop(self) -> None:
-        for env in self.backlog:
-            await self._handle(env)
-        self.backlog.clear()
         async for env in self.link.envelopes(self.log):
             await self._handle(env)
 
@@ -113,15 +90,13 @@ class SchedulerProcess:
             await self.link.reject(env, e, self.log)
             return
         if isinstance(msg, IterationDone):
-            if msg.result.iteration not in self.sched.in_flight:  # a stray frame: nothing to apply it to
+            if not self.sched.expects(msg.result.iteration):  # a stray frame: nothing to apply it to
                 await self.link.to_peer(env.source, Error(f"scheduler: iteration {msg.result.iteration} is not in flight", None, PROTOCOL))
                 return
             self.result_latency.append(received - msg.t_end)
             self.telemetry.iteration_done(msg.result.iteration, time.monotonic())
-            events = self.sched.process_result(msg.result, time.monotonic())
-            if await self._pump():  # the engine first, then the stream: tokens wait microseconds, stages do not
+            if await self._step([msg.result]):  # the engine first, then the stream: tokens wait microseconds, stages do not
                 self.turnaround.append(time.time() - received)
-            await self._emit(msg.result.iteration, events)
             return
         if isinstance(msg, AddRequest):
             try:
@@ -132,29 +107,33 @@ class SchedulerProcess:
                 return
             self.arrivals.append(msg.request_id)
         elif isinstance(msg, AbortRequest):
-            ev = self.sched.abort(msg.request_id)
-            if ev is not None:
-                await self._emit(-1, [ev])
+            await self._emit(-1, self.sched.abort(msg.request_id))
         elif isinstance(msg, StatsQuery):
             await self._start_stats(env.source, msg)
         elif isinstance(msg, WorkerStats):
             await self._worker_stats(msg)
         elif isinstance(msg, Error):
             self.log.warning("error from a process", source=env.source.decode(errors="replace"), error=msg.error)
-        await self._pump()
+        await self._step([])
 
-    async def _pump(self) -> bool:
-        """Fill the pipeline: one plan per free stage. Returns whether a plan was sent."""
-        sent = False
-        while self.sched.n_in_flight < self.cfg.engine.n_workers:
-            plan = self.sched.schedule(time.monotonic())
-            if plan is None:
-                break
+    async def _step(self, results: list[IterationResult]) -> bool:
+        """One turn of the scheduler's loop: its plans go out first, then its tokens. Returns whether
+        a plan was sent."""
+        out: StepOutput = self.sched.step(time.monotonic(), results)
+        for plan in out.plans:
             await self.control.send(encode(ControlFrame(plan, time.time())), copy=False)
-            self.telemetry.plan_sent(plan, self.sched.pool, time.monotonic())
+            if plan.iteration > 0:
+                self.telemetry.plan_sent(plan, self.sched.pool, time.monotonic())
             self.log.debug("iteration scheduled", iteration=plan.iteration, batch=len(plan.seqs), tokens=plan.num_tokens)
-            sent = True
-        return sent
+        if results:
+            await self._emit(results[0].iteration, out.events)
+        if not self.ready and self.sched.profiled:
+            self.ready = True
+            if self.sched.profile is not None:
+                self.log.info("iteration profile measured", seconds=round(time.perf_counter() - self.started, 2),
+                              **self.sched.profile.to_dict())
+            await self.link.to_peer("launcher", Ready("scheduler", os.getpid()))
+        return bool(out.plans)
 
     async def _emit(self, iteration: int, events: list[TokenEvent]) -> None:
         if events:
