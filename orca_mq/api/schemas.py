@@ -31,7 +31,7 @@ TokenId = Annotated[int, Field(strict=True, ge=0, le=INT32_MAX)]
 
 # OpenAI fields orca-mq does not implement -> the values that ask for nothing (null always does)
 _COMMON_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "n": (1,), "logprobs": (False, 0), "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},),
+    "n": (1,), "logprobs": (False,), "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},),
 }
 COMPLETION_UNSUPPORTED = _COMMON_UNSUPPORTED | {"best_of": (1,), "echo": (False,), "suffix": ("",)}
 CHAT_UNSUPPORTED = _COMMON_UNSUPPORTED | {
