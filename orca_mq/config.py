@@ -55,6 +55,9 @@ class FastServeConfig:
     quantum: float = 0.0
     quantum_ratio: float = 2.0
     starve_limit: float = 60.0
+    length_window: int = 1000
+    prior_jobs: float = 8.0
+    preempt_margin: float = 2.0
     kv_policy: KVPolicy = "proactive"
     min_free_blocks: int = 8
     burst_queues: int = 2

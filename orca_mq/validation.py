@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
+from orca_mq.kv.pool import PoolSize
 from orca_mq.sampling_params import InvalidRequest, SamplingParams
 
 if TYPE_CHECKING:
@@ -51,20 +52,19 @@ def admit(prompt_token_ids: list[int], params: SamplingParams, info: "ModelInfo"
     bad = [t for t in prompt_token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < info.vocab_size]
     if bad:
         raise InvalidRequest(f"prompt token ids outside the vocabulary [0, {info.vocab_size}): {bad[:5]}")
-    bs = cfg.engine.block_size
-    pool = cfg.engine.n_slots // bs * bs
+    pool = PoolSize.from_config(cfg)
     n = len(prompt_token_ids)
     if params.max_tokens is None:
-        room = min(max_len, pool) - n
+        room = min(max_len, pool.device_slots) - n
         if room < 1:
             raise InvalidRequest(f"prompt ({n} tokens) leaves no room to generate within the context length "
-                                 f"{max_len} and the KV pool of {pool} slots")
+                                 f"{max_len} and the KV pool of {pool.device_slots} slots")
         return dataclasses.replace(params, max_tokens=room)
     total = n + params.max_tokens
     if total > max_len:
         raise InvalidRequest(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {total} "
                              f"exceeds the context length {max_len}")
-    if -(-total // bs) * bs > pool:
+    if not pool.fits(total):
         raise InvalidRequest(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {total} "
-                             f"exceeds the KV pool of {pool} slots (engine.n_slots)")
+                             f"exceeds the KV pool of {pool.device_slots} slots (engine.n_slots)")
     return params

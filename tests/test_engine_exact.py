@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from orca_mq.sched.block_manager import BlockManager
+from orca_mq.kv.block_manager import BlockManager
 from orca_mq.config import load_config
 from orca_mq.protocol.iteration import IterationPlan, SeqWork
 from orca_mq.engine.model_runner import ModelRunner
@@ -25,8 +25,8 @@ def _mixed_iteration_logits(runner: ModelRunner, prefills: list[list[int]], deco
                             rng: random.Random) -> torch.Tensor:
     """Run every decode request's prefix first (filling its KV), then ONE iteration mixing the full
     prefills with each decode request's last token at its own position. Returns that iteration's logits."""
-    bm = BlockManager(runner.kv.num_blocks, runner.block_size)
-    rng.shuffle(bm.free_blocks)  # block tables scattered over the pool
+    bm = BlockManager(runner.pool)
+    rng.shuffle(bm.device.free)  # block tables scattered over the pool
     warm = []
     for i, seq in enumerate(decodes):
         table = bm.ensure(f"d{i}", len(seq))
@@ -90,7 +90,7 @@ def test_prefill_after_cached_context_matches(tiny_llama_dir):
     runner = _runner(tiny_llama_dir)
     ref = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
     seq = list(range(3, 43))
-    bm = BlockManager(runner.kv.num_blocks, runner.block_size)
+    bm = BlockManager(runner.pool)
     table = list(bm.ensure("a", len(seq)))
     runner.forward(IterationPlan(0, [SeqWork("a", seq[:25], 0, table)]))
     logits = runner.forward(IterationPlan(1, [SeqWork("a", seq[25:], 25, table)]))

@@ -13,7 +13,6 @@ from orca_mq.engine.threads import use_threads
 from kernels import cpu_decode
 from orca_mq.protocol.iteration import IterationPlan, SeqWork
 from workers.data_plane import DataPlane
-from workers.kv_swap import KVSwapper
 from workers.stage_executor import StageExecutor
 
 
@@ -79,7 +78,7 @@ def test_a_worker_with_a_copy_thread_computes_on_all_its_threads(tiny_llama_dir)
 
     def build() -> ModelRunner:   # as workers/main.py builds a FastServe stage
         runner = ModelRunner(cfg)
-        runner.swapper = KVSwapper(runner.kv, runner.host_blocks)
+        runner.start_swap_thread()
         use_threads(cfg.engine.threads_per_worker)
         return runner
 

@@ -9,7 +9,7 @@ import textwrap
 
 CHILD = textwrap.dedent("""
     import random, sys, torch
-    from orca_mq.sched.block_manager import BlockManager
+    from orca_mq.kv.block_manager import BlockManager
     from orca_mq.config import load_config
     from orca_mq.protocol.iteration import IterationPlan, SeqWork
     from orca_mq.engine.model_runner import ModelRunner
@@ -19,8 +19,8 @@ CHILD = textwrap.dedent("""
                                      "engine.attention_backend": backend, "engine.threads_per_worker": 1,
                                      "model.dtype": "float32"})
         runner = ModelRunner(cfg)
-        bm = BlockManager(runner.kv.num_blocks, runner.block_size)
-        random.Random(3).shuffle(bm.free_blocks)
+        bm = BlockManager(runner.pool)
+        random.Random(3).shuffle(bm.device.free)
         seqs = {"a": list(range(5, 14)), "b": list(range(20, 26)), "c": list(range(40, 43))}
         runner.forward(IterationPlan(0, [SeqWork(n, s[:-1], 0, list(bm.ensure(n, len(s)))) for n, s in seqs.items() if n != "c"]))
         mixed = [SeqWork("a", seqs["a"][-1:], 8, bm.table("a")), SeqWork("c", seqs["c"], 0, list(bm.ensure("c", 3))),

@@ -16,8 +16,8 @@ from orca_mq import LLM, SamplingParams
 from orca_mq.client import AsyncClient
 from orca_mq.sched.fastserve import FastServeScheduler
 from orca_mq.protocol.iteration import IterationPlan, SeqWork
-from orca_mq.engine.kv_cache import KVCache
-from workers.kv_swap import KVSwapper
+from orca_mq.kv.cache import HostKV, KVCache
+from orca_mq.kv.swapper import KVSwapper
 
 PROMPTS = [
     "The capital of France is",
@@ -47,6 +47,7 @@ def orca_tokens(embedded_llm):
 
 def _generate(llm: LLM, kv_policy: str) -> tuple[list[list[int]], list[dict], FastServeScheduler]:
     llm.cfg.fastserve.kv_policy = kv_policy
+    llm.cfg.fastserve.preempt_margin = 0.0   # every arrival may take an idle job's room: offloads happen
     sched = llm.scheduler = FastServeScheduler(llm.cfg, llm.info, llm.scheduler.profile)
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in MAX_TOKENS]
     outs = llm.generate(PROMPTS, params)
@@ -57,7 +58,9 @@ def _generate(llm: LLM, kv_policy: str) -> tuple[list[list[int]], list[dict], Fa
 @pytest.mark.parametrize("kv_policy,swap_thread", [("proactive", False), ("proactive", True), ("reactive", False)])
 def test_fastserve_matches_orca_with_kv_offload(fastserve_llm, orca_tokens, kv_policy, swap_thread):
     llm = fastserve_llm
-    llm.runner.swapper = KVSwapper(llm.runner.kv, llm.runner.host_blocks) if swap_thread else None
+    llm.runner.swapper = None
+    if swap_thread:
+        llm.runner.start_swap_thread()
     try:
         tokens, metrics, sched = _generate(llm, kv_policy)
     finally:
@@ -71,7 +74,8 @@ def test_fastserve_matches_orca_with_kv_offload(fastserve_llm, orca_tokens, kv_p
     assert any(m["demotions"] for m in metrics)
     stats = sched.stats()
     assert stats["free_slots"] == stats["n_slots"] and stats["host_free_slots"] == stats["host_slots"]
-    assert stats["on_host"] == 0 and not sched.block_manager.tables and not sched.host_block_manager.tables
+    bm = sched.block_manager
+    assert stats["on_host"] == 0 and not bm.device.tables and not bm.host.tables
 
 
 @pytest.mark.e2e
@@ -79,7 +83,7 @@ def test_served_fastserve_pipeline_matches_orca(tmp_path, orca_tokens):
     """Through tools/launch.py with two pipeline stages: every stage applies the plans' swaps."""
     srv = start_server(tmp_path, n_workers=2, **{"scheduler.policy": "fastserve", "scheduler.max_bs": 2,
                                                  "engine.n_slots": DEVICE_SLOTS, "engine.host_slots": 64 * 16,
-                                                 "fastserve.min_free_blocks": 2})
+                                                 "fastserve.min_free_blocks": 2, "fastserve.preempt_margin": 0.0})
 
     async def run():
         async with AsyncClient(srv.address) as client:
@@ -105,20 +109,21 @@ def test_swap_thread_matches_inline_copies(monkeypatch):
     """Plans arrive (submit) ahead of compute; each compute (wait) must see its blocks exactly as
     inline copies would leave them, while uploads for later plans may still be in flight. Slow
     copies make a compute that does not wait read stale blocks."""
-    copy = KVCache.copy_blocks
+    for name in ("offload", "upload"):
+        fast = getattr(HostKV, name)
 
-    def slow_copy(self: KVCache, dst: KVCache, pairs: list[tuple[int, int]]) -> None:
-        time.sleep(0.02)
-        copy(self, dst, pairs)
+        def slow(self: HostKV, kv: KVCache, pairs: list[tuple[int, int]], fast=fast) -> None:
+            time.sleep(0.02)
+            fast(self, kv, pairs)
 
-    monkeypatch.setattr(KVCache, "copy_blocks", slow_copy)
+        monkeypatch.setattr(HostKV, name, slow)
     torch.manual_seed(0)
     kv = KVCache.allocate(3, 12, 4, 2, 8, torch.float32, torch.device("cpu"))
     kv.k.normal_()
     kv.v.normal_()
     ref = KVCache(kv.k.clone(), kv.v.clone())
-    ref_host = ref.host_pool(10)
-    swapper = KVSwapper(kv, 10)
+    inline = KVSwapper(ref, 10, depth=1, threaded=False)
+    swapper = KVSwapper(kv, 10, depth=1)
 
     def plan(i: int, blocks: list[int], out: list[tuple[int, int]], into: list[tuple[int, int]]) -> IterationPlan:
         return IterationPlan(i, [SeqWork("r", [1], 0, blocks)], swap_out=out, swap_in=into)
@@ -133,8 +138,30 @@ def test_swap_thread_matches_inline_copies(monkeypatch):
         swapper.submit(p)
     for p in plans:
         swapper.wait(p)
-        ref.copy_blocks(ref_host, p.swap_out)
-        ref_host.copy_blocks(ref, p.swap_in)
+        inline.wait(p)
         for b in p.seqs[0].block_table:
             assert torch.equal(kv.k[:, b], ref.k[:, b]) and torch.equal(kv.v[:, b], ref.v[:, b])
+        swapper.computed(p)
+    swapper.close()
+
+
+def test_copies_wait_for_the_compute_that_wrote_their_blocks():
+    """With one plan in flight at most (depth 1), plan 2 was made after plan 1 came back, so its
+    offload must copy what plan 1's compute wrote: the copy thread waits for that compute, however
+    early plan 2's frame arrives."""
+    kv = KVCache.allocate(2, 4, 4, 1, 8, torch.float32, torch.device("cpu"))
+    swapper = KVSwapper(kv, 4, depth=1)
+    p1 = IterationPlan(1, [SeqWork("a", [1], 0, [1])])
+    p2 = IterationPlan(2, [SeqWork("b", [1], 0, [2])], swap_out=[(1, 3)])
+    swapper.submit(p1)
+    swapper.submit(p2)              # its copies are queued while plan 1 has not computed yet
+    swapper.wait(p1)
+    time.sleep(0.1)
+    kv.k[:, 1] = 7.0                # plan 1's compute writes block 1...
+    kv.v[:, 1] = 7.0
+    swapper.computed(p1)            # ...and is done
+    swapper.wait(p2)
+    swapper.computed(p2)
+    swapper.wait(IterationPlan(3, []))   # a plan without copies waits for all earlier ones
+    assert (swapper.host.k[3] == 7.0).all() and (swapper.host.v[3] == 7.0).all()
     swapper.close()

@@ -92,10 +92,10 @@ def test_reservation_limits_admission_without_deadlock():
         sched.add(req(i, prompt_len=8, max_tokens=8))
     plan = sched.schedule(0.0)
     assert [s.request_id for s in plan.seqs] == ["r0", "r1"]
-    assert sched.n_rsrv == 32
+    assert sched.block_manager.n_rsrv == 8   # blocks
     events = run_from(sched, plan)
     assert sorted({e[0] for e in events if e[2]}) == [f"r{i}" for i in range(5)]
-    assert sched.n_rsrv == 0 and sched.block_manager.num_free_blocks == 8
+    assert sched.block_manager.n_rsrv == 0 and sched.block_manager.num_free_blocks == 8
 
 
 def run_from(sched: Scheduler, plan: IterationPlan) -> list:
@@ -133,7 +133,7 @@ def test_abort_waiting_and_running_requests_frees_kv():
     events = sched.process_result(finish(plan), 0.0)
     assert [(e.request_id, e.token_id, e.finish_reason) for e in events] == [("r0", None, "abort")]
     assert not sched.has_work() and sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
-    assert sched.n_rsrv == 0
+    assert sched.block_manager.n_rsrv == 0
     assert sched.abort("nope") == []
 
 
@@ -213,7 +213,7 @@ def test_token_budget_chunks_prompts_and_never_stalls_increments():
     run_steps = [sched.schedule(0.0)]
     sched.process_result(finish(run_steps[0]), 0.0)      # r0, r1 now increment
     sched.add(req(2, prompt_len=41, max_tokens=2))
-    reserved = sched.n_rsrv
+    reserved = sched.block_manager.n_rsrv
     fed: list[tuple[int, int]] = []
     while sched.pool["r2"].output_token_ids == []:
         plan = sched.schedule(0.0)
@@ -221,11 +221,11 @@ def test_token_budget_chunks_prompts_and_never_stalls_increments():
         assert plan.num_tokens <= 8 and len(by_id["r0"].token_ids) == len(by_id["r1"].token_ids) == 1
         fed.append((by_id["r2"].start_pos, len(by_id["r2"].token_ids)))
         events = sched.process_result(finish(plan), 0.0)
-        assert sched.n_rsrv == reserved + 44                                # 41 + 2 tokens -> 11 blocks of 4
+        assert sched.block_manager.n_rsrv == reserved + 11                  # 41 + 2 tokens -> 11 blocks of 4
         assert ("r2" in {e.request_id for e in events}) == (sum(n for _, n in fed) == 41)  # no token before the prompt ends
     assert fed == [(0, 6), (6, 6), (12, 6), (18, 6), (24, 6), (30, 6), (36, 5)]
     events = run(sched)
-    assert sum(e[0] == "r2" for e in events) == 1 and sched.n_rsrv == 0
+    assert sum(e[0] == "r2" for e in events) == 1 and sched.block_manager.n_rsrv == 0
 
 
 def test_token_budget_defers_a_prompt_that_gets_no_tokens():
@@ -254,7 +254,7 @@ def test_request_level_a_member_failing_before_its_first_token_leaves_its_batch(
     sched.add(req(1, max_tokens=3))
     events = run(sched, fail=frozenset({"r0"}))
     assert [(rid, reason) for rid, _, reason in events if reason] == [("r0", "error"), ("r1", "length")]
-    assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks and sched.n_rsrv == 0
+    assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks and sched.block_manager.n_rsrv == 0
 
 
 def test_request_level_aborting_the_last_unfinished_member_ends_the_batch():

@@ -7,13 +7,15 @@ torch cannot take) or a block table that cannot hold the sequence (the model rai
 from __future__ import annotations
 
 import queue
+import threading
 
 import structlog
 
 from orca_mq.config import load_config
 from orca_mq.engine.model_runner import ModelRunner
 from orca_mq.engine.model_info import read_model_info
-from orca_mq.protocol.iteration import IterationPlan, IterationResult
+from orca_mq.kv.cache import HostKV
+from orca_mq.protocol.iteration import IterationPlan, IterationResult, SeqWork
 from orca_mq.sampling_params import SamplingParams
 from orca_mq.sched import make_scheduler
 from orca_mq.sched.request import Request
@@ -44,7 +46,7 @@ def test_failed_work_ends_only_its_requests_and_frees_their_kv(tiny_llama_dir):
     assert plan is not None and [s.request_id for s in plan.seqs] == ["a", "b", "c"]
     plan.seqs[1].seed = float("nan")  # type: ignore[assignment]  # sampling raises for b alone
     assert run(plan) == {"a": None, "b": "error", "c": None}
-    assert "b" not in sched.pool and "b" not in sched.block_manager.tables
+    assert "b" not in sched.pool and "b" not in sched.block_manager.device.tables
 
     plan = sched.schedule(0.0)
     assert plan is not None
@@ -56,3 +58,29 @@ def test_failed_work_ends_only_its_requests_and_frees_their_kv(tiny_llama_dir):
     assert run(sched.schedule(0.0)) == {"d": None}  # the same worker serves the next request
     executor.stop()
     assert errors == [] and executor.stats(reset=False)["failed_iterations"] == 1
+
+
+def test_a_failed_kv_copy_ends_the_worker(tiny_llama_dir, monkeypatch):
+    """A copy that fails leaves the stage's KV pools in an unknown state: no later iteration can
+    compute, so the compute thread reports a worker failure (the worker exits and the launcher
+    restarts it) instead of failing every later iteration while the process lives on."""
+    cfg = load_config(overrides={"model.path": str(tiny_llama_dir), "engine.block_size": 8, "engine.n_slots": 64,
+                                 "engine.host_slots": 64, "engine.threads_per_worker": 1})
+    runner = ModelRunner(cfg)
+    runner.start_swap_thread()
+
+    def broken(*_: object) -> None:
+        raise OSError("copy failed")
+
+    monkeypatch.setattr(HostKV, "offload", broken)
+    results: queue.Queue[IterationResult] = queue.Queue()
+    failed = threading.Event()
+    executor = StageExecutor(lambda: runner, DataPlane(0, 1, 0, runner.device), on_ready=lambda r: None,
+                             on_result=lambda r, t0, t1: results.put(r), on_error=lambda e: failed.set(),
+                             log=structlog.get_logger())
+    executor.start()
+    executor.submit(IterationPlan(1, [SeqWork("a", [1, 2, 3], 0, [0])], swap_out=[(1, 0)]), 0.0)
+    executor.submit(IterationPlan(2, [SeqWork("b", [4, 5], 0, [2])]), 0.0)
+    assert failed.wait(30), f"the worker went on: {results.get(timeout=5)}"
+    assert results.empty()
+    runner.swapper.close()

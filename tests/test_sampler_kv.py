@@ -4,9 +4,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from orca_mq.sched.block_manager import BlockManager, KVAllocationError
+from orca_mq.kv.block_manager import BlockManager, KVAllocationError
+from orca_mq.kv.pool import PoolSize
 from orca_mq.protocol.iteration import SeqWork
 from orca_mq.engine import sampler
+from orca_mq.sampling_params import SamplingParams
+from orca_mq.sched.request import Request
 
 
 def sample(logits: torch.Tensor, seqs: list[SeqWork]) -> list[int]:
@@ -94,11 +97,14 @@ def test_bad_rows_fail_alone():
 
 
 def test_block_manager_allocates_grows_and_frees():
-    bm = BlockManager(num_blocks=4, block_size=4)
+    bm = BlockManager(PoolSize(block_size=4, device_blocks=4, host_blocks=0))
     assert bm.ensure("a", 5) == [0, 1] and bm.ensure("a", 8) == [0, 1] and bm.ensure("a", 9) == [0, 1, 2]
     with pytest.raises(KVAllocationError, match="needs 2 more KV blocks, 1 free"):
         bm.ensure("b", 8)
     assert bm.table("b") == [] and bm.num_free_blocks == 1  # a failed allocation takes nothing
-    assert bm.free("a") == [0, 1, 2] and bm.num_free_slots == 16 and bm.num_used_slots == 0
+    a = Request("a", [1] * 9, SamplingParams())
+    bm.reserve(a, 3)
+    bm.release(a)
+    assert bm.table("a") == [] and bm.num_free_slots == 16 and bm.num_used_slots == 0 and bm.n_rsrv == 0
     with pytest.raises(ValueError):
-        BlockManager(0, 4)
+        PoolSize(4, 0, 0)

@@ -13,7 +13,8 @@ from orca_mq.engine.model_runner import ModelRunner
 from orca_mq.engine.parallel import shard_spec
 from orca_mq.engine.model_info import read_model_info
 from orca_mq.protocol.iteration import IterationPlan, SeqWork
-from orca_mq.sched.block_manager import BlockManager
+from orca_mq.kv.block_manager import BlockManager
+from orca_mq.kv.pool import PoolSize
 from workers.local_grid import Step, run_grid
 
 
@@ -29,8 +30,8 @@ def _mixed_plans(vocab: int, num_blocks: int, block_size: int, seed: int) -> tup
     rng = random.Random(seed)
     prefills = [[rng.randrange(vocab) for _ in range(n)] for n in (1, 7, 33)]
     decodes = [[rng.randrange(vocab) for _ in range(n)] for n in (2, 9, 17, 40)]
-    bm = BlockManager(num_blocks, block_size)
-    rng.shuffle(bm.free_blocks)
+    bm = BlockManager(PoolSize(block_size, num_blocks, 0))
+    rng.shuffle(bm.device.free)
     warm = [SeqWork(f"d{i}", s[:-1], 0, list(bm.ensure(f"d{i}", len(s)))) for i, s in enumerate(decodes)]
     mixed = [SeqWork(f"d{i}", [s[-1]], len(s) - 1, list(bm.table(f"d{i}"))) for i, s in enumerate(decodes)]
     mixed += [SeqWork(f"p{i}", s, 0, list(bm.ensure(f"p{i}", len(s)))) for i, s in enumerate(prefills)]
@@ -45,7 +46,7 @@ def _logits_job(step: Step, runner: ModelRunner, plans: list[IterationPlan]) -> 
 def _greedy_job(step: Step, runner: ModelRunner, job: tuple[list[list[int]], int]) -> Any:
     """Greedy decoding of every prompt together for `steps` tokens (one stage: it holds the logits)."""
     prompts, steps = job
-    bm = BlockManager(runner.kv.num_blocks, runner.block_size)
+    bm = BlockManager(runner.pool)
     tables = [list(bm.ensure(str(i), len(p) + steps)) for i, p in enumerate(prompts)]
     tokens: list[list[int]] = [[] for _ in prompts]
     plan = IterationPlan(0, [SeqWork(str(i), p, 0, tables[i]) for i, p in enumerate(prompts)])

@@ -101,7 +101,7 @@ class Controller:
                 await self.link.reject(env, e, self.log)
                 continue
             if isinstance(msg, WorkerStatsQuery):
-                await self.link.to_peer(env.source, WorkerStats(msg.query_id, self.stage, self.executor.stats(msg.reset)))
+                await self.link.to_peer(env.source, WorkerStats(msg.query_id, self.stage, self.executor.stats(msg.reset, msg.record)))
             else:
                 self.log.warning("error from a process", error=msg.error)
 

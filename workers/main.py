@@ -16,7 +16,6 @@ from orca_mq.engine.threads import use_threads
 from orca_mq.server.nodes import connect_store, placement, uses_store, worker_name
 from workers.controller import Controller
 from workers.data_plane import DataPlane
-from workers.kv_swap import KVSwapper
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -50,7 +49,7 @@ def _serve(cfg: Config, args: argparse.Namespace, name: str) -> int:
     def build() -> ModelRunner:   # on the compute thread
         runner = ModelRunner(cfg, stage=args.stage, n_stages=n, tp=data_plane.tp)
         if policy_class(cfg.scheduler.policy).swaps_kv:  # copy the plans' KV offloads/uploads on their own thread
-            runner.swapper = KVSwapper(runner.kv, runner.host_blocks)
+            runner.start_swap_thread()
         use_threads(cfg.engine.threads_per_worker)   # the process's last set_num_threads (threads.py)
         log.info("stage loaded", n_stages=n, tp_rank=args.tp_rank, tp_size=tp, threads=torch.get_num_threads(),
                  device=str(runner.device), dtype=str(runner.dtype).removeprefix("torch."), requested_dtype=cfg.model.dtype)

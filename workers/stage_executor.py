@@ -9,7 +9,8 @@ states on (data plane) or, on the last stage, hands the sampled tokens back to t
 An exception in one iteration's compute fails that iteration's requests, not the worker: the
 last stage reports them all failed; an earlier stage sends NaN hidden states on, so every later
 stage stays in step and the last one's sampler reports those rows failed. Only the data plane
-itself (a lost peer) ends the thread.
+itself (a lost peer) and a failed KV copy thread (the stage's KV pools are then unusable) end the
+thread, and with it the worker, which the launcher restarts.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ import torch
 from orca_mq.protocol.iteration import IterationPlan, IterationResult
 from orca_mq.logs import summarize_ms
 from orca_mq.engine.model_runner import ModelRunner
+from orca_mq.kv.swapper import KVSwapFailed
 from workers.data_plane import DataPlane
 
 WINDOW = 10_000
@@ -50,6 +52,7 @@ class StageExecutor:
         self._idle: deque[float] = deque(maxlen=WINDOW)      # previous compute end -> this compute start
         self._compute: deque[float] = deque(maxlen=WINDOW)
         self._plan_latency: deque[float] = deque(maxlen=WINDOW)  # scheduler sent the plan -> compute start
+        self._shapes: deque[tuple[int, int, float]] = deque(maxlen=WINDOW)  # (decodes, prompt tokens, compute s)
         self._last_end: float | None = None
         self.iterations = 0
         self.failed_iterations = 0
@@ -94,6 +97,8 @@ class StageExecutor:
             if self._last_end is not None:
                 self._idle.append(start - self._last_end)
             self._compute.append(end - start)
+            decodes = sum(len(s.token_ids) == 1 and s.start_pos > 0 for s in plan.seqs)
+            self._shapes.append((decodes, plan.num_tokens - decodes, end - start))
             self._plan_latency.append(start - t_sent)
             self._last_end = end
             self.iterations += 1
@@ -102,6 +107,8 @@ class StageExecutor:
         assert self.runner is not None
         try:
             return self.runner.execute(plan, hidden)
+        except KVSwapFailed:
+            raise   # no later iteration could compute: the worker exits
         except Exception:
             self.log.exception("iteration failed; its requests end with an error", iteration=plan.iteration,
                                requests=[s.request_id for s in plan.seqs])
@@ -113,16 +120,21 @@ class StageExecutor:
             return torch.full((plan.num_tokens, self.runner.hidden_size), float("nan"),
                               dtype=self.runner.dtype, device=self.runner.device)
 
-    def stats(self, reset: bool) -> dict[str, Any]:
-        """Idle gaps between this stage's iterations (scheduler + messaging + pipeline waits)."""
+    def stats(self, reset: bool, record: bool = False) -> dict[str, Any]:
+        """Idle gaps between this stage's iterations (scheduler + messaging + pipeline waits); with
+        `record`, each recent iteration's [decodes, prompt tokens, compute ms] (what one batch
+        composition costs under each policy: tools/scorecard.py)."""
         with self._lock:
             out = {"stage": self.stage, "iterations": self.iterations, "failed_iterations": self.failed_iterations,
                    "idle": summarize_ms(self._idle), "compute": summarize_ms(self._compute),
                    "plan_latency": summarize_ms(self._plan_latency)}
+            if record:
+                out["shapes"] = [[d, p, round(c * 1000, 3)] for d, p, c in self._shapes]
             if reset:
                 self._idle.clear()
                 self._compute.clear()
                 self._plan_latency.clear()
+                self._shapes.clear()
                 self._last_end = None
         return out
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from orca_mq.engine.attention import AttentionBackend, AttentionMetadata
-from orca_mq.engine.kv_cache import KVCache
+from orca_mq.kv.cache import KVCache
 from orca_mq.engine.model_info import ModelInfo
 from orca_mq.engine.parallel import TensorParallel
 from orca_mq.engine.weights import StageWeights

@@ -2,14 +2,16 @@
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import torch
 
 from orca_mq.engine.attention import build_metadata, resolve
 from orca_mq.engine.dtype import native_bf16_flags, resolve_dtype
 from orca_mq.protocol.iteration import IterationPlan, IterationResult
-from orca_mq.engine.kv_cache import KVCache
+from orca_mq.kv.cache import KVCache
+from orca_mq.kv.pool import PoolSize
+from orca_mq.kv.swapper import KVSwapper
 from orca_mq.engine.model import StageModel
 from orca_mq.engine.parallel import TensorParallel, TPGroup
 from orca_mq.engine.sampler import sample
@@ -23,14 +25,6 @@ if TYPE_CHECKING:
 Tensor = torch.Tensor
 log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class Swapper(Protocol):
-    """Applies a plan's KV offloads/uploads off the compute thread (workers/kv_swap.py)."""
-
-    def submit(self, plan: IterationPlan) -> None: ...
-
-    def wait(self, plan: IterationPlan) -> None: ...
 
 
 def resolve_device(name: str) -> torch.device:
@@ -66,14 +60,20 @@ class ModelRunner:
                 setattr(weights, name, t.to(self.device))
         if weights.lm_head is not None and weights.embed is not None and self.info.tie_embeddings:
             weights.lm_head = weights.embed  # one copy of a tied head
-        self.block_size = cfg.engine.block_size
+        self.pool = PoolSize.from_config(cfg)
+        self.block_size = self.pool.block_size
         self.model = StageModel(self.info, weights, layers, self.info.max_model_len(cfg), self.device,
                                 resolve(cfg.engine.attention_backend, self.device, self.dtype), self.tp)
-        self.kv = KVCache.allocate(len(layers), cfg.engine.n_slots // self.block_size, self.block_size,
+        self.kv = KVCache.allocate(len(layers), self.pool.device_blocks, self.block_size,
                                    self.tp.n_kv_heads, self.info.head_dim, self.dtype, self.device)
-        self.host_blocks = cfg.engine.host_slots // self.block_size
-        self.host_kv: KVCache | None = None      # FastServe offload target, allocated on the first offload
-        self.swapper: Swapper | None = None      # a worker attaches its copy thread; offline, copies run inline
+        # FastServe's copies: a worker starts its copy thread (start_swap_thread); offline, an inline
+        # swapper (and its host pool) is made at the first plan that swaps
+        self.swapper: KVSwapper | None = None
+
+    def start_swap_thread(self) -> None:
+        """Apply the plans' swaps on a copy thread (a worker whose policy swaps KV), up to
+        n_stages plans in flight."""
+        self.swapper = KVSwapper(self.kv, self.pool.host_blocks, depth=self.n_stages)
 
     @property
     def hidden_size(self) -> int:
@@ -83,8 +83,12 @@ class ModelRunner:
         """Stage 0 takes the plan's tokens, later stages the previous stage's hidden states.
         Returns hidden states [T, hidden] to pass on, or on the last stage the sampled tokens
         (tensor-parallel rank 0 only: the other ranks hold the same logits and return None)."""
-        self.swap(plan)
-        out = self.forward(plan, hidden_in)
+        swapper = self.swap(plan)
+        try:
+            out = self.forward(plan, hidden_in)
+        finally:
+            if swapper is not None:
+                swapper.computed(plan)
         if not self.last:
             return out
         if self.tp.where.rank != 0:
@@ -97,15 +101,13 @@ class ModelRunner:
         if self.swapper is not None:
             self.swapper.submit(plan)
 
-    def swap(self, plan: IterationPlan) -> None:
+    def swap(self, plan: IterationPlan) -> KVSwapper | None:
         """FastServe offload (swap_out) then upload (swap_in), landed before this iteration reads the KV."""
+        if self.swapper is None and (plan.swap_out or plan.swap_in):
+            self.swapper = KVSwapper(self.kv, self.pool.host_blocks, depth=1, threaded=False)
         if self.swapper is not None:
             self.swapper.wait(plan)
-        elif plan.swap_out or plan.swap_in:
-            if self.host_kv is None:
-                self.host_kv = self.kv.host_pool(self.host_blocks)
-            self.kv.copy_blocks(self.host_kv, plan.swap_out)
-            self.host_kv.copy_blocks(self.kv, plan.swap_in)
+        return self.swapper
 
     def forward(self, plan: IterationPlan, hidden_in: Tensor | None = None) -> Tensor:
         """Hidden states [T, hidden], or on the last stage logits [B, vocab] of each request's last token."""

@@ -73,6 +73,7 @@ class IterationDone:
 class WorkerStatsQuery:
     query_id: str
     reset: bool = False
+    record: bool = False          # include each recent iteration's shape and compute time
 
 
 @message("worker_stats")

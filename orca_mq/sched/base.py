@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from orca_mq.protocol.iteration import IterationPlan, IterationResult, SeqWork
-from orca_mq.sched.block_manager import BlockManager
+from orca_mq.kv.block_manager import BlockManager
+from orca_mq.kv.pool import PoolSize
 from orca_mq.sched.profiler import IterationProfile, Profiler, profile_max_len
 from orca_mq.sched.request import Phase, Request
 
@@ -48,7 +49,7 @@ class Scheduler:
         self.max_bs = cfg.scheduler.max_bs
         self.token_budget = cfg.scheduler.max_num_batched_tokens  # 0: no budget, whole prompts (ORCA)
         self.n_workers = cfg.engine.n_workers
-        self.block_manager = BlockManager(cfg.engine.n_slots // cfg.engine.block_size, cfg.engine.block_size)
+        self.block_manager = BlockManager(PoolSize.from_config(cfg))
         self.eos_token_ids = set(info.eos_token_ids)
         self.pool: dict[str, Request] = {}            # insertion order = arrival order
         self.in_flight: dict[int, list[Request]] = {}
@@ -123,10 +124,8 @@ class Scheduler:
         return iteration in self.in_flight or (self.probes is not None and self.probes.owns(iteration))
 
     def stats(self) -> dict[str, int]:
-        bm = self.block_manager
         return {
-            "n_slots": bm.num_blocks * bm.block_size, "free_slots": bm.num_free_slots,
-            "used_slots": bm.num_used_slots, "waiting": sum(not r.running for r in self.pool.values()),
+            **self.block_manager.stats(), "waiting": sum(not r.running for r in self.pool.values()),
             "running": sum(r.running for r in self.pool.values()), "in_flight": len(self.in_flight),
             "iterations": self.iteration,
         }
@@ -215,7 +214,7 @@ class Scheduler:
     def _retire(self, req: Request) -> None:
         """A finished request leaves the pool and frees its KV."""
         del self.pool[req.request_id]
-        self.block_manager.free(req.request_id)
+        self.block_manager.release(req)
         self.release(req)
 
     # ------------------------------------------------------------ policy hooks

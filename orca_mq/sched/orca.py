@@ -2,25 +2,16 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
 from orca_mq.sched.base import Scheduler
 from orca_mq.sched.registry import register
 from orca_mq.sched.request import Phase, Request
 
-if TYPE_CHECKING:
-    from orca_mq.config import Config
-    from orca_mq.engine.model_info import ModelInfo
-
 
 @register("orca")
 class OrcaScheduler(Scheduler):
-    """ORCA Algorithm 1: iteration-level FCFS, reserving max_tokens KV slots at a request's first schedule."""
-
-    def __init__(self, cfg: "Config", info: "ModelInfo") -> None:
-        super().__init__(cfg, info)
-        self.n_slots = self.block_manager.num_blocks * self.block_manager.block_size
-        self.n_rsrv = 0  # slots reserved by the requests in the pool
+    """ORCA Algorithm 1: iteration-level FCFS, reserving the KV blocks of max_tokens at a request's
+    first schedule (`n_rsrv`, kept in blocks by the block manager)."""
 
     def select(self, now: float) -> list[Request]:
         return self.reserve_in_order(self.pool.values(), strict=True)   # arrival order
@@ -38,17 +29,10 @@ class OrcaScheduler(Scheduler):
                 break
             if req.phase is Phase.INITIATION and not req.reserved_blocks:
                 blocks = bm.blocks_for(req.max_total_tokens)
-                if self.n_rsrv + blocks * bm.block_size > self.n_slots:
+                if bm.n_rsrv + blocks > bm.num_blocks:
                     if strict:
                         break
                     continue
-                self.n_rsrv += blocks * bm.block_size
-                req.reserved_blocks = blocks
+                bm.reserve(req, blocks)
             batch.append(req)
         return batch
-
-    def release(self, req: Request) -> None:
-        self.n_rsrv -= req.reserved_blocks * self.block_manager.block_size
-
-    def stats(self) -> dict[str, int]:
-        return {**super().stats(), "reserved_slots": self.n_rsrv}

@@ -145,7 +145,7 @@ class SchedulerProcess:
         qid = uuid.uuid4().hex
         self.queries[qid] = _StatsQuery(source, query)
         for stage in range(self.cfg.engine.n_workers):
-            await self.link.to_peer(f"worker{stage}", WorkerStatsQuery(qid, query.reset))
+            await self.link.to_peer(f"worker{stage}", WorkerStatsQuery(qid, query.reset, query.record))
         asyncio.get_running_loop().call_later(self.cfg.server.stats_timeout, lambda: asyncio.ensure_future(self._answer_stats(qid)))
 
     async def _worker_stats(self, msg: WorkerStats) -> None:

@@ -1,0 +1,3 @@
+"""The KV manager, in one place: the pool's size (pool.py), the scheduler's block manager for the
+device and host tiers (block_manager.py), FastServe's KV policies (policy.py), a stage's KV tensors
+(cache.py) and the swapper that applies a plan's copies between its tiers (swapper.py)."""

@@ -1,0 +1,41 @@
+"""The KV pool's size, in blocks: one object built from the config for everyone who needs it
+(the scheduler's block manager, each stage's KV tensors and host pool, request validation, the
+HTTP API's default max_tokens), so none of them can disagree on it."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from orca_mq.config import Config
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSize:
+    block_size: int       # tokens per block: the unit of allocation, reservation, offload, upload and sharing
+    device_blocks: int    # blocks in each stage's device pool (engine.n_slots // block_size)
+    host_blocks: int      # blocks in each stage's host pool, FastServe's offload target (may be 0: no offload)
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.device_blocks < 1 or self.host_blocks < 0:
+            raise ValueError(f"KV pool needs >= 1 device block of >= 1 slot (engine.n_slots >= engine.block_size), "
+                             f"got {self.device_blocks} x {self.block_size}, {self.host_blocks} host blocks")
+
+    @classmethod
+    def from_config(cls, cfg: "Config") -> "PoolSize":
+        eng = cfg.engine
+        if eng.block_size < 1:
+            raise ValueError(f"engine.block_size must be >= 1, got {eng.block_size}")
+        return cls(eng.block_size, eng.n_slots // eng.block_size, eng.host_slots // eng.block_size)
+
+    @property
+    def device_slots(self) -> int:
+        """Tokens the device pool holds (whole blocks only)."""
+        return self.device_blocks * self.block_size
+
+    def blocks_for(self, n_tokens: int) -> int:
+        return -(-n_tokens // self.block_size)
+
+    def fits(self, n_tokens: int) -> bool:
+        """Whether one request of n_tokens tokens can ever hold its KV in the device pool."""
+        return self.blocks_for(n_tokens) <= self.device_blocks
