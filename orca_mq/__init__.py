@@ -18,10 +18,11 @@ if TYPE_CHECKING:
     from orca_mq.llm import LLM
     from orca_mq.outputs import RequestOutput
     from orca_mq.sampling_params import InvalidRequest, SamplingParams
+    from orca_mq.structured.params import StructuredOutputsParams
 
-__all__ = ["LLM", "RequestOutput", "SamplingParams", "InvalidRequest", "__version__"]
-_LAZY = {"LLM": "orca_mq.llm", "RequestOutput": "orca_mq.outputs",
-         "SamplingParams": "orca_mq.sampling_params", "InvalidRequest": "orca_mq.sampling_params"}
+__all__ = ["LLM", "RequestOutput", "SamplingParams", "StructuredOutputsParams", "InvalidRequest", "__version__"]
+_LAZY = {"LLM": "orca_mq.llm", "RequestOutput": "orca_mq.outputs", "SamplingParams": "orca_mq.sampling_params",
+         "StructuredOutputsParams": "orca_mq.structured.params", "InvalidRequest": "orca_mq.sampling_params"}
 
 
 def __getattr__(name: str) -> Any:

@@ -72,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     client.add_argument("--top-k", type=int, default=None)
     client.add_argument("--seed", type=int, default=None)
     client.add_argument("--ignore-eos", action="store_true")
+    client.add_argument("--structured-outputs", type=json.loads, default=None, metavar="JSON",
+                        help='constrain the output: \'{"regex": "[0-9]+"}\', \'{"choice": ["yes", "no"]}\', \'{"json": SCHEMA}\'')
     client.add_argument("--json", action="store_true", help="print one final JSON line instead of streaming")
     where = client.add_mutually_exclusive_group()
     where.add_argument("--address", default=None, help="server address (default: tcp://127.0.0.1:5555)")
@@ -165,7 +167,7 @@ def _client(args: argparse.Namespace) -> int:
     from orca_mq.client import DEFAULT_ADDRESS, Client
 
     sampling: dict[str, Any] = {"max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos}
-    for key in ("temperature", "top_p", "top_k", "seed"):
+    for key in ("temperature", "top_p", "top_k", "seed", "structured_outputs"):
         if getattr(args, key) is not None:
             sampling[key] = getattr(args, key)
     address = args.address or (f"tcp://127.0.0.1:{args.port}" if args.port else DEFAULT_ADDRESS)

@@ -17,9 +17,11 @@ MAX_API_KEY_CHARS = 256
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 Device = Literal["auto", "cpu", "cuda"]
 AttentionBackend = Literal["auto", "torch", "cpu", "triton"]
+Gemm = Literal["auto", "torch", "onednn"]
 Policy = Literal["orca", "request", "fastserve", "srpt"]
 KVPolicy = Literal["proactive", "defer", "reactive"]
 LogLevel = Literal["debug", "info", "warning", "error"]
+JsonWhitespace = Literal["compact", "flexible"]
 
 
 @dataclass(slots=True)
@@ -37,9 +39,11 @@ class EngineConfig:
     threads_per_worker: int = 2
     device: Device = "auto"
     attention_backend: AttentionBackend = "auto"
+    gemm: Gemm = "auto"
     n_slots: int = 16384
     block_size: int = 16
     host_slots: int = 65536
+    prefix_caching: bool = True
 
 
 @dataclass(slots=True)
@@ -93,6 +97,15 @@ class ServerConfig:
 
 
 @dataclass(slots=True)
+class StructuredConfig:
+    max_spec_bytes: int = 65536
+    compile_timeout: float = 10.0
+    cache_size: int = 256
+    json_whitespace: JsonWhitespace = "compact"
+    mask_threads: int = 0
+
+
+@dataclass(slots=True)
 class LogConfig:
     dir: str = "logs/{port}"
     level: LogLevel = "info"
@@ -106,6 +119,7 @@ class Config:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     fastserve: FastServeConfig = field(default_factory=FastServeConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    structured: StructuredConfig = field(default_factory=StructuredConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
     def set(self, dotted: str, value: Any) -> None:

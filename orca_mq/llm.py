@@ -13,6 +13,8 @@ from orca_mq.protocol.iteration import IterationResult
 from orca_mq.sampling_params import InvalidRequest, SamplingParams
 from orca_mq.sched import make_scheduler
 from orca_mq.sched.request import Request
+from orca_mq.structured.compiler import Compiler
+from orca_mq.structured.grammar import Vocabulary
 from orca_mq.tokenizer import load_tokenizer
 from orca_mq.server.prompts import Prompts
 from orca_mq.validation import admit
@@ -37,6 +39,8 @@ class LLM:
         self.scheduler = make_scheduler(self.cfg, self.info)
         self.run_until_done()   # a policy that needs this engine's iteration profile times its probes now
         self._ids = itertools.count()
+        self.grammars = Compiler(self.cfg.structured, lambda: Vocabulary.of(
+            self.tokenizer, self.info.vocab_size, self.info.eos_token_ids, self.cfg.structured.mask_threads))
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
@@ -49,13 +53,16 @@ class LLM:
         for prompt, p in zip(prompts, params_list):
             ids = self.prompts.encode_text(prompt) if isinstance(prompt, str) else list(prompt)
             p.validate(self.info.vocab_size)
-            reqs.append(Request(f"offline-{next(self._ids)}", ids, admit(ids, p, self.info, self.cfg)))  # all checked before any is queued
+            p = admit(ids, p, self.info, self.cfg)  # all checked (and compiled) before any is queued
+            grammar = None if p.structured_outputs is None else self.grammars.compile(p.structured_outputs)
+            reqs.append(Request(f"offline-{next(self._ids)}", ids, p, grammar=grammar))
         for r in reqs:
             self.scheduler.add(r)
         self.run_until_done()
         return [
             RequestOutput(r.request_id, self.tokenizer.decode(r.output_token_ids, skip_special_tokens=True),
-                          r.output_token_ids, r.finish_reason, prompt_token_ids=r.prompt_token_ids)
+                          r.output_token_ids, r.finish_reason, prompt_token_ids=r.prompt_token_ids,
+                          metrics=None if r.grammar is None else {"structured_output": r.grammar.report()})
             for r in reqs
         ]
 

@@ -14,17 +14,15 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from orca_mq.errors import InvalidRequest
 from orca_mq.short_repr import short_repr
+from orca_mq.structured.params import StructuredOutputsParams
 
 INT32_MAX = (1 << 31) - 1
 INT64_MAX = (1 << 63) - 1
 MIN_TEMPERATURE = 1e-3      # below it float32 logits / temperature overflow: use 0 for greedy
 MAX_TEMPERATURE = 100.0
 MAX_STOP_TOKEN_IDS = 1024
-
-
-class InvalidRequest(ValueError):
-    """A request that cannot be served as given; the message names the problem."""
 
 
 def _is_int(v: Any) -> bool:
@@ -44,6 +42,11 @@ class SamplingParams:
     seed: int | None = None       # per-request seed: same seed, same tokens, whatever the batch
     ignore_eos: bool = False
     stop_token_ids: list[int] = field(default_factory=list)
+    structured_outputs: StructuredOutputsParams | None = None  # the output matches a JSON schema, regex, choice or grammar
+
+    def __post_init__(self) -> None:
+        if self.structured_outputs is not None:  # a dict from the wire or the offline API
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
 
     def validate(self, vocab_size: int | None = None) -> None:
         def bad(msg: str) -> InvalidRequest:
@@ -71,6 +74,8 @@ class SamplingParams:
         ):
             raise bad(f"stop_token_ids must be at most {MAX_STOP_TOKEN_IDS} token ids in the vocabulary "
                       f"[0, {limit}], got {short_repr(self.stop_token_ids)}")
+        if self.structured_outputs is not None:
+            self.structured_outputs.validate()
 
     @property
     def greedy(self) -> bool:

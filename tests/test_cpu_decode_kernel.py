@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_decode
+from kernels import cpu_kernels
 
 
 def _reference(q, k_cache, v_cache, tables, lens, scale):
@@ -29,8 +29,9 @@ def _reference(q, k_cache, v_cache, tables, lens, scale):
 @pytest.mark.parametrize("table_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_matches_gather_sdpa(head_dim, n_heads, n_kv_heads, table_dtype, dtype):
-    kernel = cpu_decode.load()
-    assert kernel is not None, "the CPU decode kernel must build on this machine (gcc is required)"
+    ext = cpu_kernels.load()
+    assert ext is not None, "the CPU kernels must build on this machine (gcc is required)"
+    kernel = ext.paged_decode_attention
     gen = torch.Generator().manual_seed(head_dim * 100 + n_heads)
     block_size, num_blocks, batch = 8, 96, 7
     k_cache = torch.randn(num_blocks, block_size, n_kv_heads, head_dim, generator=gen)
@@ -50,7 +51,7 @@ def test_kernel_matches_gather_sdpa(head_dim, n_heads, n_kv_heads, table_dtype, 
 
 
 def test_kernel_rejects_wrong_dtype():
-    kernel = cpu_decode.load()
+    kernel = cpu_kernels.load().paged_decode_attention
     q = torch.randn(1, 2, 8, dtype=torch.float64)
     cache = torch.randn(4, 2, 2, 8)
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
@@ -65,11 +66,11 @@ def test_a_builder_killed_mid_build_does_not_hang_later_loads():
 
     from torch.utils.cpp_extension import _get_build_directory
 
-    if cpu_decode.load() is None:
+    if cpu_kernels.load() is None:
         pytest.skip("no compiler here: the engine uses the torch path")
-    stale = Path(_get_build_directory(cpu_decode._build_name(cpu_decode.SOURCE.read_text()), verbose=False)) / "lock"
+    stale = Path(_get_build_directory(cpu_kernels._build_name(cpu_kernels.source_text()), verbose=False)) / "lock"
     stale.touch()  # what a SIGKILLed build leaves behind
-    probe = subprocess.run([sys.executable, "-c", "from kernels import cpu_decode; print(cpu_decode.load() is not None)"],
-                           capture_output=True, text=True, timeout=300, cwd=Path(cpu_decode.__file__).parents[1])
+    probe = subprocess.run([sys.executable, "-c", "from kernels import cpu_kernels; print(cpu_kernels.load() is not None)"],
+                           capture_output=True, text=True, timeout=300, cwd=Path(cpu_kernels.__file__).parents[1])
     assert probe.stdout.strip() == "True", probe.stderr
     assert not stale.exists()

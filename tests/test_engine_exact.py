@@ -99,6 +99,18 @@ def test_prefill_after_cached_context_matches(tiny_llama_dir):
     assert (logits[0] - expected).abs().max().item() <= 1e-4
 
 
+def test_a_prompt_chunk_with_more_to_come_gets_no_logits(tiny_llama_dir):
+    """Only rows that sample go through the LM head and the sampler; the others return token -1."""
+    runner = _runner(tiny_llama_dir)
+    plan = IterationPlan(0, [SeqWork("a", list(range(3, 20)), 0, [0, 1, 2], sample=False),
+                             SeqWork("b", [5, 6, 7], 0, [3])])
+    assert runner.forward(plan).shape == (1, runner.info.vocab_size)
+    result = runner.execute(plan)
+    assert result.request_ids == ["a", "b"] and result.token_ids[0] == -1 and result.token_ids[1] >= 0
+    alone = IterationPlan(1, [SeqWork("c", list(range(3, 20)), 0, [4, 5, 6], sample=False)])
+    assert runner.execute(alone).token_ids == [-1]
+
+
 def test_too_few_blocks_is_an_error(tiny_llama_dir):
     runner = _runner(tiny_llama_dir)
     with pytest.raises(ValueError, match="cannot hold"):
@@ -125,10 +137,13 @@ def _serve_logits(model_dir, budget: int, prompts: list[list[int]], max_tokens: 
         out = runner.forward(plan)
         mixed += any(s.start_pos and len(s.token_ids) > 1 for s in plan.seqs) and any(
             len(s.token_ids) == 1 for s in plan.seqs)
-        for s, row in zip(plan.seqs, out):
-            if not sched.pool[s.request_id].prompt_pending:
-                logits.setdefault(s.request_id, []).append(row)
-        sched.process_result(IterationResult(plan.iteration, [s.request_id for s in plan.seqs], out.argmax(-1).tolist()), 0.0)
+        sampled = [s for s in plan.seqs if s.sample]   # the logits' rows: every request whose prompt is all in
+        assert [s.request_id for s in sampled] == [s.request_id for s in plan.seqs if not sched.pool[s.request_id].prompt_pending]
+        for s, row in zip(sampled, out, strict=True):
+            logits.setdefault(s.request_id, []).append(row)
+        tokens = iter(out.argmax(-1).tolist())
+        sched.process_result(IterationResult(plan.iteration, [s.request_id for s in plan.seqs],
+                                             [next(tokens) if s.sample else -1 for s in plan.seqs]), 0.0)
     return logits, mixed
 
 

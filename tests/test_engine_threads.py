@@ -10,7 +10,7 @@ import torch
 from orca_mq.config import load_config
 from orca_mq.engine.model_runner import ModelRunner
 from orca_mq.engine.threads import use_threads
-from kernels import cpu_decode
+from kernels import cpu_kernels
 from orca_mq.protocol.iteration import IterationPlan, SeqWork
 from workers.data_plane import DataPlane
 from workers.stage_executor import StageExecutor
@@ -43,8 +43,9 @@ def test_a_later_set_num_threads_elsewhere_does_not_reset_a_thread():
 def test_the_decode_kernel_keeps_its_thread_count_after_another_thread_set_one():
     """A C++ extension has its own copy of torch's lazy per-thread init: with at::parallel_for, the
     kernel's first call reset the calling thread to the 1 another thread set last (issue 21)."""
-    kernel = cpu_decode.load()
-    assert kernel is not None, "the CPU decode kernel must build on this machine (gcc is required)"
+    ext = cpu_kernels.load()
+    assert ext is not None, "the CPU kernels must build on this machine (gcc is required)"
+    kernel = ext.paged_decode_attention
     first_set, second_set, seen = threading.Event(), threading.Event(), []
 
     def first() -> None:
@@ -86,7 +87,7 @@ def test_a_worker_with_a_copy_thread_computes_on_all_its_threads(tiny_llama_dir)
         seen.append(torch.get_num_threads())   # on the compute thread, after a decode iteration
         done.set()
 
-    executor = StageExecutor(build, DataPlane(0, 1, 0, torch.device("cpu")), on_ready=lambda r: None,
+    executor = StageExecutor(build, DataPlane(0, 1, torch.device("cpu"), None), torch.device("cpu"), on_ready=lambda r: None,
                              on_result=on_result, on_error=lambda e: done.set(), log=structlog.get_logger())
     executor.start()
     executor.submit(IterationPlan(1, [SeqWork("a", [5], 3, [0]), SeqWork("b", [6], 7, [1])]), 0.0)
@@ -107,7 +108,7 @@ def test_the_stage_executor_builds_its_runner_on_its_compute_thread(tiny_llama_d
         built.append(torch.get_num_threads())   # on the compute thread, after the build
         ready.set()
 
-    executor = StageExecutor(build, DataPlane(0, 1, 0, torch.device("cpu")), on_ready=on_ready,
+    executor = StageExecutor(build, DataPlane(0, 1, torch.device("cpu"), None), torch.device("cpu"), on_ready=on_ready,
                              on_result=lambda *a: None, on_error=lambda e: ready.set(), log=structlog.get_logger())
     executor.start()
     assert ready.wait(60)

@@ -70,7 +70,8 @@ def test_fastserve_matches_orca_with_kv_offload(fastserve_llm, orca_tokens, kv_p
     assert tokens == orca_tokens
     offloads, uploads = sum(m["offloads"] for m in metrics), sum(m["uploads"] for m in metrics)
     assert offloads > 0 and uploads == offloads   # every offloaded job came back to finish
-    assert sum(m["upload_bytes"] for m in metrics) == sum(m["offload_bytes"] for m in metrics) > 0
+    # an upload copies what the device no longer caches: blocks of its prefix still cached there are taken back by reference
+    assert 0 < sum(m["upload_bytes"] for m in metrics) <= sum(m["offload_bytes"] for m in metrics)
     assert any(m["demotions"] for m in metrics)
     stats = sched.stats()
     assert stats["free_slots"] == stats["n_slots"] and stats["host_free_slots"] == stats["host_slots"]

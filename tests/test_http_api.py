@@ -245,3 +245,22 @@ def test_bench_openai_backend_replays_a_trace(server):
     assert [r["generated_tokens"] for r in records] == [5, 6, 7]
     assert all(r["error"] is None and r["finish_reason"] == "length" for r in records)
     assert summarize(records)["n_ok"] == 3
+
+
+def test_repeated_prefix_is_reported_cached(server, oai, model, zmq):
+    """The second request of a long prompt takes its full blocks from the prefix cache: usage says so
+    (as OpenAI reports it), the Prometheus counters count it, and the text is the same."""
+    _wait_idle(zmq)
+    before = _scrape(server)
+    prompt = "Rules of the house: be kind, be brief, be exact; say so when unsure. " * 6 + "Question: why is the sky blue?"
+    outs = [oai.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=0) for _ in range(2)]
+    first, second = (o.usage for o in outs)
+    assert first.prompt_tokens == second.prompt_tokens > 64 and outs[0].choices[0].text == outs[1].choices[0].text
+    assert first.prompt_tokens_details.cached_tokens == 0
+    assert second.prompt_tokens_details.cached_tokens == (second.prompt_tokens - 1) // 16 * 16
+    time.sleep(STATS_MAX_AGE)
+    after = _scrape(server)
+    assert after[("vllm:prefix_cache_hits_total", ())] - before.get(("vllm:prefix_cache_hits_total", ()), 0.0) == \
+        second.prompt_tokens_details.cached_tokens
+    assert after[("vllm:prefix_cache_queries_total", ())] - before.get(("vllm:prefix_cache_queries_total", ()), 0.0) == \
+        2 * second.prompt_tokens

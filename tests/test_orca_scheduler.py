@@ -17,8 +17,9 @@ INFO = ModelInfo(path="", arch="llama", vocab_size=1000, hidden_size=8, n_layers
 
 
 def make(policy: str = "orca", **overrides) -> Scheduler:
+    # the prompts here repeat one token: prefix caching (tested in test_prefix_caching.py) is off
     cfg = load_config(overrides={"scheduler.policy": policy, "engine.block_size": 4, "engine.n_slots": 1024,
-                                 **overrides})
+                                 "engine.prefix_caching": False, **overrides})
     return make_scheduler(cfg, INFO)
 
 
@@ -220,6 +221,7 @@ def test_token_budget_chunks_prompts_and_never_stalls_increments():
         by_id = {s.request_id: s for s in plan.seqs}
         assert plan.num_tokens <= 8 and len(by_id["r0"].token_ids) == len(by_id["r1"].token_ids) == 1
         fed.append((by_id["r2"].start_pos, len(by_id["r2"].token_ids)))
+        assert by_id["r0"].sample and by_id["r1"].sample and by_id["r2"].sample == (sum(n for _, n in fed) == 41)
         events = sched.process_result(finish(plan), 0.0)
         assert sched.block_manager.n_rsrv == reserved + 11                  # 41 + 2 tokens -> 11 blocks of 4
         assert ("r2" in {e.request_id for e in events}) == (sum(n for _, n in fed) == 41)  # no token before the prompt ends

@@ -31,7 +31,7 @@ def test_failed_work_ends_only_its_requests_and_frees_their_kv(tiny_llama_dir):
     sched = make_scheduler(cfg, info)
     results: queue.Queue[IterationResult] = queue.Queue()
     errors: list[BaseException] = []
-    executor = StageExecutor(lambda: runner, DataPlane(0, 1, 0, runner.device), on_ready=lambda r: None,
+    executor = StageExecutor(lambda: runner, DataPlane(0, 1, runner.device, None), runner.device, on_ready=lambda r: None,
                              on_result=lambda r, t0, t1: results.put(r), on_error=errors.append, log=structlog.get_logger())
     executor.start()
 
@@ -75,7 +75,7 @@ def test_a_failed_kv_copy_ends_the_worker(tiny_llama_dir, monkeypatch):
     monkeypatch.setattr(HostKV, "offload", broken)
     results: queue.Queue[IterationResult] = queue.Queue()
     failed = threading.Event()
-    executor = StageExecutor(lambda: runner, DataPlane(0, 1, 0, runner.device), on_ready=lambda r: None,
+    executor = StageExecutor(lambda: runner, DataPlane(0, 1, runner.device, None), runner.device, on_ready=lambda r: None,
                              on_result=lambda r, t0, t1: results.put(r), on_error=lambda e: failed.set(),
                              log=structlog.get_logger())
     executor.start()

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from orca_mq.kv.block_manager import BlockManager, KVAllocationError
+from orca_mq.kv.block_manager import BlockManager, KVAllocationError, Match
 from orca_mq.kv.pool import PoolSize
 from orca_mq.protocol.iteration import SeqWork
 from orca_mq.engine import sampler
@@ -98,12 +98,14 @@ def test_bad_rows_fail_alone():
 
 def test_block_manager_allocates_grows_and_frees():
     bm = BlockManager(PoolSize(block_size=4, device_blocks=4, host_blocks=0))
+    a = Request("a", [1] * 9, SamplingParams(max_tokens=3))
+    bm.start(a, Match(), 3)
+    assert bm.n_rsrv == 3
     assert bm.ensure("a", 5) == [0, 1] and bm.ensure("a", 8) == [0, 1] and bm.ensure("a", 9) == [0, 1, 2]
+    assert bm.n_rsrv == 3                                   # its reservation now held
     with pytest.raises(KVAllocationError, match="needs 2 more KV blocks, 1 free"):
         bm.ensure("b", 8)
     assert bm.table("b") == [] and bm.num_free_blocks == 1  # a failed allocation takes nothing
-    a = Request("a", [1] * 9, SamplingParams())
-    bm.reserve(a, 3)
     bm.release(a)
     assert bm.table("a") == [] and bm.num_free_slots == 16 and bm.num_used_slots == 0 and bm.n_rsrv == 0
     with pytest.raises(ValueError):

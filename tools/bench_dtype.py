@@ -54,7 +54,7 @@ def all_logits(runner: ModelRunner, tokens: list[int]) -> torch.Tensor:
     """Logits [T, vocab] of every position of one prefill (the LM head on every row, not just the last)."""
     plan = IterationPlan(0, [SeqWork("x", tokens, 0, list(range(-(-len(tokens) // runner.block_size))))])
     meta = build_metadata(plan, runner.block_size, runner.device)
-    meta.last_token_idx = torch.arange(len(tokens))
+    meta.logit_rows = torch.arange(len(tokens))
     return runner.model.forward(torch.tensor(tokens), meta, runner.kv).float()
 
 

@@ -14,15 +14,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from orca_mq.bench.timing import interleaved_medians, median_time  # noqa: E402
 from orca_mq.config import load_config  # noqa: E402
 from orca_mq.protocol.iteration import IterationPlan, SeqWork  # noqa: E402
 from orca_mq.engine.model_runner import ModelRunner  # noqa: E402
@@ -45,28 +44,6 @@ CASES: list[tuple[str, list[tuple[int, int]]]] = [
     ("chunk: 256 of 512 @256 + 31 decodes", [(256, 256)] + [(1, 255)] * 31),
     ("chunk: 128 of 512 @384 + 31 decodes", [(128, 384)] + [(1, 255)] * 31),
 ]
-
-
-def timed(fn) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
-
-
-def median_time(fn, repeat: int) -> float:
-    fn()
-    return statistics.median(timed(fn) for _ in range(repeat))
-
-
-def interleaved_medians(fns: list, repeat: int) -> list[float]:
-    """Alternate the contenders round by round, so a shared machine's load swings hit all of them alike."""
-    for fn in fns:
-        fn()
-    times: list[list[float]] = [[] for _ in fns]
-    for _ in range(repeat):
-        for t, fn in zip(times, fns):
-            t.append(timed(fn))
-    return [statistics.median(t) for t in times]
 
 
 def matmul_ceiling(repeat: int) -> float:

@@ -32,6 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from orca_mq.bench.cost_model import gpt3_175b_profile  # noqa: E402
 from orca_mq.bench.trace import DEFAULT_INPUT_LEN, DEFAULT_OUTPUT_LEN, TraceSpec, make_trace, parse_range  # noqa: E402
 from orca_mq.config import Config, load_config  # noqa: E402
 from orca_mq.protocol.iteration import IterationPlan, IterationResult  # noqa: E402
@@ -98,11 +99,13 @@ def simulate(sched: Scheduler, requests: list[Request], cost: Cost) -> dict[str,
         else:
             break
     jct = [finish[r] - arrival[r] for r in finish]
+    tokens = {r.request_id: r.params.max_tokens for r in requests}
+    norm = [(finish[r] - arrival[r]) / tokens[r] for r in finish]   # ORCA's Fig. 10 latency: per generated token
     ttft = [first[r] - arrival[r] for r in first]
     start = min(arrival.values(), default=0.0)
     return {"jct_mean_s": statistics.mean(jct), "jct_p50_s": _pct(jct, 0.5), "jct_p99_s": _pct(jct, 0.99),
             "ttft_mean_s": statistics.mean(ttft) if ttft else float("nan"), "itl_p50_s": _pct(itl, 0.5),
-            "makespan_s": now - start, "throughput_req_s": len(finish) / max(now - start, 1e-9)}
+            "norm_latency_p50_s": _pct(norm, 0.5), "makespan_s": now - start, "throughput_req_s": len(finish) / max(now - start, 1e-9)}
 
 
 def trace_requests(spec: TraceSpec) -> list[Request]:
@@ -140,14 +143,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-bs", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="section.key=value")
-    p.add_argument("--profile", default=None, help="IterationProfile JSON (default: measure it now and save it)")
+    p.add_argument("--profile", default=None, help="IterationProfile JSON (default: measure it now and save it), "
+                   "or gpt3-175b: the roofline of GPT-3 175B on 16 A100s (orca_mq/bench/cost_model.py)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     sets = [*args.sets] + ([f"scheduler.max_bs={args.max_bs}"] if args.max_bs else [])
     cfg = load_config(None, sets)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    if args.profile:
+    if args.profile == "gpt3-175b":
+        profile = gpt3_175b_profile()
+    elif args.profile:
         profile = IterationProfile.load(args.profile)
     else:
         profile = measured_profile(sets)

@@ -14,6 +14,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import zmq.asyncio
 
@@ -47,14 +48,14 @@ class Controller:
         self.runner: ModelRunner | None = None
         self._failed: asyncio.Future[None] | None = None
 
-    async def run(self, build: Callable[[], ModelRunner], data_plane: DataPlane) -> int:
-        """Serve until stopped; `build` makes the stage's runner on the compute thread."""
+    async def run(self, build: Callable[[], ModelRunner], data_plane: DataPlane, device: torch.device) -> int:
+        """Serve until stopped; `build` makes the stage's runner on the compute thread, which computes on `device`."""
         loop = asyncio.get_running_loop()
         self._failed = loop.create_future()
         built: asyncio.Future[ModelRunner] = loop.create_future()
         # the compute thread reports through the event loop: the ZMQ sockets belong to this thread
         self.executor = StageExecutor(
-            build, data_plane,
+            build, data_plane, device,
             on_ready=lambda r: loop.call_soon_threadsafe(built.set_result, r),
             on_result=lambda r, t0, t1: loop.call_soon_threadsafe(self._send_result, r, t0, t1),
             on_error=lambda e: loop.call_soon_threadsafe(self._fail, e),

@@ -38,7 +38,7 @@ class DataPlane:
         dist.init_process_group(
             "nccl" if device.type == "cuda" else "gloo",
             store=dist.PrefixStore(STORE_PREFIX, store), rank=self.rank, world_size=world,
-            timeout=timedelta(seconds=timeout),
+            timeout=timedelta(seconds=timeout), device_id=device if device.type == "cuda" else None,
         )
         if tp_size > 1:  # every rank creates every stage's group, in the same order
             groups = [dist.new_group(list(range(s * tp_size, (s + 1) * tp_size))) for s in range(n_stages)]

@@ -11,9 +11,10 @@ from orca_mq.config import Config
 from orca_mq.logs import setup_logging
 from orca_mq.server.process import child_config, run_logged
 from orca_mq.sched import policy_class
-from orca_mq.engine.model_runner import ModelRunner, resolve_device
+from orca_mq.engine.device import use_device, worker_device
+from orca_mq.engine.model_runner import ModelRunner
 from orca_mq.engine.threads import use_threads
-from orca_mq.server.nodes import connect_store, placement, uses_store, worker_name
+from orca_mq.server.nodes import connect_store, uses_store, worker_name
 from workers.controller import Controller
 from workers.data_plane import DataPlane
 
@@ -37,17 +38,14 @@ def _serve(cfg: Config, args: argparse.Namespace, name: str) -> int:
     log = setup_logging(name, cfg.log, stage=args.stage)
     use_threads(1)   # this thread sets up and runs the event loop; the compute thread builds and runs the model
     store = connect_store(cfg) if uses_store(cfg) else None
-    device = resolve_device(cfg.engine.device)
-    if device.type == "cuda":  # one GPU per worker of this node, in placement order (unverified here: CPU only)
-        nodes = placement(n, tp, cfg.server.nnodes)
-        rank = args.stage * tp + args.tp_rank
-        torch.cuda.set_device(nodes[:rank].count(nodes[rank]) % torch.cuda.device_count())
+    device = worker_device(cfg, args.stage, args.tp_rank)   # cuda:i by placement (unverified here: CPU only)
+    use_device(device)   # this thread's; the compute and KV swap threads set their own (engine/device.py)
     # the data plane first: the stage's TP group must exist before the runner shards its weights
     # the timeout also bounds every recv and all-reduce: an iteration's peers are never that far apart
     data_plane = DataPlane(args.stage, n, device, store, args.tp_rank, tp, timeout=max(600.0, cfg.server.ready_timeout))
 
     def build() -> ModelRunner:   # on the compute thread
-        runner = ModelRunner(cfg, stage=args.stage, n_stages=n, tp=data_plane.tp)
+        runner = ModelRunner(cfg, stage=args.stage, n_stages=n, tp=data_plane.tp, device=device)
         if policy_class(cfg.scheduler.policy).swaps_kv:  # copy the plans' KV offloads/uploads on their own thread
             runner.start_swap_thread()
         use_threads(cfg.engine.threads_per_worker)   # the process's last set_num_threads (threads.py)
@@ -56,7 +54,7 @@ def _serve(cfg: Config, args: argparse.Namespace, name: str) -> int:
         return runner
 
     controller = Controller(cfg, name, args.stage, args.tp_rank, args.run_dir, log, store)
-    code = uvloop.run(controller.run(build, data_plane))
+    code = uvloop.run(controller.run(build, data_plane, device))
     log.info("worker stopped", exit_code=code)
     return code
 

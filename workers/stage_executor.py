@@ -25,6 +25,7 @@ import torch
 
 from orca_mq.protocol.iteration import IterationPlan, IterationResult
 from orca_mq.logs import summarize_ms
+from orca_mq.engine.device import use_device
 from orca_mq.engine.model_runner import ModelRunner
 from orca_mq.kv.swapper import KVSwapFailed
 from workers.data_plane import DataPlane
@@ -36,9 +37,11 @@ ErrorCallback = Callable[[BaseException], None]
 
 
 class StageExecutor:
-    def __init__(self, build: Callable[[], ModelRunner], data_plane: DataPlane, on_ready: Callable[[ModelRunner], None],
-                 on_result: ResultCallback, on_error: ErrorCallback, log: Any) -> None:
+    def __init__(self, build: Callable[[], ModelRunner], data_plane: DataPlane, device: torch.device,
+                 on_ready: Callable[[ModelRunner], None], on_result: ResultCallback, on_error: ErrorCallback,
+                 log: Any) -> None:
         self.build = build
+        self.device = device
         self.runner: ModelRunner | None = None
         self.on_ready = on_ready
         self.log = log
@@ -69,6 +72,7 @@ class StageExecutor:
 
     def _run(self) -> None:
         try:
+            use_device(self.device)   # CUDA's current device is per thread: the model, KV and buffers go here
             self.runner = self.build()
             self.on_ready(self.runner)
             while (item := self._plans.get()) is not None:

@@ -108,6 +108,12 @@ class EngineCollector(Collector):
         for level, n in enumerate(sched.get("queue_lengths", []), 1):
             queues.add_metric([self.model_name, str(level)], n)
         yield queues
+        yield _counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", lv,
+                       sched.get("prefix_cache_queries", 0))
+        yield _counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache (their prefill skipped).", lv,
+                       sched.get("prefix_cache_hits", 0))
+        yield _gauge("orca_mq:prefix_cache_slots", "Device KV slots holding cached prefix blocks (shared or idle).", lv,
+                     sched.get("prefix_cache_slots", 0))
         yield _counter("orca_mq:kv_offload_bytes", "KV bytes offloaded to host by finished requests.", lv, tel.get("offload_bytes", 0))
         yield _counter("orca_mq:kv_upload_bytes", "KV bytes uploaded to device by finished requests.", lv, tel.get("upload_bytes", 0))
         for key, name, doc in (

@@ -6,13 +6,13 @@ Strict, like the ZeroMQ side: a field the schema does not name is refused with 4
 (`unsupported_parameter`) unless it carries its no-op value (null, `n: 1`, `echo: false`, a 0
 penalty, ...), so clients that send defaults still work; numbers are bounded at the schema (the
 bounds of orca_mq.sampling_params), integers are integers (`1e30` and `5.0` are not), so no value of
-any magnitude reaches the wire. A field added to a request model (issue 25: `response_format`,
-`structured_outputs`) is a known field and passes; drop it from UNSUPPORTED then.
+any magnitude reaches the wire.
 
 Accepted as OpenAI does: `max_tokens` (chat: also `max_completion_tokens`; absent = the rest of the
 context), `temperature`, `top_p`, `seed`, `stop` (a string or a list of them), `n` (1 only),
-`stream`, `stream_options.include_usage`, `user` (accepted, unused); as vLLM's extensions: `top_k`
-(-1 or 0 = off), `ignore_eos`, `stop_token_ids`.
+`stream`, `stream_options.include_usage`, `response_format` (text, json_object, json_schema), `user`
+(accepted, unused); as vLLM's extensions: `top_k` (-1 or 0 = off), `ignore_eos`, `stop_token_ids`,
+`structured_outputs` (its shape and grammar are checked by the frontend, as on the ZeroMQ side).
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ _COMMON_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 COMPLETION_UNSUPPORTED = _COMMON_UNSUPPORTED | {"best_of": (1,), "echo": (False,), "suffix": ("",)}
 CHAT_UNSUPPORTED = _COMMON_UNSUPPORTED | {
     "top_logprobs": (0,), "tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (), "functions": ([],),
-    "function_call": ("none",), "response_format": ({"type": "text"},), "audio": (), "modalities": (["text"],),
+    "function_call": ("none",), "audio": (), "modalities": (["text"],),
     "prediction": (), "reasoning_effort": (), "service_tier": ("auto", "default"), "store": (False,), "metadata": (),
     "web_search_options": (), "prompt_cache_key": (), "safety_identifier": (), "verbosity": (),
 }
@@ -59,8 +59,9 @@ class Strict(BaseModel):
     def _known_fields(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
+        known = {f.alias or name for name, f in cls.model_fields.items()}
         for key, value in data.items():
-            if key in cls.model_fields:
+            if key in known:
                 continue
             if key in cls.UNSUPPORTED:
                 if not _noop(value, cls.UNSUPPORTED[key]):
@@ -68,11 +69,39 @@ class Strict(BaseModel):
                                               "not implement it (see the README's list)", {"param": key})
                 continue
             raise PydanticCustomError("unknown_parameter", "unknown parameter '{param}'", {"param": str(key)[:80]})
-        return {k: v for k, v in data.items() if k not in cls.UNSUPPORTED or k in cls.model_fields}
+        return {k: v for k, v in data.items() if k not in cls.UNSUPPORTED or k in known}
 
 
 class StreamOptions(Strict):
     include_usage: bool = Field(False, strict=True)
+
+
+class JsonSchemaFormat(Strict):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = Field(None, max_length=4096)                       # accepted, unused
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")  # absent: any JSON object
+    strict: bool | None = Field(None, strict=True)   # the output always follows the schema, strict or not
+
+
+class ResponseFormat(Strict):
+    """OpenAI's `response_format`."""
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> "ResponseFormat":
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise PydanticCustomError("value_error", "json_schema is required with type json_schema, and only with it",
+                                      {"param": "response_format"})
+        return self
+
+    def structured_outputs(self) -> dict[str, Any] | None:
+        """As orca-mq's StructuredOutputsParams fields; None for plain text."""
+        if self.type == "text":
+            return None
+        if self.json_schema is None or self.json_schema.schema_ is None:
+            return {"json_object": True}
+        return {"json": self.json_schema.schema_}
 
 
 class _Sampling(Strict):
@@ -88,9 +117,14 @@ class _Sampling(Strict):
     top_k: int | None = Field(None, strict=True, ge=-1, le=INT32_MAX)      # vLLM extension; -1 = off, as vLLM
     ignore_eos: bool | None = Field(None, strict=True)                     # vLLM extension
     stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)  # vLLM extension
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM extension: json | regex | choice | grammar | json_object
 
     @model_validator(mode="after")
     def _stops(self) -> "_Sampling":
+        if self.structured_outputs is not None and self.response_format is not None and self.response_format.type != "text":
+            raise PydanticCustomError("value_error", "give response_format or structured_outputs, not both",
+                                      {"param": "structured_outputs"})
         if len(self.stop_strings) > MAX_STOP_STRINGS or any(not 0 < len(s) <= MAX_STOP_LEN for s in self.stop_strings):
             raise PydanticCustomError("value_error", "stop: at most {n} strings of 1 to {chars} characters",
                                       {"n": MAX_STOP_STRINGS, "chars": MAX_STOP_LEN, "param": "stop"})
@@ -111,7 +145,9 @@ class _Sampling(Strict):
         """The SamplingParams fields that were given; max_tokens None = the rest of the context (the frontend's)."""
         given = {"temperature": self.temperature, "top_p": self.top_p, "seed": self.seed,
                  "top_k": None if self.top_k is None else max(0, self.top_k),
-                 "ignore_eos": self.ignore_eos, "stop_token_ids": self.stop_token_ids}
+                 "ignore_eos": self.ignore_eos, "stop_token_ids": self.stop_token_ids,
+                 "structured_outputs": self.structured_outputs if self.response_format is None
+                 else self.response_format.structured_outputs()}
         return {"max_tokens": self.limit()} | {k: v for k, v in given.items() if v is not None}
 
 
@@ -174,10 +210,15 @@ class ChatCompletionRequest(_Sampling):
 
 # ---------------------------------------------------------------- responses
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0   # prompt tokens whose K/V came from the prefix cache (as OpenAI reports it)
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionChoice(BaseModel):

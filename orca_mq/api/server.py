@@ -43,7 +43,8 @@ from orca_mq.api.stream import Generation, StopStrings, join, until_disconnect
 from orca_mq.api.metrics import ApiMetrics
 from orca_mq.api.schemas import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,
                                            ChatCompletionChunk, ChatCompletionRequest, ChatDelta, Completion,
-                                           CompletionChoice, CompletionRequest, ModelCard, ModelList, Usage, new_id)
+                                           CompletionChoice, CompletionRequest, ModelCard, ModelList, PromptTokensDetails,
+                                           Usage, new_id)
 from orca_mq.server.process import process_main
 from orca_mq.server.zmq_queue import BrokerLink
 
@@ -210,7 +211,8 @@ class Api:
 
 def _usage(gen: Generation) -> Usage:
     return Usage(prompt_tokens=gen.prompt_tokens, completion_tokens=gen.completion_tokens,
-                 total_tokens=gen.prompt_tokens + gen.completion_tokens)
+                 total_tokens=gen.prompt_tokens + gen.completion_tokens,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=gen.cached_tokens))
 
 
 class _Server(uvicorn.Server):

@@ -61,6 +61,7 @@ class Generation:
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     arrival: float = field(default_factory=time.monotonic)
     prompt_tokens: int = 0
+    cached_tokens: int = 0            # of those, taken from the prefix cache (the scheduler's count)
     completion_tokens: int = 0
     finish_reason: str | None = None
     token_times: list[float] = field(default_factory=list)
@@ -102,6 +103,7 @@ class Generation:
     def _finish(self, reason: str | None, code: str | None, error: str | None, metrics: dict[str, Any] | None,
                 stopped: bool) -> None:
         self.prompt_tokens = int((metrics or {}).get("prompt_tokens", 0))
+        self.cached_tokens = int(((metrics or {}).get("scheduler") or {}).get("cached_tokens", 0))
         if stopped or reason in ("stop", "length"):
             self.finish_reason = "stop" if stopped else reason
             self.metrics.finished(self, time.monotonic())

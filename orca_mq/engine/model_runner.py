@@ -6,7 +6,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from orca_mq.engine import gemm
 from orca_mq.engine.attention import build_metadata, resolve
+from orca_mq.engine.device import resolve_device, use_device
 from orca_mq.engine.dtype import native_bf16_flags, resolve_dtype
 from orca_mq.protocol.iteration import IterationPlan, IterationResult
 from orca_mq.kv.cache import KVCache
@@ -17,7 +19,7 @@ from orca_mq.engine.parallel import TensorParallel, TPGroup
 from orca_mq.engine.sampler import sample
 from orca_mq.engine.threads import use_threads
 from orca_mq.engine.model_info import ModelInfo, read_model_info
-from orca_mq.engine.weights import load_stage_weights
+from orca_mq.engine.weights import MATRICES, load_stage_weights
 
 if TYPE_CHECKING:
     from orca_mq.config import Config
@@ -27,24 +29,17 @@ log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("engine.device = cuda but no CUDA device is available")
-    return torch.device(name)
-
-
 class ModelRunner:
     def __init__(self, cfg: "Config", stage: int = 0, n_stages: int = 1, info: ModelInfo | None = None,
-                 tp: TPGroup | None = None) -> None:
-        self.device = resolve_device(cfg.engine.device)
+                 tp: TPGroup | None = None, device: torch.device | None = None) -> None:
+        self.device = device or resolve_device(cfg.engine.device)
+        use_device(self.device)   # the thread that builds a runner is the one that runs it
         dtype = resolve_dtype(cfg.model.dtype, self.device.type)
         if cfg.model.dtype == "auto":
             log.info("model.dtype auto: %s (%s, native bfloat16 flags: %s)", dtype, self.device.type,
                      ", ".join(native_bf16_flags()) or "none")
         self.dtype = DTYPES[dtype]
-        use_threads(cfg.engine.threads_per_worker)   # the thread that builds a runner is the one that runs it
+        use_threads(cfg.engine.threads_per_worker)
         self.info = info or read_model_info(cfg.model.path, cfg.model.cache_dir)
         self.stage, self.n_stages = stage, n_stages
         self.first, self.last = stage == 0, stage == n_stages - 1
@@ -59,7 +54,14 @@ class ModelRunner:
             if t is not None:
                 setattr(weights, name, t.to(self.device))
         if weights.lm_head is not None and weights.embed is not None and self.info.tie_embeddings:
-            weights.lm_head = weights.embed  # one copy of a tied head
+            weights.lm_head = weights.embed  # one copy of a tied head (a second one when the GEMM reorders it)
+        self.gemm = gemm.resolve_method(cfg.engine.gemm, self.device, self.dtype)
+        for w in weights.layers:
+            for k in MATRICES:
+                if k in w:
+                    w[k] = gemm.prepare(w[k], self.gemm)
+        if weights.lm_head is not None:
+            weights.lm_head = gemm.prepare(weights.lm_head, self.gemm)
         self.pool = PoolSize.from_config(cfg)
         self.block_size = self.pool.block_size
         self.model = StageModel(self.info, weights, layers, self.info.max_model_len(cfg), self.device,
@@ -93,8 +95,11 @@ class ModelRunner:
             return out
         if self.tp.where.rank != 0:
             return None
-        tokens, failed = sample(out, plan.seqs)
-        return IterationResult(plan.iteration, [s.request_id for s in plan.seqs], tokens, [plan.seqs[b].request_id for b in failed])
+        seqs = [s for s in plan.seqs if s.sample]   # logits' rows, in plan order
+        tokens, failed = sample(out, seqs) if seqs else ([], [])
+        drawn = iter(tokens)
+        return IterationResult(plan.iteration, [s.request_id for s in plan.seqs],
+                               [next(drawn) if s.sample else -1 for s in plan.seqs], [seqs[b].request_id for b in failed])
 
     def prepare(self, plan: IterationPlan) -> None:
         """Start the plan's KV copies ahead of its compute (the controller calls it on frame arrival)."""
@@ -110,7 +115,7 @@ class ModelRunner:
         return self.swapper
 
     def forward(self, plan: IterationPlan, hidden_in: Tensor | None = None) -> Tensor:
-        """Hidden states [T, hidden], or on the last stage logits [B, vocab] of each request's last token."""
+        """Hidden states [T, hidden], or on the last stage logits [S, vocab] of each sampling request's last token."""
         meta = build_metadata(plan, self.block_size, self.device)
         if self.first:
             inputs = torch.tensor([t for s in plan.seqs for t in s.token_ids], dtype=torch.int64, device=self.device)

@@ -14,20 +14,15 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import torch
 
-from orca_mq.protocol.iteration import SeqWork
+from orca_mq.protocol.iteration import SeqWork, mask_bytes
 
 Tensor = torch.Tensor
-MASK_WORD_BITS = 32          # the bitmask is little-endian 32-bit words: bit i of word j allows token 32 j + i
 _MASK64 = (1 << 64) - 1
 _unseeded = random.Random()  # seeded from the OS
 CANDIDATES = 256             # top-k / top-p first look at each row's 256 most likely tokens
-
-
-def mask_bytes(vocab_size: int) -> int:
-    """Size of one row's allowed-token bitmask."""
-    return -(-vocab_size // MASK_WORD_BITS) * MASK_WORD_BITS // 8
 
 
 def sample(logits: Tensor, seqs: list[SeqWork]) -> tuple[list[int], list[int]]:
@@ -59,29 +54,22 @@ def uniform(seed: int, position: int) -> float:
 
 def _apply_masks(logits: Tensor, seqs: list[SeqWork]) -> tuple[Tensor, Tensor]:
     """-inf where a row's bitmask forbids a token; and which rows are usable (a well-formed mask
-    that allows at least one token, or none)."""
-    usable = torch.ones(len(seqs), dtype=torch.bool, device=logits.device)
-    rows = [b for b, s in enumerate(seqs) if s.allowed_token_bitmask is not None]
-    if not rows:
-        return logits, usable
+    that allows at least one token, or none). The bits are unpacked on the host (numpy: a
+    little-endian word's bits are its bytes' bits, least significant first) into one allowed map,
+    free rows all allowed, applied in one `where`: a few torch ops whatever the batch, not a
+    few per row (each costs a thread-team barrier on a busy CPU)."""
+    if all(s.allowed_token_bitmask is None for s in seqs):
+        return logits, torch.ones(len(seqs), dtype=torch.bool, device=logits.device)
     vocab = logits.shape[-1]
     size = mask_bytes(vocab)
-    blank = bytes(size)
-    masks = []
-    for b in rows:
-        m = seqs[b].allowed_token_bitmask
-        if len(m) != size:  # type: ignore[arg-type]
-            usable[b] = False
-            m = blank
-        masks.append(m)
-    words = torch.frombuffer(bytearray(b"".join(masks)), dtype=torch.int32).to(logits.device).view(len(rows), -1)
-    shifts = torch.arange(MASK_WORD_BITS, dtype=torch.int32, device=logits.device)
-    allowed = ((words.unsqueeze(-1) >> shifts) & 1).view(len(rows), -1)[:, :vocab].bool()
-    idx = torch.tensor(rows, device=logits.device)
-    usable[idx] &= allowed.any(dim=-1)
-    logits = logits.clone()
-    logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
-    return logits, usable
+    packed = np.full((len(seqs), size), 0xFF, dtype=np.uint8)
+    for b, s in enumerate(seqs):
+        m = s.allowed_token_bitmask
+        if m is not None:
+            packed[b] = np.frombuffer(m, dtype=np.uint8) if len(m) == size else 0  # malformed: allows nothing
+    allowed = np.unpackbits(packed, axis=1, bitorder="little")[:, :vocab].view(np.bool_)
+    usable = torch.from_numpy(allowed.any(axis=1)).to(logits.device)
+    return torch.where(torch.from_numpy(allowed).to(logits.device), logits, float("-inf")), usable
 
 
 def _sample_rows(logits: Tensor, seqs: list[SeqWork], rows: list[int], tokens: Tensor) -> None:

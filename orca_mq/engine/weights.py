@@ -15,6 +15,7 @@ import torch
 from orca_mq.engine.model_info import ModelInfo, cache_key, gguf_reader
 
 Tensor = torch.Tensor
+MATRICES = ("qkv", "o", "gate_up", "down", "fc", "proj")   # a layer's GEMM weights, [out, in]
 
 
 # ---------------------------------------------------------------- weights

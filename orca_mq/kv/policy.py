@@ -29,12 +29,16 @@ The policies decide; the block manager (block_manager.py) moves blocks between i
 collects the plan's copies, which every stage applies before computing (swapper.py). A job offloaded
 by a plan waits for a later one. Nothing is ever lost: a job is offloaded only where the host pool
 has room for it, and a job on the host is uploaded before it runs.
+
+With prefix caching a new job starts with the cached head of its prompt (held while it is
+considered, so no offload frees it) and reserves only the blocks it does not share; an offload
+frees only the blocks no other job holds: preemption never frees a block another job reads.
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
-from orca_mq.kv.block_manager import BlockManager
+from orca_mq.kv.block_manager import BlockManager, Match
 
 if TYPE_CHECKING:
     from orca_mq.sched.request import Request
@@ -83,11 +87,15 @@ class DeferKV:
                 if new and not admitting:
                     continue
                 size = bm.blocks_for(req.max_total_tokens)
-                if size > self.room and not (new and self.make_room(size, req, order[i + 1:], taken, enst)):
+                m = bm.match(req) if new else Match()
+                bm.hold(m)                 # a block it shares counts once, and no offload frees it meanwhile
+                need = size - m.n_device
+                if need > self.room and not (new and self.make_room(need, req, order[i + 1:], taken, enst)):
+                    bm.let_go(m)
                     admitting = admitting and not new
                     continue
                 if new:
-                    bm.reserve(req, size)
+                    bm.start(req, m, size)
                 else:
                     self.upload(req)
             taken.add(rid)
@@ -134,7 +142,7 @@ class ReactiveKV(DeferKV):
         service than `than` seconds (preempting one that is likely closer to its end only delays both,
         and a small gain does not pay for the copies and the churn), largest ENST first."""
         idle = [(enst[r.request_id], i) for i, r in enumerate(jobs) if r.request_id not in taken
-                and self.resident(r) and self.expect.remaining_s(r) > self.margin * than]
+                and self.resident(r) and self.bm.movable(r.request_id) and self.expect.remaining_s(r) > self.margin * than]
         return [jobs[i] for _, i in sorted(idle, reverse=True)]
 
     def make_room(self, size: int, job: "Request", lower: list["Request"], taken: set[str],
@@ -144,10 +152,11 @@ class ReactiveKV(DeferKV):
         for victim in self.victims(lower, taken, enst, self.expect.remaining_s(job)):
             if room >= size:
                 break
-            n = len(self.bm.table(victim.request_id))
-            if n <= host_free:
+            rid = victim.request_id
+            n = len(self.bm.table(rid))
+            if n <= host_free:   # its blocks other jobs hold stay reserved for them
                 chosen.append(victim)
-                room, host_free = room + victim.reserved_blocks, host_free - n
+                room, host_free = room + victim.reserved_blocks - n + self.bm.freed_by_offload(rid), host_free - n
         if room < size:
             return False
         for victim in chosen:

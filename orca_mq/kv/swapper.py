@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from orca_mq.engine.device import use_device
 from orca_mq.engine.threads import use_threads
 from orca_mq.kv.cache import HostKV, KVCache
 from orca_mq.protocol.iteration import IterationPlan
@@ -130,6 +131,7 @@ class KVSwapper:
     # ------------------------------------------------------------ the copy thread
 
     def _run(self) -> None:
+        use_device(self.kv.k.device)   # its events and pinned buffers belong to the stage's GPU
         use_threads(1)   # copies are memory-bound: no second OpenMP team beside the compute thread's
         self._threads_set.set()
         item = 0

@@ -7,6 +7,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+MASK_WORD_BITS = 32   # an allowed-token bitmask is little-endian 32-bit words: bit i of word j allows token 32 j + i
+
+
+def mask_bytes(vocab_size: int) -> int:
+    """Size of one row's allowed-token bitmask (here, not in the sampler: the scheduler fills masks without torch)."""
+    return -(-vocab_size // MASK_WORD_BITS) * MASK_WORD_BITS // 8
+
 
 @dataclass(slots=True)
 class SeqWork:
@@ -20,7 +27,8 @@ class SeqWork:
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
-    allowed_token_bitmask: bytes | None = None  # structured outputs: the grammar's allowed tokens (engine/sampler.py)
+    allowed_token_bitmask: bytes | None = None  # structured outputs: the grammar's allowed tokens, mask_bytes(vocab) long (engine/sampler.py)
+    sample: bool = True           # False: a prompt chunk with more of the prompt to come: no logits, no token
 
     @property
     def seq_len(self) -> int:
@@ -44,5 +52,5 @@ class IterationPlan:
 class IterationResult:
     iteration: int
     request_ids: list[str]
-    token_ids: list[int]          # one sampled token per request, same order as the plan
+    token_ids: list[int]          # one sampled token per request, same order as the plan (-1 where it samples nothing)
     failed: list[str] = field(default_factory=list)  # requests whose work failed: they end with an error

@@ -8,22 +8,26 @@ or simulated here is what serves.
 """
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from orca_mq.protocol.iteration import IterationPlan, IterationResult, SeqWork
+from orca_mq.engine.dtype import resolve_dtype
 from orca_mq.kv.block_manager import BlockManager
 from orca_mq.kv.pool import PoolSize
+from orca_mq.kv.prefix import chain_seed
 from orca_mq.sched.profiler import IterationProfile, Profiler, profile_max_len
 from orca_mq.sched.request import Phase, Request
+from orca_mq.structured.bitmask import fill_masks
 
 if TYPE_CHECKING:
     from orca_mq.config import Config
     from orca_mq.engine.model_info import ModelInfo
 
 RECORD_WINDOW = 10_000   # iterations kept in `record`: it is read by tests and stats, and must not grow forever
+KEPT_METRICS = 10_000    # finished requests whose metrics stay available
 
 
 @dataclass(slots=True)
@@ -31,6 +35,7 @@ class TokenEvent:
     request_id: str
     token_id: int | None            # None on a final event that carries no new token (abort)
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" when the request is done
+    metrics: dict[str, Any] | None = None  # on a final event: what the final message reports (structured outputs)
 
 
 @dataclass(slots=True)
@@ -49,7 +54,10 @@ class Scheduler:
         self.max_bs = cfg.scheduler.max_bs
         self.token_budget = cfg.scheduler.max_num_batched_tokens  # 0: no budget, whole prompts (ORCA)
         self.n_workers = cfg.engine.n_workers
-        self.block_manager = BlockManager(PoolSize.from_config(cfg))
+        # prefix hashes are seeded with what besides the tokens changes K/V: the model and its dtype
+        seed = chain_seed(info.path, info.arch, resolve_dtype(cfg.model.dtype, cfg.engine.device)) if cfg.engine.prefix_caching else None
+        self.block_manager = BlockManager(PoolSize.from_config(cfg), seed, host=self.swaps_kv)
+        self.finished: OrderedDict[str, dict[str, Any]] = OrderedDict()   # metrics of the last KEPT_METRICS finished
         self.eos_token_ids = set(info.eos_token_ids)
         self.pool: dict[str, Request] = {}            # insertion order = arrival order
         self.in_flight: dict[int, list[Request]] = {}
@@ -134,7 +142,10 @@ class Scheduler:
 
     def schedule(self, now: float) -> IterationPlan | None:
         """The next iteration, or None when nothing can run (`step` keeps the pipeline's cap)."""
-        batch = self.fit_budget(self.select(now))
+        selected = self.select(now)
+        for req in selected:   # blocks of its prompt that requests prefilling the same prefix published since it started
+            self.block_manager.reuse(req)
+        batch = self.fit_budget(selected)
         if not batch:
             return None
         self.admitted(batch, now)
@@ -145,8 +156,10 @@ class Scheduler:
                 req.n_prompt_fed = start + len(tokens)
             table = self.block_manager.ensure(req.request_id, start + len(tokens))
             p = req.params
-            seqs.append(SeqWork(req.request_id, tokens, start, list(table), p.temperature, p.top_k, p.top_p, p.seed))
+            seqs.append(SeqWork(req.request_id, tokens, start, list(table), p.temperature, p.top_k, p.top_p, p.seed,
+                                sample=not req.prompt_pending))
             req.running = True
+        fill_masks(seqs, [None if r.prompt_pending else r.grammar for r in batch])  # only rows that sample
         self.iteration += 1
         plan = IterationPlan(self.iteration, seqs)
         self.in_flight[plan.iteration] = batch
@@ -184,6 +197,8 @@ class Scheduler:
             if req.phase is Phase.FINISHED:  # the request-level baseline's inactive request: compute wasted
                 continue
             req.n_iterations += 1
+            if req.request_id not in failed:   # its K/V is written: its full blocks join the prefix cache
+                self.block_manager.computed(req, req.n_prompt_fed if req.prompt_pending else req.num_tokens)
             if req.aborted or req.request_id in failed:  # its work failed on a worker: it ends, the batch goes on
                 reason = "abort" if req.aborted else "error"
                 self._finish(req, reason)
@@ -198,23 +213,31 @@ class Scheduler:
             reason = self._stop_reason(req, token)
             if reason:
                 self._finish(req, reason, now)
-            events.append(TokenEvent(req.request_id, token, reason))
+            report = {"structured_output": req.grammar.report()} if reason and req.grammar else None
+            events.append(TokenEvent(req.request_id, token, reason, report))
         self.after_iteration(batch, now)
         return self.emit(events)
 
     def _stop_reason(self, req: Request, token: int) -> str | None:
+        if req.grammar is not None and (reason := req.grammar.accept(token)):
+            return reason
         if not req.params.ignore_eos and token in self.eos_token_ids or token in req.params.stop_token_ids:
             return "stop"
         return "length" if len(req.output_token_ids) >= req.params.max_tokens else None
 
     def _finish(self, req: Request, reason: str, now: float | None = None) -> None:
         req.phase, req.finish_reason, req.finish_time = Phase.FINISHED, reason, now
+        if req.grammar is not None:
+            req.grammar.release()
         self._retire(req)
 
     def _retire(self, req: Request) -> None:
         """A finished request leaves the pool and frees its KV."""
         del self.pool[req.request_id]
         self.block_manager.release(req)
+        self.finished[req.request_id] = self.metrics(req)
+        while len(self.finished) > KEPT_METRICS:
+            self.finished.popitem(last=False)
         self.release(req)
 
     # ------------------------------------------------------------ policy hooks
@@ -233,7 +256,10 @@ class Scheduler:
             self.add(req)
 
     def check(self, req: Request) -> None:
-        """Refuse a request this policy can never run (raise ValueError)."""
+        """Refuse a request this policy can never run (raise ValueError): one whose whole KV (prompt
+        and max_tokens) exceeds the device pool would wait forever for its reservation."""
+        if self.block_manager.blocks_for(req.max_total_tokens) > self.block_manager.num_blocks:
+            raise ValueError(f"request {req.request_id}: {req.max_total_tokens} tokens exceed the device KV pool")
 
     def enter(self, req: Request) -> None:
         """A request joined the pool (FastServe: its skip-join)."""
@@ -258,6 +284,14 @@ class Scheduler:
     def emit(self, events: list[TokenEvent]) -> list[TokenEvent]:
         return events
 
+    def metrics(self, req: Request) -> dict[str, Any]:
+        """A request's scheduler metrics for its final message: its prompt tokens taken from the
+        prefix cache, and what the policy adds (FastServe: queues, swaps)."""
+        return {"cached_tokens": req.cached_tokens}
+
     def request_metrics(self, request_id: str) -> dict[str, Any] | None:
-        """Policy-specific metrics of a request for its final message (FastServe: queues, swaps)."""
-        return None
+        """A request's metrics, live or (one of the last KEPT_METRICS) finished; None if unknown."""
+        if request_id in self.finished:
+            return self.finished[request_id]
+        req = self.pool.get(request_id)
+        return None if req is None else self.metrics(req)

@@ -8,14 +8,13 @@ The policy over the shared Scheduler base (base.py):
 * after_iteration: every job of the iteration is preempted back to its queue and charged the
   predicted time of the iteration it ran; one that used its queue's quantum is demoted.
 * schedule: the plan carries the KV policy's offloads/uploads, which every stage applies first.
-A job's state (MLFQ place, waits, swaps) lives on its Request; `request_metrics(request_id)` reports it,
-and keeps the report of the last KEPT_METRICS finished jobs.
+A job's state (MLFQ place, waits, swaps) lives on its Request; `metrics(req)` adds it to the
+scheduler's report of a request (base.py).
 """
 from __future__ import annotations
 
 import logging
 import os
-from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -33,8 +32,6 @@ from orca_mq.sched.request import Phase, Request
 if TYPE_CHECKING:
     from orca_mq.config import Config
     from orca_mq.engine.model_info import ModelInfo
-
-KEPT_METRICS = 10_000   # finished requests whose metrics stay available
 
 
 def _logger() -> Any:
@@ -61,7 +58,6 @@ class FastServeScheduler(Scheduler):
         self.lengths = OutputLengths(info.max_model_len(cfg), fs.length_window, fs.prior_jobs)
         dtype = resolve_dtype(cfg.model.dtype, eng.device)
         self.block_bytes = 2 * info.n_layers * eng.block_size * info.n_kv_heads * info.head_dim * DTYPE_BYTES[dtype]
-        self.finished: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self.log = _logger()
         self._set_quanta(IterationProfile.estimate(info, dtype))   # a stand-in until the measured one
         if profile is not None:
@@ -99,10 +95,6 @@ class FastServeScheduler(Scheduler):
 
     # ------------------------------------------------------------ pool
 
-    def check(self, req: Request) -> None:
-        if self.block_manager.blocks_for(req.max_total_tokens) > self.block_manager.num_blocks:
-            raise ValueError(f"request {req.request_id}: {req.max_total_tokens} tokens exceed the device KV pool")
-
     def enter(self, req: Request) -> None:
         q = self.mlfq.join(req, self.next_iteration_time(req), req.arrival)
         self.log.debug("skip-join", request_id=req.request_id, queue=q + 1, prompt=len(req.prompt_token_ids))
@@ -110,11 +102,8 @@ class FastServeScheduler(Scheduler):
     def release(self, req: Request) -> None:
         if self.lengths.observe(len(req.output_token_ids), req.finish_reason in ("stop", "length")):
             self.lengths.refresh(len(r.output_token_ids) for r in self.pool.values())
-        metrics = self._metrics(req)
-        self.finished[req.request_id] = metrics
-        while len(self.finished) > KEPT_METRICS:
-            self.finished.popitem(last=False)
-        self.log.info("fastserve request done", request_id=req.request_id, finish_reason=req.finish_reason, **metrics)
+        self.log.info("fastserve request done", request_id=req.request_id, finish_reason=req.finish_reason,
+                      **self.finished[req.request_id])
 
     # ------------------------------------------------------------ iterations
 
@@ -167,23 +156,17 @@ class FastServeScheduler(Scheduler):
 
     # ------------------------------------------------------------ metrics
 
-    def _metrics(self, req: Request) -> dict[str, Any]:
+    def metrics(self, req: Request) -> dict[str, Any]:
         job, waits, swaps = req.job, req.waits, req.swaps
         kinds = [kind for _, kind, _ in job.history]
         return {
+            **super().metrics(req),
             "queue_history": [[round(t, 6), kind, q + 1] for t, kind, q in job.history],   # queues numbered Q1..Qk
             "join_queue": job.history[0][2] + 1, "demotions": kinds.count("demote"), "promotions": kinds.count("promote"),
             "queued_s": waits.queued_s, "preempted_s": waits.preempted_s,
             "offloads": swaps.offloads, "uploads": swaps.uploads,
             "offload_bytes": swaps.offload_blocks * self.block_bytes, "upload_bytes": swaps.upload_blocks * self.block_bytes,
         }
-
-    def request_metrics(self, request_id: str) -> dict[str, Any] | None:
-        """FastServe metrics of a request, live or (one of the last KEPT_METRICS) finished; None if unknown."""
-        if request_id in self.finished:
-            return self.finished[request_id]
-        req = self.pool.get(request_id)
-        return None if req is None else self._metrics(req)
 
     def stats(self) -> dict[str, Any]:
         queues = [0] * len(self.mlfq.quanta)

@@ -28,11 +28,13 @@ class OrcaScheduler(Scheduler):
             if len(batch) == self.max_bs:
                 break
             if req.phase is Phase.INITIATION and not req.reserved_blocks:
-                blocks = bm.blocks_for(req.max_total_tokens)
-                if bm.n_rsrv + blocks > bm.num_blocks:
+                blocks, cached = bm.blocks_for(req.max_total_tokens), bm.match(req)
+                bm.hold(cached)
+                if bm.n_rsrv_after(cached, blocks) > bm.num_blocks:   # a block it shares counts once
+                    bm.let_go(cached)
                     if strict:
                         break
                     continue
-                bm.reserve(req, blocks)
+                bm.start(req, cached, blocks)
             batch.append(req)
         return batch

@@ -5,8 +5,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from orca_mq.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from orca_mq.structured.grammar import Grammar
 
 
 class Phase(enum.Enum):
@@ -59,9 +63,13 @@ class Request:
     finish_time: float | None = None
     finish_reason: str | None = None
     reserved_blocks: int = 0       # KV blocks of max_total_tokens, reserved when it starts (ORCA's n_rsrv, FastServe's admission)
+    cached_tokens: int = 0         # prompt tokens whose K/V it took from the prefix cache instead of computing
+    kv_hashes: list[bytes] = field(default_factory=list)   # prefix hashes of its first full blocks (orca_mq/kv/prefix.py)
+    kv_published: int = 0          # its leading blocks known computed (taken from, or offered to, the prefix cache)
     job: JobState = field(default_factory=JobState)
     waits: Waits = field(default_factory=Waits)
     swaps: SwapCounts = field(default_factory=SwapCounts)
+    grammar: "Grammar | None" = None   # structured outputs: its matcher, advanced by each accepted token
 
     @property
     def num_tokens(self) -> int:

@@ -38,7 +38,7 @@ class RequestLevelScheduler(OrcaScheduler):
         return [r for r in self.batch if not r.running and (r.phase is not Phase.FINISHED or r.request_id in self.inactive)]
 
     def prompt_chunk(self, req: Request) -> int | None:
-        return self.batch_input_len if req.n_prompt_fed == 0 else 1
+        return max(1, self.batch_input_len - req.n_prompt_fed) if req.n_iterations == 0 else 1   # less its cached prefix
 
     def abort(self, request_id: str) -> list[TokenEvent]:
         if request_id in self.inactive:

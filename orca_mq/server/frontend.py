@@ -4,7 +4,8 @@ streams each request's tokens back, detokenized incrementally.
 Every request gets exactly one final `output`: finished with "stop" | "length", "abort" (client
 abort or drain timeout) or "error" with a stable code (common_msgs: invalid request, failed on a
 worker; a process died or the server is full — those sent by the broker).
-Admission: the size check runs at once on the event loop, the tokenizer on a small thread pool,
+Admission: the size check runs at once on the event loop, the tokenizer (and the check of a
+structured output's constraint, orca_mq.structured) on a small thread pool,
 so a long prompt delays neither anyone's tokens nor a short prompt's admission (a request reaches
 the scheduler when its tokens are ready); an abort or a vanished client meanwhile is kept.
 A client that disconnects is reported by the broker (`client_gone`, from ZMQ_ROUTER_MANDATORY
@@ -41,6 +42,7 @@ from orca_mq.server.prompts import Prompts
 from orca_mq.server.process import process_main
 from orca_mq.server.request_ids import RequestIds
 from orca_mq.server.zmq_queue import CLIENT, BrokerLink, Envelope, serve
+from orca_mq.structured.compiler import Compiler, bounded
 
 FROM_PROCESSES = channel(TokenBatch, StatsResult, Drain, AbortAll, ClientGone, Error)
 TOKENIZE_THREADS = 2      # a long prompt's tokenization leaves a thread for short ones
@@ -63,6 +65,7 @@ class Frontend:
         self.tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="tokenize")
         self.ids = RequestIds()                          # (client, its id) <-> internal id
         self.admitting: dict[str, Admission] = {}        # being tokenized, by internal id; bounded by the broker
+        self.grammars = Compiler(cfg.structured)         # checks structured outputs' constraints, in the tokenize pool
         self.admissions: set[asyncio.Task[None]] = set()
         self.ctx = zmq.asyncio.Context()
         self.link = BrokerLink(self.ctx, cfg.server.backend_address, "frontend")
@@ -137,15 +140,17 @@ class Frontend:
             await self._refuse(client, msg.request_id, e)
             return
         self.admitting[iid] = Admission(client, msg, params)
-        task = asyncio.create_task(self._tokenize_and_admit(iid, msg))
+        task = asyncio.create_task(self._tokenize_and_admit(iid, msg, params))
         self.admissions.add(task)
         task.add_done_callback(self.admissions.discard)
 
-    async def _tokenize_and_admit(self, iid: str, msg: Generate) -> None:
+    async def _tokenize_and_admit(self, iid: str, msg: Generate, params: SamplingParams) -> None:
         failure: Exception | None = None
         prompt_ids: list[int] = []
         try:
             prompt_ids = await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, self.prompts.token_ids, msg)
+            if (spec := params.structured_outputs) is not None:  # parsed once, in _enqueue
+                await bounded(self.tokenize_pool, self.grammars.check, spec, self.cfg.structured.compile_timeout)
         except Exception as e:
             failure = e
         adm = self.admitting.pop(iid, None)

@@ -14,6 +14,7 @@ import os
 import time
 import uuid
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +33,9 @@ from orca_mq.protocol.engine_msgs import (AbortRequest, AddRequest, ControlFrame
 from orca_mq.sched import StepOutput, TokenEvent, make_scheduler
 from orca_mq.sched.request import Request
 from orca_mq.engine.model_info import read_model_info
+from orca_mq.structured.compiler import Compiler, bounded
+from orca_mq.structured.grammar import Vocabulary
+from orca_mq.tokenizer import load_tokenizer
 from orca_mq.server.telemetry import Telemetry
 from orca_mq.server.process import process_main
 from orca_mq.server.zmq_queue import BrokerLink, Envelope, control_address, serve
@@ -65,6 +69,10 @@ class SchedulerProcess:
         self.result_latency: deque[float] = deque(maxlen=WINDOW)  # last stage done -> result received
         self.queries: dict[str, _StatsQuery] = {}
         self.telemetry = Telemetry()        # cumulative histograms for the API server's /metrics
+        self.grammars = Compiler(cfg.structured, self._vocabulary)   # structured outputs
+        self.grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        self.compiling: dict[str, bool] = {}    # requests waiting for their grammar -> aborted meanwhile
+        self.compile_tasks: set[asyncio.Task[None]] = set()
         self.ready = False
         self.started = time.perf_counter()
 
@@ -73,6 +81,7 @@ class SchedulerProcess:
             await self.link.to_peer("launcher", Progress("scheduler", "timing the probe iterations of the policy's profile"))
         await self._step([])
         code = await serve([self._loop()], self.log)
+        self.grammar_pool.shutdown(wait=False, cancel_futures=True)
         self.link.close()
         self.control.close()
         self.ctx.term()
@@ -100,13 +109,20 @@ class SchedulerProcess:
             return
         if isinstance(msg, AddRequest):
             try:
-                self.sched.add(Request(msg.request_id, msg.prompt_token_ids, msg.params, time.monotonic()))
+                if msg.params.structured_outputs is not None:  # it waits, unscheduled, for its grammar
+                    self.compiling[msg.request_id] = False
+                    task = asyncio.create_task(self._compile_and_add(msg))
+                    self.compile_tasks.add(task)
+                    task.add_done_callback(self.compile_tasks.discard)
+                    return
+                self._add(Request(msg.request_id, msg.prompt_token_ids, msg.params, time.monotonic()))
             except Exception:  # the frontend validated it: a refusal here is a bug, fail only this request
-                self.log.exception("request refused by the scheduler", request_id=msg.request_id)
-                await self.link.to_peer("frontend", TokenBatch(-1, [(msg.request_id, None, "error")]))
+                await self._refused(msg.request_id)
                 return
-            self.arrivals.append(msg.request_id)
         elif isinstance(msg, AbortRequest):
+            if msg.request_id in self.compiling:
+                self.compiling[msg.request_id] = True
+                return
             await self._emit(-1, self.sched.abort(msg.request_id))
         elif isinstance(msg, StatsQuery):
             await self._start_stats(env.source, msg)
@@ -115,6 +131,37 @@ class SchedulerProcess:
         elif isinstance(msg, Error):
             self.log.warning("error from a process", source=env.source.decode(errors="replace"), error=msg.error)
         await self._step([])
+
+    def _add(self, req: Request) -> None:
+        self.sched.add(req)
+        self.arrivals.append(req.request_id)
+
+    async def _refused(self, request_id: str) -> None:
+        self.log.exception("request refused by the scheduler", request_id=request_id)
+        await self.link.to_peer("frontend", TokenBatch(-1, [(request_id, None, "error")]))
+
+    def _vocabulary(self) -> Vocabulary:
+        """The model's vocabulary for the grammars, built when the first constrained request comes."""
+        started = time.perf_counter()
+        tokenizer = load_tokenizer(self.cfg.model.path, self.cfg.model.cache_dir)
+        vocab = Vocabulary.of(tokenizer, self.info.vocab_size, self.info.eos_token_ids, self.cfg.structured.mask_threads)
+        self.log.info("structured outputs: vocabulary loaded", seconds=round(time.perf_counter() - started, 2))
+        return vocab
+
+    async def _compile_and_add(self, msg: AddRequest) -> None:
+        """Compile a constrained request's grammar off the event loop, then let it be scheduled."""
+        rid = msg.request_id
+        try:
+            grammar = await bounded(self.grammar_pool, self.grammars.compile, msg.params.structured_outputs,  # type: ignore[arg-type]
+                                    self.cfg.structured.compile_timeout)
+            if not self.compiling.pop(rid):
+                self._add(Request(rid, msg.prompt_token_ids, msg.params, time.monotonic(), grammar=grammar))
+                await self._step([])
+                return
+            await self._emit(-1, [TokenEvent(rid, None, "abort")])
+        except Exception:  # the frontend checked it: only the vocabulary or the clock refuse it here
+            self.compiling.pop(rid, None)
+            await self._refused(rid)
 
     async def _step(self, results: list[IterationResult]) -> bool:
         """One turn of the scheduler's loop: its plans go out first, then its tokens. Returns whether
@@ -137,7 +184,8 @@ class SchedulerProcess:
 
     async def _emit(self, iteration: int, events: list[TokenEvent]) -> None:
         if events:
-            metrics = {e.request_id: m for e in events if e.finish_reason and (m := self.sched.request_metrics(e.request_id))}
+            metrics = {e.request_id: m for e in events if e.finish_reason
+                       and (m := (self.sched.request_metrics(e.request_id) or {}) | (e.metrics or {}))}
             self.telemetry.finished(metrics.values())
             await self.link.to_peer("frontend", TokenBatch(iteration, [(e.request_id, e.token_id, e.finish_reason) for e in events], metrics))
 
@@ -164,6 +212,7 @@ class SchedulerProcess:
             "scheduler": self.sched.stats() | {
                 "n_in_flight": self.sched.n_in_flight,
                 "has_work": self.sched.has_work(),
+                "compiling": len(self.compiling),   # constrained requests waiting for their grammar
                 "turnaround": summarize_ms(self.turnaround),
                 "result_latency": summarize_ms(self.result_latency),
             },

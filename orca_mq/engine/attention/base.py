@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from types import ModuleType
 from typing import ClassVar, Protocol, TypeVar
 
 import torch
 
 from orca_mq.engine.attention.metadata import AttentionMetadata
+from orca_mq.engine.layer_ops import LayerOps
 
 Tensor = torch.Tensor
 log = logging.getLogger(__name__)
@@ -27,8 +27,7 @@ class BackendUnavailable(RuntimeError):
 class AttentionBackend(Protocol):
     name: ClassVar[str]
     devices: ClassVar[tuple[str, ...]]   # device types `auto` may pick it for
-    # a module with rms_norm/rotary kernels for the model's other ops (Triton), None for torch ops
-    fused_ops: ModuleType | None
+    ops: LayerOps   # the model's norms, rotary and activation on this backend's device (engine/layer_ops.py)
 
     @classmethod
     def create(cls, device: torch.device, dtype: torch.dtype) -> "AttentionBackend":

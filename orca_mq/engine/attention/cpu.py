@@ -1,18 +1,18 @@
-"""The torch path with the increment requests on the C++ paged decode kernel (kernels/cpu_decode.py),
-which reads each request's KV blocks in place instead of gathering them: float32 or bfloat16."""
+"""The torch path with the C++ kernels of kernels/cpu_kernels.py: increment requests on the paged
+decode kernel, which reads each request's KV blocks in place instead of gathering them, and the
+layer's norms, rotary and activation one pass each (engine/layer_ops.py); float32 or bfloat16."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from types import ModuleType
+from typing import ClassVar
 
 import torch
 
 from orca_mq.engine.attention.base import BackendUnavailable, register
 from orca_mq.engine.attention.metadata import AttentionMetadata
 from orca_mq.engine.attention.torch_backend import TorchAttention
-
-if TYPE_CHECKING:
-    from kernels.cpu_decode import PagedDecode
+from orca_mq.engine.layer_ops import CpuOps, LayerOps
 
 Tensor = torch.Tensor
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
@@ -23,18 +23,19 @@ KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 class CpuAttention(TorchAttention):
     name: ClassVar[str] = "cpu"
     devices: ClassVar[tuple[str, ...]] = ("cpu",)
-    kernel: "PagedDecode"
+    ext: ModuleType
+    ops: LayerOps
 
     @classmethod
     def create(cls, device: torch.device, dtype: torch.dtype) -> "CpuAttention":
         if device.type != "cpu" or dtype not in KERNEL_DTYPES:
-            raise BackendUnavailable(f"the CPU decode kernel needs a cpu device and float32 or bfloat16, got {device} {dtype}")
-        from kernels import cpu_decode
+            raise BackendUnavailable(f"the CPU kernels need a cpu device and float32 or bfloat16, got {device} {dtype}")
+        from kernels import cpu_kernels
 
-        kernel = cpu_decode.load()
-        if kernel is None:
-            raise BackendUnavailable("the CPU decode kernel cannot be built here (see the log)")
-        return cls(kernel)
+        ext = cpu_kernels.load()
+        if ext is None:
+            raise BackendUnavailable("the CPU kernels cannot be built here (see the log)")
+        return cls(ext, CpuOps(ext))
 
     def decode(self, qd: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
-        return self.kernel(qd, k_cache, v_cache, meta.decode_blocks, meta.decode_lens, scale)
+        return self.ext.paged_decode_attention(qd, k_cache, v_cache, meta.decode_blocks, meta.decode_lens, scale)

@@ -17,7 +17,7 @@ class AttentionMetadata:
     cu_q_lens: Tensor        # [B+1] int32 offsets of each request's tokens in the flattened batch
     seq_lens: Tensor         # [B] int32 KV length after this iteration
     block_tables: Tensor     # [B, max_blocks] int32, padded with 0
-    last_token_idx: Tensor   # [B] int64 each request's last new token (the LM head's rows)
+    logit_rows: Tensor       # [S] int64 the last new token of each request that samples (the LM head's rows)
     # torch path: increment requests batched, initiation requests one by one
     decode_tokens: Tensor    # [Bd] int64 token rows of the increment requests
     decode_blocks: Tensor    # [Bd, nb] int64 block ids each increment request attends to (0-padded)
@@ -72,7 +72,7 @@ def build_metadata(plan: IterationPlan, block_size: int, device: torch.device) -
         positions=dev(positions), slot_mapping=dev(slots), cu_q_lens=dev(cu, torch.int32),
         seq_lens=dev([s.seq_len for s in plan.seqs], torch.int32),
         block_tables=dev([t + [0] * (max_blocks - len(t)) for t in tables], torch.int32).view(len(tables), max_blocks),
-        last_token_idx=dev([c - 1 for c in cu[1:]]), decode_tokens=dev(decode_tokens),
+        logit_rows=dev([c - 1 for c, s in zip(cu[1:], plan.seqs) if s.sample]), decode_tokens=dev(decode_tokens),
         decode_blocks=dev([t + [0] * (nb - len(t)) for t in decode_tables]).view(len(decode_tables), nb),
         decode_lens=lens,
         decode_mask=(torch.arange(nb * block_size, device=device) < lens[:, None]).view(len(decode_lens), 1, 1, nb * block_size),

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from orca_mq.engine.attention.base import register
 from orca_mq.engine.attention.metadata import AttentionMetadata
+from orca_mq.engine.layer_ops import LayerOps, TorchOps
 
 Tensor = torch.Tensor
 
@@ -20,7 +21,7 @@ Tensor = torch.Tensor
 class TorchAttention:
     name: ClassVar[str] = "torch"
     devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
-    fused_ops = None
+    ops: LayerOps = TorchOps()
     __slots__ = ()
 
     @classmethod

@@ -3,13 +3,13 @@ one launch covers the whole iteration, and the model's norms and rotary use the 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from types import ModuleType
 from typing import ClassVar
 
 import torch
 
 from orca_mq.engine.attention.base import BackendUnavailable, register
 from orca_mq.engine.attention.metadata import AttentionMetadata
+from orca_mq.engine.layer_ops import LayerOps, TritonOps
 
 Tensor = torch.Tensor
 
@@ -19,7 +19,7 @@ Tensor = torch.Tensor
 class TritonAttention:
     name: ClassVar[str] = "triton"
     devices: ClassVar[tuple[str, ...]] = ("cuda",)
-    fused_ops: ModuleType | None   # kernels: rms_norm and rotary for the model's other ops
+    ops: LayerOps   # the Triton rms_norm and rotary for the model's other ops
 
     @classmethod
     def create(cls, device: torch.device, dtype: torch.dtype) -> "TritonAttention":
@@ -27,7 +27,7 @@ class TritonAttention:
 
         if not kernels.triton_usable(device):
             raise BackendUnavailable(f"Triton kernels cannot run on {device} (no triton, or a CPU without TRITON_INTERPRET=1)")
-        return cls(kernels)
+        return cls(TritonOps(kernels))
 
     def write_kv(self, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata) -> None:
         from kernels.kv_write_kernel import write_kv

@@ -1,11 +1,12 @@
-"""The CPU paged decode-attention kernel (csrc/paged_decode_cpu.cpp), built on first use.
+"""The CPU kernels of csrc/ (the paged decode attention, a Llama layer's elementwise ops), one
+extension built on first use.
 
 torch.utils.cpp_extension compiles it once per machine and source (about 40 s, with the machine's
 own vector width) into torch's extension cache; later processes load the cached build, and
-concurrent builders wait on its lock. The source is built inline (copied into the cache's own
-directory) under a name carrying its hash: checkouts at other paths or with another version of the
-kernel share or keep their builds instead of rebuilding over each other. `load()` returns None when it cannot be built (no compiler), so the
-engine falls back to the torch path (gather + SDPA) and says so.
+concurrent builders wait on its lock. The sources are built inline (copied into the cache's own
+directory) under a name carrying their hash: checkouts at other paths or with another version of the
+kernels share or keep their builds instead of rebuilding over each other. `load()` returns None when
+it cannot be built (no compiler), so the engine falls back to torch's ops (gather + SDPA) and says so.
 """
 from __future__ import annotations
 
@@ -15,17 +16,14 @@ import hashlib
 import logging
 import os
 import platform
-from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
-import torch
-
-SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_decode_cpu.cpp"
+CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = [CSRC / "paged_decode_cpu.cpp", CSRC / "layer_ops_cpu.cpp", CSRC / "bindings.cpp"]   # bindings last
 # -ffast-math lets gcc vectorize exp and the dot-product reductions; the kernel keeps its
 # arithmetic finite (no inf sentinel) so that flag is safe
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
-
-PagedDecode = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 
 def _build_name(source: str) -> str:
@@ -36,13 +34,14 @@ def _build_name(source: str) -> str:
     except (OSError, StopIteration):
         flags = platform.processor()
     digest = hashlib.sha1((flags + source).encode()).hexdigest()[:12]
-    return f"orca_mq_paged_decode_{platform.machine()}_{digest}"
+    return f"orca_mq_cpu_kernels_{platform.machine()}_{digest}"
 
 
 @functools.cache
-def load() -> PagedDecode | None:
-    """paged_decode_attention(q [B,H,d], k_cache, v_cache [NB,bs,kvh,d], block_tables [B,nb], seq_lens [B] int32,
-    scale) -> [B,H,d], float32 or bfloat16 on the CPU; None if the kernel cannot be built here."""
+def load() -> ModuleType | None:
+    """The extension (None if it cannot be built here): paged_decode_attention(q [B,H,d], k_cache,
+    v_cache [NB,bs,kvh,d], block_tables [B,nb], seq_lens [B] int32, scale) -> [B,H,d]; rms_norm,
+    rotary_, silu_mul (orca_mq/engine/layer_ops.py); float32 or bfloat16 CPU tensors."""
     from torch.utils.cpp_extension import _get_build_directory, load_inline
 
     try:
@@ -52,7 +51,7 @@ def load() -> PagedDecode | None:
     except ImportError:
         pass  # a system ninja may still be on PATH
     try:
-        source = SOURCE.read_text()
+        source = source_text()
         name = _build_name(source)
         build_dir = Path(_get_build_directory(name, verbose=False))
         # torch's own lock is a plain file that a builder killed mid-build leaves behind, and every later
@@ -64,6 +63,10 @@ def load() -> PagedDecode | None:
             module = load_inline(name=name, cpp_sources=[source], extra_cflags=CFLAGS,
                                  extra_ldflags=["-fopenmp"], no_implicit_headers=True, verbose=False)
     except Exception as e:  # noqa: BLE001 - any build failure means: use the torch path
-        logging.getLogger(__name__).warning("CPU decode kernel unavailable, using gather + SDPA: %s", e)
+        logging.getLogger(__name__).warning("CPU kernels unavailable, using torch's ops (gather + SDPA): %s", e)
         return None
-    return module.paged_decode_attention
+    return module
+
+
+def source_text() -> str:
+    return "\n".join(p.read_text() for p in SOURCES)

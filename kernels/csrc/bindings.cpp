@@ -1,0 +1,15 @@
+// The CPU extension's Python functions (kernels/cpu_kernels.py builds every source of csrc/ into one module).
+#include <torch/extension.h>
+
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale);
+torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> delta, torch::Tensor w, double eps);
+void rotary_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin, int64_t n_heads);
+torch::Tensor silu_mul(torch::Tensor gate_up);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (float32 or bfloat16 KV)");
+  m.def("rms_norm", &rms_norm, "RMSNorm of rows, after an optional in-place residual add");
+  m.def("rotary_", &rotary_, "rotary embedding of the first heads of every row, in place");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of [gate | up] rows");
+}

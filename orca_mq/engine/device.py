@@ -1,0 +1,43 @@
+"""Which device a process computes on, always with an explicit index on CUDA.
+
+CUDA's current device belongs to a thread, not to a process: a worker that set it on its main
+thread and built its model, KV pool and buffers on its compute thread with a bare
+`torch.device("cuda")` put every worker of a node on GPU 0 (and NCCL between them then fails).
+So every tensor gets a device with an index (`cuda:i`), and every thread that touches CUDA calls
+`use_device` first (a worker's main thread, its compute thread and its KV swap thread).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from orca_mq.config import Config
+
+
+def resolve_device(name: str, local_index: int = 0) -> torch.device:
+    """`engine.device` (auto | cpu | cuda) -> a device; on CUDA the `local_index`-th GPU of this node
+    (modulo the GPUs there are)."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("engine.device = cuda but no CUDA device is available")
+        return torch.device("cuda", local_index % torch.cuda.device_count())
+    return torch.device(name)
+
+
+def worker_device(cfg: "Config", stage: int, tp_rank: int) -> torch.device:
+    """A worker's device: one GPU per worker of its node, in placement order (stage-major ranks)."""
+    from orca_mq.server.nodes import placement
+
+    nodes = placement(cfg.engine.n_workers, cfg.engine.tp_size, cfg.server.nnodes)
+    rank = stage * cfg.engine.tp_size + tp_rank
+    return resolve_device(cfg.engine.device, nodes[:rank].count(nodes[rank]))
+
+
+def use_device(device: torch.device) -> None:
+    """Make `device` the calling thread's current CUDA device (nothing to do on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)

@@ -1,0 +1,66 @@
+"""Every GEMM of the engine goes through this module: `prepare` a weight once at load, `linear` it
+at every iteration. One seam, so how the products run (and, later, a batch-invariant mode) is
+chosen in one place for the projections, the MLP and the LM head alike.
+
+Methods (`engine.gemm`):
+- `torch`: `F.linear` on the plain [out, in] weight (MKL sgemm for float32 on the CPU, cuBLAS on CUDA).
+- `onednn`: the weight reordered once into oneDNN's blocked layout and multiplied by oneDNN's
+  matmul (what torch.compile's CPU freezing emits). On this AVX2 host it ran the model's shapes
+  1.1-1.3x faster than MKL for the layers and 1.7-3x for the 49,152-row LM head (BENCHMARKS.md).
+- `auto`: `onednn` where oneDNN runs the dtype on this CPU (float32 with any oneDNN build;
+  bfloat16 only on CPUs with native bfloat16, found by trying); `torch` elsewhere (CUDA, float16).
+A reordered weight is an opaque tensor: sharding (tensor parallelism) happens before `prepare`.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+Tensor = torch.Tensor
+Method = Literal["torch", "onednn"]
+ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def onednn_usable(device: torch.device, dtype: torch.dtype) -> bool:
+    return device.type == "cpu" and dtype in ONEDNN_DTYPES and _onednn_runs(dtype)
+
+
+@functools.cache
+def _onednn_runs(dtype: torch.dtype) -> bool:
+    """Whether this CPU and torch build run oneDNN's linear in `dtype`: its bfloat16 path needs
+    AVX512-BF16/AMX or AVX-NE-CONVERT and refuses to run elsewhere, which only trying tells."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        w = torch.ops.mkldnn._reorder_linear_weight(torch.ones(8, 8, dtype=dtype), None)
+        torch.ops.mkldnn._linear_pointwise(torch.ones(2, 8, dtype=dtype), w, None, "none", [], "")
+    except (RuntimeError, AttributeError):
+        return False
+    return True
+
+
+def resolve_method(name: str, device: torch.device, dtype: torch.dtype) -> Method:
+    if name == "auto":
+        return "onednn" if onednn_usable(device, dtype) else "torch"
+    if name == "onednn" and not onednn_usable(device, dtype):
+        raise ValueError(f"engine.gemm = onednn needs a CPU torch with oneDNN and float32/bfloat16, not {device} {dtype}")
+    if name not in ("torch", "onednn"):
+        raise ValueError(f"engine.gemm must be auto | torch | onednn, got {name!r}")
+    return name  # type: ignore[return-value]
+
+
+def prepare(w: Tensor, method: Method) -> Tensor:
+    """The weight [out, in] in the layout `linear` reads for `method`."""
+    return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), None) if method == "onednn" else w
+
+
+def linear(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
+    """x [T, in] @ w.T (+ b) -> [T, out], whatever layout `prepare` gave w."""
+    if not w.is_mkldnn:
+        return F.linear(x, w, b)
+    if x.shape[0] == 0:   # oneDNN refuses an empty batch
+        return x.new_empty(0, w.shape[0])
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), w, b, "none", [], "")

@@ -1,0 +1,12 @@
+"""Structured outputs: a request's output constrained to a JSON schema, JSON object, regex, choice or
+grammar, inside selective batching (the grammar engine is llguidance).
+
+- `params`: the constraint a request carries (`SamplingParams.structured_outputs`), shape checks only.
+- `compiler`: a constraint -> a checked grammar (cached, bounded in size and time) and, with the
+  model's vocabulary, a per-request `Grammar`.
+- `grammar`: one request's matcher, advanced by its accepted tokens; lives on the scheduler's Request.
+- `bitmask`: the allowed-token bitmasks of an iteration's constrained rows, in one batched call.
+
+The iteration loop calls three things: `fill_masks` when it builds rows, `Grammar.accept` when a
+token is appended, `Grammar.release` when the request finishes.
+"""

@@ -1,0 +1,129 @@
+"""A constraint -> an llguidance grammar, checked, cached and bounded; with the model's vocabulary,
+a per-request `Grammar`.
+
+The frontend checks a constraint without the vocabulary (`Compiler.check`: the grammar is built and
+validated, which catches every error in the schema, regex or grammar); the scheduler builds the
+vocabulary once, on the first constrained request, and compiles (`Compiler.compile`). Both run in a
+thread (`bounded`), never on an event loop or the compute thread: a constraint is bounded in size
+(`structured.max_spec_bytes`) before any work, in work by llguidance's own limits, and in time by
+`structured.compile_timeout`. Compiled constraints are cached by their text (LRU,
+`structured.cache_size`); a request's matcher is a copy of the cached one (microseconds).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections import OrderedDict
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, TypeVar
+
+import llguidance
+from llguidance import LLMatcher
+
+from orca_mq.errors import InvalidRequest
+from orca_mq.structured.grammar import LIMITS, Grammar, Vocabulary
+from orca_mq.structured.params import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from orca_mq.config import StructuredConfig
+
+T = TypeVar("T")
+ANY_OBJECT = '{"type":"object"}'
+MAX_ERROR_CHARS = 300   # llguidance's messages quote the grammar: keep what a client sees short
+
+
+def _bad(spec: StructuredOutputsParams, why: str) -> InvalidRequest:
+    why = " ".join(why.split())   # llguidance's messages span lines
+    return InvalidRequest(f"invalid structured_outputs.{spec.kind}: "
+                          f"{why if len(why) <= MAX_ERROR_CHARS else why[:MAX_ERROR_CHARS] + '...'}")
+
+
+@dataclass(slots=True)
+class _Entry:
+    grammar: str                       # llguidance's grammar text
+    template: LLMatcher | None = None  # a fresh matcher over the vocabulary, copied per request
+
+
+class Compiler:
+    """One per process. `vocabulary` builds the model's vocabulary (a second or two) when the first
+    constrained request needs it; None: check only (the frontend)."""
+
+    def __init__(self, cfg: "StructuredConfig", vocabulary: Callable[[], Vocabulary] | None = None) -> None:
+        self.cfg = cfg
+        self._vocabulary = vocabulary
+        self._vocab: Vocabulary | None = None
+        self._cache: OrderedDict[tuple[str, str], _Entry] = OrderedDict()
+        self._lock = threading.Lock()   # the cache is shared by the compile threads
+
+    def check(self, spec: StructuredOutputsParams) -> None:
+        """Raise InvalidRequest if the constraint is too large or does not compile."""
+        self._entry(spec)
+
+    def compile(self, spec: StructuredOutputsParams) -> Grammar:
+        """A new request's grammar state."""
+        entry = self._entry(spec)
+        with self._lock:
+            if self._vocab is None:
+                if self._vocabulary is None:
+                    raise RuntimeError("this compiler has no vocabulary: it only checks constraints")
+                self._vocab = self._vocabulary()
+            vocab = self._vocab
+        if entry.template is None:
+            template = LLMatcher(vocab.tokenizer, entry.grammar, log_level=0, limits=LIMITS)
+            if template.is_error():  # what only the vocabulary reveals (e.g. a lexer too large for it)
+                raise _bad(spec, template.get_error())
+            entry.template = template
+        return Grammar(spec.kind, entry.template.deep_copy(), vocab)
+
+    @property
+    def cached(self) -> int:
+        return len(self._cache)
+
+    def _entry(self, spec: StructuredOutputsParams) -> _Entry:
+        text = spec.spec()
+        if len(text.encode()) > self.cfg.max_spec_bytes:
+            raise _bad(spec, f"{len(text.encode())} bytes; at most {self.cfg.max_spec_bytes} (structured.max_spec_bytes)")
+        key = (spec.kind, text)
+        with self._lock:
+            entry = self._cache.get(key)
+            if entry is not None:
+                self._cache.move_to_end(key)
+                return entry
+        entry = _Entry(self._grammar(spec, text))
+        with self._lock:
+            entry = self._cache.setdefault(key, entry)
+            while len(self._cache) > self.cfg.cache_size:
+                self._cache.popitem(last=False)
+        return entry
+
+    def _grammar(self, spec: StructuredOutputsParams, text: str) -> str:
+        kind = spec.kind
+        try:
+            if kind in ("json", "json_object"):
+                options = {"whitespace_flexible": self.cfg.json_whitespace == "flexible"}
+                grammar = LLMatcher.grammar_from_json_schema(text or ANY_OBJECT, defaults=options)  # type: ignore[arg-type]
+            elif kind == "regex":
+                grammar = LLMatcher.grammar_from_regex(text)
+            elif kind == "choice":
+                grammar = LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in json.loads(text)))
+            else:
+                grammar = llguidance.grammar_from("grammar", text)   # Lark, or GBNF converted to Lark
+        except (ValueError, RecursionError) as e:
+            raise _bad(spec, str(e)) from None
+        error = LLMatcher.validate_grammar(grammar, None, limits=LIMITS)
+        if error:
+            raise _bad(spec, error)
+        return grammar
+
+
+async def bounded(executor: Executor, fn: Callable[[StructuredOutputsParams], T], spec: StructuredOutputsParams,
+                  timeout: float) -> T:
+    """fn(spec) in a thread, refused (InvalidRequest) past `timeout` seconds. The thread then runs
+    on to llguidance's own work limits; the request does not wait for it."""
+    future = asyncio.get_running_loop().run_in_executor(executor, fn, spec)
+    try:
+        return await asyncio.wait_for(future, timeout)
+    except TimeoutError:
+        raise _bad(spec, f"did not compile within {timeout} s (structured.compile_timeout)") from None

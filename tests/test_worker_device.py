@@ -1,0 +1,67 @@
+"""Every worker computes on the GPU of its rank, on every thread that touches CUDA (orca_mq/engine/device.py).
+
+CUDA's current device is per thread. Checked on the CPU with a stand-in for torch.cuda that records
+which device each thread set: the worker's device comes from its place in the grid, and the compute
+thread (which builds the model, the KV pool and the buffers) and the KV swap thread set it themselves.
+"""
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+
+import pytest
+import structlog
+import torch
+
+from orca_mq.config import load_config
+from orca_mq.engine.device import resolve_device, worker_device
+from workers.data_plane import DataPlane
+from orca_mq.kv.swapper import KVSwapper
+from workers.stage_executor import StageExecutor
+
+
+@pytest.fixture
+def bound(monkeypatch: pytest.MonkeyPatch) -> dict[str, torch.device]:
+    """A node with 4 GPUs; thread name -> the device that thread made current."""
+    seen: dict[str, torch.device] = {}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: seen.__setitem__(threading.current_thread().name, torch.device(d)))
+    return seen
+
+
+def cuda(i: int) -> torch.device:
+    return torch.device("cuda", i)
+
+
+def test_a_worker_device_comes_from_its_rank_on_its_node(bound: dict[str, torch.device]) -> None:
+    one = load_config(overrides={"engine.device": "cuda", "engine.n_workers": 2, "engine.tp_size": 2})
+    assert [worker_device(one, s, r) for s in range(2) for r in range(2)] == [cuda(0), cuda(1), cuda(2), cuda(3)]
+    two = load_config(overrides={"engine.device": "cuda", "engine.n_workers": 2, "engine.tp_size": 2, "server.nnodes": 2})
+    assert [worker_device(two, s, r) for s in range(2) for r in range(2)] == [cuda(0), cuda(1), cuda(0), cuda(1)]
+    assert resolve_device("auto").index == 0 and resolve_device("cuda", 5) == cuda(1)   # never a bare "cuda"
+    assert worker_device(load_config(overrides={"engine.device": "cpu"}), 0, 0) == torch.device("cpu")
+
+
+def test_the_compute_and_swap_threads_use_the_worker_device(bound: dict[str, torch.device]) -> None:
+    cfg = load_config(overrides={"engine.device": "cuda", "engine.n_workers": 2, "engine.tp_size": 2})
+    device = worker_device(cfg, 1, 1)
+    assert device == cuda(3)
+    built, ready = {}, threading.Event()
+
+    def build() -> SimpleNamespace:   # what ModelRunner's allocations would see as the current device
+        built["compute"] = bound.get(threading.current_thread().name)
+        return SimpleNamespace()
+
+    executor = StageExecutor(build, DataPlane(0, 1, torch.device("cpu"), None), device, on_ready=lambda r: ready.set(),
+                             on_result=lambda *a: None, on_error=lambda e: ready.set(), log=structlog.get_logger())
+    executor.start()
+    assert ready.wait(30)
+    executor.stop()
+    assert built["compute"] == device
+
+    # a pool on the worker's device as far as the swapper asks (its host pool is built on the CPU)
+    kv = SimpleNamespace(k=SimpleNamespace(device=device, is_cuda=False, shape=(1, 1, 1, 1), dtype=torch.float32))
+    swapper = KVSwapper(kv, 4, depth=1)   # type: ignore[arg-type]
+    swapper.close()
+    assert bound["kv-swap"] == device
