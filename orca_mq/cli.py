@@ -1,9 +1,12 @@
-"""The `orca-mq` command: serve, client, logs, bench. Imports nothing heavy until a command runs.
+"""The `orca-mq` command: serve, client, logs, keys, bench. Imports nothing heavy until a command runs.
 
-    orca-mq serve [--model PATH] [--port N] [--config FILE] [--set section.key=value ...]
-    orca-mq client --prompt "Hello" [--chat] [--max-tokens N] [--temperature T] ...
-    orca-mq logs [-f] [-n N] [--json]
+    orca-mq serve [--model PATH] [--port N] [--http-port N] [--api-key KEY] [--config FILE] [--set section.key=value ...]
+    orca-mq client --prompt "Hello" [--port N | --address ADDR] [--api-key KEY] [--chat] [--max-tokens N] ...
+    orca-mq logs [--port N] [-f] [-n N] [--json]
+    orca-mq keys DIR             (a CurveZMQ key pair for server.curve_secret_key)
     orca-mq bench ...            (tools/bench.py, from a source checkout)
+
+Every mistake is one line on stderr and exit status 1 (2 for a bad command line); details go to the logs.
 """
 from __future__ import annotations
 
@@ -14,19 +17,32 @@ import socket
 import sys
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from orca_mq import __version__
-from orca_mq.config import DEFAULT_CONFIG_PATH, Config, load_config
+from orca_mq.config import API_KEY_ENV, DEFAULT_CONFIG_PATH, Config, host_port, load_config
 
-COMMANDS = ("serve", "client", "logs", "bench")
+COMMANDS = ("serve", "client", "logs", "keys", "bench")
 NODE_FLAGS = {"--nnodes": "server.nnodes", "--node-rank": "server.node_rank",
               "--master-addr": "server.master_addr", "--master-port": "server.worker_base_port"}
+
+
+class _Parser(argparse.ArgumentParser):
+    """A command-line mistake is one line (and exit status 2), not the usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _sections() -> str:
     return "config sections (each key: orca-mq serve --set section.key=value; defaults in config.toml):\n" + "\n".join(
         f"  [{name}] " + ", ".join(sub) for name, sub in Config().to_dict().items())
+
+
+def _port(text: str) -> int:
+    if not text.isdigit() or not 1 <= int(text) <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port in 1-65535, got {text!r}")
+    return int(text)
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:
@@ -36,13 +52,15 @@ def _config_args(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     fmt = argparse.RawDescriptionHelpFormatter
-    p = argparse.ArgumentParser(prog="orca-mq", description=__doc__, epilog=_sections(), formatter_class=fmt)
+    p = _Parser(prog="orca-mq", description=__doc__, epilog=_sections(), formatter_class=fmt)
     p.add_argument("--version", action="version", version=f"orca-mq {__version__}")
-    sub = p.add_subparsers(dest="command", metavar="{" + ",".join(COMMANDS) + "}")
+    sub = p.add_subparsers(dest="command", metavar="{" + ",".join(COMMANDS) + "}", parser_class=_Parser)
     serve = sub.add_parser("serve", help="start a server (every process) and supervise it", epilog=_sections(), formatter_class=fmt)
     _config_args(serve)
     serve.add_argument("--model", help="GGUF file or Hugging Face directory (model.path)")
-    serve.add_argument("--port", type=int, help="client port on 127.0.0.1 (server.frontend_address)")
+    serve.add_argument("--port", type=_port, help="ZeroMQ client port on 127.0.0.1 (server.frontend_address)")
+    serve.add_argument("--http-port", type=_port, help="OpenAI-compatible HTTP port on 127.0.0.1 (server.http_address)")
+    serve.add_argument("--api-key", help=f"API key(s), comma-separated (server.api_key; ${API_KEY_ENV} keeps it off the command line)")
     for flag, key in NODE_FLAGS.items():  # torchrun-style shorthands of [server] keys, for many hosts
         serve.add_argument(flag, dest=key, default=None, metavar=flag[2:].upper(), help=f"= --set {key}=...")
     client = sub.add_parser("client", help="send one request and stream the text")
@@ -57,65 +75,92 @@ def build_parser() -> argparse.ArgumentParser:
     client.add_argument("--structured-outputs", type=json.loads, default=None, metavar="JSON",
                         help='constrain the output: \'{"regex": "[0-9]+"}\', \'{"choice": ["yes", "no"]}\', \'{"json": SCHEMA}\'')
     client.add_argument("--json", action="store_true", help="print one final JSON line instead of streaming")
-    client.add_argument("--address", default=None, help="server address (default: tcp://127.0.0.1:5555)")
-    logs = sub.add_parser("logs", help="merged structured logs of every process")
+    where = client.add_mutually_exclusive_group()
+    where.add_argument("--address", default=None, help="server address (default: tcp://127.0.0.1:5555)")
+    where.add_argument("--port", type=_port, default=None, help="= --address tcp://127.0.0.1:PORT (the server's --port)")
+    client.add_argument("--api-key", default=os.environ.get(API_KEY_ENV), help=f"the server's API key (default: ${API_KEY_ENV})")
+    client.add_argument("--server-key", default=None, help="the server's CurveZMQ public key file (or Z85 text): encrypt")
+    logs = sub.add_parser("logs", help="merged structured logs of one server's processes")
     _config_args(logs)
+    logs.add_argument("--port", type=_port, help="the server's client port (default: the only running server)")
     logs.add_argument("-f", "--follow", action="store_true", help="keep printing new lines")
     logs.add_argument("-n", "--lines", type=int, default=200, help="last N lines (0 = all)")
     logs.add_argument("--json", action="store_true", help="print the raw JSON lines")
+    keys = sub.add_parser("keys", help="make a CurveZMQ key pair (server.curve_secret_key, and the public key for clients)")
+    keys.add_argument("dir", help="directory to write server.key (public) and server.key_secret (secret, mode 600) into")
     sub.add_parser("bench", help="replay a trace against a server (tools/bench.py; see orca-mq bench --help)", add_help=False)
     return p
 
 
-def _config(args: argparse.Namespace) -> Config:
+def _config(args: argparse.Namespace, expand_log_dir: bool = True) -> Config:
     sets = list(args.set)
     if getattr(args, "model", None):
         sets.append(f"model.path={Path(args.model).expanduser().resolve()}")
     if getattr(args, "port", None):
         sets.append(f"server.frontend_address=tcp://127.0.0.1:{args.port}")
+    if getattr(args, "http_port", None):
+        sets.append(f"server.http_address=127.0.0.1:{args.http_port}")
+    if getattr(args, "api_key", None) is not None:
+        sets.append(f"server.api_key={args.api_key}")
     sets += [f"{key}={v}" for key in NODE_FLAGS.values() if (v := getattr(args, key, None)) is not None]
     try:
-        return load_config(args.config, sets)
+        return load_config(args.config, sets, expand_log_dir)
     except (KeyError, ValueError, OSError, tomllib.TOMLDecodeError) as e:
         raise SystemExit(f"orca-mq: config: {e.args[0] if isinstance(e, KeyError) else e}") from None
 
 
-def _check_free(address: str) -> None:
-    """A busy port is one line, not a broker traceback."""
-    if not address.startswith("tcp://"):
-        return
-    host, _, port = address[len("tcp://"):].rpartition(":")
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+def _check_free(host: str, port: int, address: str, flag: str) -> None:
+    """A busy port is one line naming the flag that moves it, not a broker traceback."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            s.bind((host.strip("[]") if host != "*" else "0.0.0.0", int(port)))
-        except (OSError, ValueError) as e:
-            raise SystemExit(f"orca-mq: cannot listen on {address}: {e.strerror or e} (another server? choose --port)") from None
+            s.bind(("0.0.0.0" if host == "*" else host, port))
+        except (OSError, OverflowError) as e:
+            why = getattr(e, "strerror", None) or str(e)
+            raise SystemExit(f"orca-mq: cannot listen on {address}: {why} (another server? choose another port with {flag})") from None
+
+
+def _preflight(cfg: Config) -> None:
+    """What would otherwise fail inside a child a minute later: one line now, the details in the logs."""
+    from orca_mq.auth import server_keys
+    from orca_mq.engine.model_info import read_model_info
+
+    if cfg.server.node_rank == 0:
+        front = cfg.server.frontend_address
+        if front.startswith("tcp://"):
+            _check_free(*host_port(front[len("tcp://"):], "server.frontend_address"), front, "--port")
+        if cfg.server.http_address:
+            _check_free(*host_port(cfg.server.http_address, "server.http_address"), cfg.server.http_address, "--http-port")
+    steps = [("model", lambda: read_model_info(cfg.model.path, cfg.model.cache_dir))]
+    if cfg.server.curve_secret_key:
+        steps.append(("server.curve_secret_key", lambda: server_keys(cfg.server.curve_secret_key)))
+    for what, step in steps:
+        try:
+            step()
+        except Exception as e:
+            from orca_mq.logs import setup_logging
+            from orca_mq.server.process import one_line
+
+            setup_logging("launcher", cfg.log).exception("start-up check failed", what=what)
+            raise SystemExit(f"orca-mq: {what}: {one_line(e)}" + (f" (details in {cfg.log.dir})" if cfg.log.dir else "")) from None
 
 
 def _serve(args: argparse.Namespace) -> int:
     cfg = _config(args)
     if cfg.server.nnodes > 1 and not cfg.server.worker_base_port:
         raise SystemExit("orca-mq: --master-port (server.worker_base_port) is required with --nnodes > 1")
-    if cfg.server.node_rank == 0:
-        _check_free(cfg.server.frontend_address)
-        if cfg.server.http_address:
-            _check_free(f"tcp://{cfg.server.http_address}")
-    if not cfg.model.path:
-        from orca_mq.engine.model_files import embedded_model_path
-        try:
-            embedded_model_path()
-        except FileNotFoundError as e:
-            raise SystemExit(f"orca-mq: {e}") from None
-    elif not Path(cfg.model.path).exists():
-        raise SystemExit(f"orca-mq: model.path does not exist: {cfg.model.path}")
-    if cfg.server.node_rank == 0:
-        from orca_mq.server.launcher import Launcher
-
-        return Launcher(cfg).run()
+    _preflight(cfg)
+    from orca_mq.server.launcher import Launcher
     from orca_mq.server.node_launcher import NodeLauncher
 
-    return NodeLauncher(cfg).run()
+    launcher = Launcher(cfg) if cfg.server.node_rank == 0 else NodeLauncher(cfg)
+    try:
+        return launcher.run()
+    except Exception as e:  # a launcher bug or an unexpected OS error: one line, the traceback in the log
+        from orca_mq.server.process import one_line
+
+        launcher.log.exception("launcher failed")
+        raise SystemExit(f"orca-mq: {one_line(e)} (details in {cfg.log.dir})") from None
 
 
 def _client(args: argparse.Namespace) -> int:
@@ -125,11 +170,16 @@ def _client(args: argparse.Namespace) -> int:
     for key in ("temperature", "top_p", "top_k", "seed", "structured_outputs"):
         if getattr(args, key) is not None:
             sampling[key] = getattr(args, key)
-    with Client(args.address or DEFAULT_ADDRESS) as client:
+    address = args.address or (f"tcp://127.0.0.1:{args.port}" if args.port else DEFAULT_ADDRESS)
+    try:
+        client = Client(address, api_key=args.api_key, server_key=args.server_key)
+    except ValueError as e:
+        raise SystemExit(f"orca-mq: {e}") from None
+    with client:
         if args.json:
             out = client.generate(args.prompt, chat=args.chat, **sampling)
             print(json.dumps({"request_id": out.request_id, "text": out.text, "token_ids": out.token_ids,
-                              "finish_reason": out.finish_reason} | ({"error": out.error} if out.error else {})))
+                              "finish_reason": out.finish_reason} | ({"error": out.error, "code": out.code} if out.error else {})))
             return 1 if out.finish_reason == "error" else 0
         for ev in client.stream(args.prompt, chat=args.chat, **sampling):
             sys.stdout.write(ev.text)
@@ -137,7 +187,7 @@ def _client(args: argparse.Namespace) -> int:
             if ev.finished:
                 sys.stdout.write("\n")
                 if ev.error:
-                    print(f"error: {ev.error}", file=sys.stderr)
+                    print(f"error ({ev.code}): {ev.error}", file=sys.stderr)
                     return 1
     return 0
 
@@ -155,12 +205,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "client":
         return _client(args)
     if args.command == "logs":
-        from orca_mq.logs import show_logs
+        from orca_mq.logs import choose_log_dir, show_logs
 
+        log_dir = _config(args).log.dir if args.port else str(choose_log_dir(_config(args, expand_log_dir=False).log.dir))
         try:
-            show_logs(_config(args).log.dir, args.follow, args.lines, args.json)
+            show_logs(log_dir, args.follow, args.lines, args.json)
         except KeyboardInterrupt:
             pass
+        return 0
+    if args.command == "keys":
+        from orca_mq.auth import create_keys
+
+        try:
+            public, secret = create_keys(args.dir)
+        except OSError as e:
+            raise SystemExit(f"orca-mq keys: {e}") from None
+        print(f"public key (give it to clients: server_key=, --server-key): {public}\n"
+              f"secret key (keep it: --set server.curve_secret_key={secret}): {secret}")
         return 0
     build_parser().print_help()
     return 2

@@ -4,14 +4,16 @@
         async for ev in client.stream(prompt="Hello", max_tokens=8, temperature=0.0):
             print(ev.text, end="")
 
-Sampling keyword arguments are sent as-is (SamplingParams fields); the server rejects unknown
-ones with an error event. Leaving a stream early (break, exception, cancellation) aborts the
-request. If the server stops answering — even its broker's pings — for `liveness_timeout`
+Sampling keyword arguments are SamplingParams fields, checked here first (the server checks them
+again with the vocabulary): a bad one ends the stream with an `invalid_request` event, nothing is
+sent. Leaving a stream early (break, exception, cancellation) aborts the request.
+`api_key=` is sent with every request and stats query (servers with `server.api_key`);
+`server_key=` (the server's CurveZMQ public key, or its key file) encrypts the connection. If the server stops answering — even its broker's pings — for `liveness_timeout`
 seconds, every open stream ends with an `error` event.
 
 An event that ends with "error" (or "abort") carries `code`, one of orca_mq.protocol.common_msgs'
-stable codes (invalid_request, overloaded, unavailable, internal, protocol, aborted): branch on
-it, show `error` to people.
+stable codes (invalid_request, overloaded, unavailable, internal, protocol, aborted, unauthorized):
+branch on it, show `error` to people.
 """
 from __future__ import annotations
 
@@ -26,10 +28,12 @@ from typing import Any, TypeVar
 import zmq
 import zmq.asyncio
 
+from orca_mq.auth import curve_client
 from orca_mq.outputs import RequestOutput
 from orca_mq.protocol import ProtocolError, decode, encode
 from orca_mq.protocol.client_msgs import TO_CLIENT, Abort, Generate, Output, Ping, Pong, Stats, StatsReply
-from orca_mq.protocol.common_msgs import ABORTED, UNAVAILABLE, Error
+from orca_mq.protocol.common_msgs import ABORTED, INVALID_REQUEST, UNAUTHORIZED, UNAVAILABLE, Error
+from orca_mq.sampling_params import InvalidRequest, SamplingParams
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:5555"
 T = TypeVar("T")
@@ -52,8 +56,11 @@ def _final_error(request_id: str, error: str, code: str) -> StreamEvent:
 
 
 class AsyncClient:
-    def __init__(self, address: str = DEFAULT_ADDRESS, *, liveness_timeout: float = 15.0, ping_interval: float = 2.0) -> None:
+    def __init__(self, address: str = DEFAULT_ADDRESS, *, api_key: str | None = None, server_key: str | None = None,
+                 liveness_timeout: float = 15.0, ping_interval: float = 2.0) -> None:
         self.address = address
+        self.api_key = api_key or ""
+        self.server_key = server_key
         self.liveness_timeout = liveness_timeout
         self.ping_interval = ping_interval
         self._ctx: zmq.asyncio.Context | None = None
@@ -76,6 +83,8 @@ class AsyncClient:
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.RCVHWM, 0)
+        if self.server_key:
+            curve_client(self._sock, self.server_key)
         self._sock.connect(self.address)
         self._last_heard = time.monotonic()
         self._reader = asyncio.create_task(self._read())
@@ -97,10 +106,19 @@ class AsyncClient:
                      request_id: str | None = None, **sampling: Any) -> AsyncIterator[StreamEvent]:
         """Submit a request and yield its events as tokens are produced; the last has finished=True."""
         rid = request_id or uuid.uuid4().hex
+        try:
+            SamplingParams.from_dict(sampling).validate()
+            frame = encode(Generate(rid, prompt, prompt_token_ids, messages, chat, sampling, self.api_key))
+        except InvalidRequest as e:
+            yield _final_error(rid, str(e), INVALID_REQUEST)
+            return
+        except (OverflowError, TypeError, ValueError) as e:  # msgpack: an integer over 64 bits, an object it cannot pack
+            yield _final_error(rid, f"invalid request: cannot be sent ({e})", INVALID_REQUEST)
+            return
         queue: asyncio.Queue[StreamEvent] = asyncio.Queue()
         self._streams[rid] = queue
         try:
-            await self._send(Generate(rid, prompt, prompt_token_ids, messages, chat, sampling))
+            await self._send_raw(frame)
             while True:
                 ev = await queue.get()
                 yield ev
@@ -130,15 +148,18 @@ class AsyncClient:
         qid = uuid.uuid4().hex
         fut = self._stats[qid] = asyncio.get_running_loop().create_future()
         try:
-            await self._send(Stats(qid, record, reset))
+            await self._send(Stats(qid, record, reset, self.api_key))
             return await asyncio.wait_for(fut, timeout)
         finally:
             self._stats.pop(qid, None)
 
     async def _send(self, msg: Any) -> None:
+        await self._send_raw(encode(msg))
+
+    async def _send_raw(self, frame: bytes) -> None:
         if self._sock is None:
             raise RuntimeError("client is not connected (use `async with` or connect())")
-        await self._sock.send(encode(msg))
+        await self._sock.send(frame)
 
     async def _read(self) -> None:
         assert self._sock is not None
@@ -161,9 +182,10 @@ class AsyncClient:
                 if fut is not None and not fut.done():
                     fut.set_result(msg.stats)
             elif isinstance(msg, Error):
+                failure = PermissionError if msg.code == UNAUTHORIZED else RuntimeError
                 for fut in self._stats.values():  # a rejected stats query is the only request without an id
                     if not fut.done():
-                        fut.set_exception(RuntimeError(msg.error))
+                        fut.set_exception(failure(msg.error))
             elif isinstance(msg, Pong) and msg.server:
                 if self._server and msg.server != self._server:
                     self._fail_all("server unavailable: it restarted and lost the request, retry it", UNAVAILABLE)

@@ -2,12 +2,16 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 DEFAULT_CONFIG_PATH = Path(__file__).resolve().parent.parent / "config.toml"
+API_KEY_ENV = "ORCA_MQ_API_KEY"    # server.api_key from the environment (a key on a command line is visible to `ps`)
+MAX_API_KEY_CHARS = 256
 
 # the config's choices, checked once when a value is set
 DType = Literal["auto", "float32", "bfloat16", "float16"]
@@ -84,6 +88,12 @@ class ServerConfig:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     node_timeout: float = 10.0
+    api_key: str = ""
+    curve_secret_key: str = ""
+
+    def api_keys(self) -> tuple[str, ...]:
+        """The accepted keys: `api_key` split at commas; none = no authentication."""
+        return tuple(k for k in self.api_key.split(",") if k)
 
 
 @dataclass(slots=True)
@@ -97,7 +107,7 @@ class StructuredConfig:
 
 @dataclass(slots=True)
 class LogConfig:
-    dir: str = "logs"
+    dir: str = "logs/{port}"
     level: LogLevel = "info"
     stderr: bool = False
 
@@ -174,11 +184,15 @@ def _coerce(value: Any, kind: Any, name: str) -> Any:
     return value
 
 
-def load_config(path: str | Path | None = None, overrides: dict[str, Any] | list[str] | None = None) -> Config:
-    """Read config.toml (default: the repo's) and apply overrides ({"a.b": v} or ["a.b=v", ...])."""
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | list[str] | None = None,
+                expand_log_dir: bool = True) -> Config:
+    """Read config.toml (default: the repo's), take server.api_key from $ORCA_MQ_API_KEY when set, apply
+    overrides ({"a.b": v} or ["a.b=v", ...]), and check what is checked once for the whole config."""
     path = Path(path or DEFAULT_CONFIG_PATH)
     with open(path, "rb") as f:
         cfg = Config.from_dict(tomllib.load(f))
+    if API_KEY_ENV in os.environ:
+        cfg.server.api_key = os.environ[API_KEY_ENV]
     if cfg.log.dir:  # the config's own directory, wherever the server is started from
         cfg.log.dir = str((path.resolve().parent / cfg.log.dir).resolve())
     if isinstance(overrides, list):
@@ -192,4 +206,36 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | list
         cfg.set(key, value)
         if key in ("log.dir", "dir") and cfg.log.dir:  # a path the user gives: relative to where they are
             cfg.log.dir = str(Path(cfg.log.dir).resolve())
+    check(cfg)
+    if expand_log_dir:
+        cfg.log.dir = cfg.log.dir.replace("{port}", server_name(cfg.server.frontend_address))
     return cfg
+
+
+def check(cfg: Config) -> None:
+    """Checks across keys or inside a string, once per load: a mistake is a one-line ValueError."""
+    for key in cfg.server.api_keys():
+        if len(key) > MAX_API_KEY_CHARS or not re.fullmatch(r"[!-~]+", key):
+            raise ValueError(f"server.api_key: each key (comma-separated) must be 1 to {MAX_API_KEY_CHARS} "
+                             "printable ASCII characters without spaces")
+    for name in ("frontend_address", "backend_address"):
+        address = getattr(cfg.server, name)
+        if address.startswith("tcp://"):
+            host_port(address[len("tcp://"):], f"server.{name}")
+    if cfg.server.http_address:
+        host_port(cfg.server.http_address, "server.http_address")
+
+
+def host_port(address: str, what: str) -> tuple[str, int]:
+    """`host:port` -> (host, port), the port in 1-65535."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"{what}: expected host:port with a port in 1-65535, got {address!r}")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def server_name(frontend_address: str) -> str:
+    """A server's name in paths (its log dir): the client port of a tcp:// address, else the address made safe."""
+    if frontend_address.startswith("tcp://"):
+        return frontend_address.rpartition(":")[2]
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", frontend_address).strip("_") or "server"

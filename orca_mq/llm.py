@@ -16,7 +16,8 @@ from orca_mq.sched.request import Request
 from orca_mq.structured.compiler import Compiler
 from orca_mq.structured.grammar import Vocabulary
 from orca_mq.tokenizer import load_tokenizer
-from orca_mq.validation import validate_request
+from orca_mq.server.prompts import Prompts
+from orca_mq.validation import admit
 from orca_mq.engine.model_info import read_model_info
 
 Prompt = str | list[int]
@@ -33,6 +34,7 @@ class LLM:
         self.cfg.engine.n_workers = self.cfg.engine.tp_size = 1
         self.info = read_model_info(self.cfg.model.path, self.cfg.model.cache_dir)
         self.tokenizer = load_tokenizer(self.cfg.model.path, self.cfg.model.cache_dir)
+        self.prompts = Prompts.for_model(self.tokenizer, self.info.max_model_len(self.cfg))
         self.runner = ModelRunner(self.cfg, info=self.info)
         self.scheduler = make_scheduler(self.cfg, self.info)
         self.run_until_done()   # a policy that needs this engine's iteration profile times its probes now
@@ -49,8 +51,9 @@ class LLM:
             raise InvalidRequest(f"{len(prompts)} prompts but {len(params_list)} sampling params")
         reqs = []
         for prompt, p in zip(prompts, params_list):
-            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            validate_request(ids, p, self.info, self.cfg)  # all checked before any is queued
+            ids = self.prompts.encode_text(prompt) if isinstance(prompt, str) else list(prompt)
+            p.validate(self.info.vocab_size)
+            p = admit(ids, p, self.info, self.cfg)  # all checked (and compiled) before any is queued
             grammar = None if p.structured_outputs is None else self.grammars.compile(p.structured_outputs)
             reqs.append(Request(f"offline-{next(self._ids)}", ids, p, grammar=grammar))
         for r in reqs:
@@ -66,12 +69,8 @@ class LLM:
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
              params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
-        prompts = [self.encode_chat(c) for c in conversations]  # type: ignore[arg-type]
+        prompts = [self.prompts.encode_chat(c) for c in conversations]  # type: ignore[arg-type]
         return self.generate(prompts, params)
-
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return self.tokenizer.encode(text, add_special_tokens=False)  # the template already holds any BOS
 
     def run_until_done(self) -> None:
         """The scheduler's iteration loop (`Scheduler.step`), offline: each plan runs here, in order."""

@@ -2,6 +2,8 @@
 
 Every line carries `role` and `pid`; callers bind `request_id` / `iteration` where they have one
 (`log.bind(request_id=...)`). `tools/launch.py logs` merges the files by timestamp.
+The standard library's logging (uvicorn, transformers, torch) and Python warnings go to the same
+JSON lines, so nothing reaches a terminal as a bare traceback.
 """
 from __future__ import annotations
 
@@ -35,6 +37,21 @@ class _TeeLogger:
     debug = info = warning = error = critical = exception = log = msg
 
 
+class _Forward(logging.Handler):
+    """The standard library's log records, as this process's structlog lines."""
+
+    def __init__(self, log: Any) -> None:
+        super().__init__()
+        self.log = log
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.log.log(record.levelno, record.getMessage(), logger=record.name,
+                         **({"exc_info": record.exc_info} if record.exc_info else {}))
+        except Exception:  # a record that cannot be rendered must not take the process down
+            self.handleError(record)
+
+
 def setup_logging(role: str, cfg: LogConfig, **context: Any) -> structlog.typing.FilteringBoundLogger:
     """Configure structlog for this process and return a logger bound to role, pid and context."""
     streams: list[TextIO] = [sys.stderr] if cfg.stderr or not cfg.dir else []
@@ -56,7 +73,12 @@ def setup_logging(role: str, cfg: LogConfig, **context: Any) -> structlog.typing
         logger_factory=lambda *_: _TeeLogger(streams),
         cache_logger_on_first_use=True,
     )
-    return structlog.get_logger().bind(role=role, pid=os.getpid(), **context)
+    log = structlog.get_logger().bind(role=role, pid=os.getpid(), **context)
+    root = logging.getLogger()
+    root.handlers[:] = [_Forward(log)]
+    root.setLevel(level)
+    logging.captureWarnings(True)
+    return log
 
 
 def summarize_ms(samples: Iterable[float]) -> dict[str, Any]:
@@ -65,6 +87,43 @@ def summarize_ms(samples: Iterable[float]) -> dict[str, Any]:
     if not ms:
         return {"n": 0, "median_ms": None, "p90_ms": None, "sum_ms": 0.0}
     return {"n": len(ms), "median_ms": statistics.median(ms), "p90_ms": ms[int(0.9 * (len(ms) - 1))], "sum_ms": sum(ms)}
+
+
+def server_marker(log_dir: str) -> Path:
+    """The file a running launcher keeps in its log dir: {"pid", "frontend_address", "http_address"}."""
+    return Path(log_dir) / "server.json"
+
+
+def _running(log_dir: Path) -> bool:
+    import json
+
+    try:
+        pid = int(json.loads(server_marker(str(log_dir)).read_text())["pid"])
+        return b"orca" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def choose_log_dir(template: str) -> Path:
+    """The log dir `orca-mq logs` reads when no port is named: the only running server's, else the most
+    recently written one (said on stderr); several running servers is a one-line error."""
+    if "{port}" not in template:
+        return Path(template)
+    import glob
+
+    dirs = [Path(p) for p in glob.glob(template.replace("{port}", "*")) if Path(p).is_dir()]
+    running = [d for d in dirs if _running(d)]
+    if len(running) == 1:
+        return running[0]
+    if running:
+        raise SystemExit(f"orca-mq logs: {len(running)} servers are running (ports {', '.join(sorted(d.name for d in running))}); "
+                         "choose one with --port")
+    written = [d for d in dirs if any(d.glob("*.log"))]
+    if not written:
+        raise SystemExit(f"orca-mq logs: no logs under {template.replace('{port}', '*')}")
+    latest = max(written, key=lambda d: max(f.stat().st_mtime for f in d.glob("*.log")))
+    print(f"orca-mq logs: no server is running; these are the logs of the last one (port {latest.name})", file=sys.stderr)
+    return latest
 
 
 def show_logs(log_dir: str, follow: bool, lines: int, raw: bool) -> None:

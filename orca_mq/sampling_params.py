@@ -1,7 +1,12 @@
 """Per-request sampling parameters and their validation (the frontend and the offline API share it).
 
 Validation bounds every field, so that what it accepts cannot fail later in the sampler or on
-the wire (msgpack ints are 64-bit; torch seeds are uint64; sampling runs in float32).
+the wire (msgpack ints are 64-bit; torch seeds are uint64; sampling runs in float32). The bounds
+are constants here so that the HTTP API's schema states the same ones.
+
+The frontend parses and validates a request's params once, resolves `max_tokens=None` (the rest
+of the context) once the prompt is tokenized (orca_mq.validation.admit), and carries the typed
+object to the scheduler inside AddRequest.
 """
 from __future__ import annotations
 
@@ -10,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from orca_mq.errors import InvalidRequest
-from orca_mq.protocol.codec import short_repr
+from orca_mq.short_repr import short_repr
 from orca_mq.structured.params import StructuredOutputsParams
 
 INT32_MAX = (1 << 31) - 1
@@ -30,7 +35,7 @@ def _is_number(v: Any) -> bool:
 
 @dataclass(slots=True)
 class SamplingParams:
-    max_tokens: int = 16
+    max_tokens: int | None = 16   # None = the rest of the context, resolved at admission
     temperature: float = 1.0      # 0 = greedy
     top_k: int = 0                # 0 = off; larger than the vocabulary = off
     top_p: float = 1.0
@@ -47,8 +52,8 @@ class SamplingParams:
         def bad(msg: str) -> InvalidRequest:
             return InvalidRequest(f"invalid sampling params: {msg}")
 
-        if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= INT32_MAX:
-            raise bad(f"max_tokens must be an integer in [1, {INT32_MAX}], got {short_repr(self.max_tokens)}")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= INT32_MAX):
+            raise bad(f"max_tokens must be an integer in [1, {INT32_MAX}] or null, got {short_repr(self.max_tokens)}")
         for name in ("temperature", "top_p"):
             v = getattr(self, name)
             if not _is_number(v) or not math.isfinite(v):

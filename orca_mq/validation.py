@@ -1,10 +1,11 @@
-"""Request validation shared by the frontend and the offline API: a clear message naming the problem.
+"""Request admission shared by the frontend and the offline API: a clear message naming the problem.
 
 Sizes are checked before any work proportional to them (tokenizing, scanning token ids), with
 bounds derived from the context length: a prompt that cannot fit is refused in O(1).
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from orca_mq.kv.pool import PoolSize
@@ -40,7 +41,9 @@ def check_prompt_size(prompt: str | None, prompt_token_ids: list[int] | None, me
                                  f"of {max_model_len} tokens (at most {max_chars} characters)")
 
 
-def validate_request(prompt_token_ids: list[int], params: SamplingParams, info: "ModelInfo", cfg: "Config") -> None:
+def admit(prompt_token_ids: list[int], params: SamplingParams, info: "ModelInfo", cfg: "Config") -> SamplingParams:
+    """The prompt's checks, once it is tokenized, for params already validated (SamplingParams.validate):
+    the params to serve it with, `max_tokens=None` resolved to what is left of the context and the KV pool."""
     max_len = info.max_model_len(cfg)
     if not isinstance(prompt_token_ids, list) or not prompt_token_ids:
         raise InvalidRequest("empty prompt: at least one token is required")
@@ -49,16 +52,19 @@ def validate_request(prompt_token_ids: list[int], params: SamplingParams, info: 
     bad = [t for t in prompt_token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < info.vocab_size]
     if bad:
         raise InvalidRequest(f"prompt token ids outside the vocabulary [0, {info.vocab_size}): {bad[:5]}")
-    params.validate(info.vocab_size)
-    total = len(prompt_token_ids) + params.max_tokens
-    if total > max_len:
-        raise InvalidRequest(
-            f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
-            f"exceeds the context length {max_len}"
-        )
     pool = PoolSize.from_config(cfg)
+    n = len(prompt_token_ids)
+    if params.max_tokens is None:
+        room = min(max_len, pool.device_slots) - n
+        if room < 1:
+            raise InvalidRequest(f"prompt ({n} tokens) leaves no room to generate within the context length "
+                                 f"{max_len} and the KV pool of {pool.device_slots} slots")
+        return dataclasses.replace(params, max_tokens=room)
+    total = n + params.max_tokens
+    if total > max_len:
+        raise InvalidRequest(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {total} "
+                             f"exceeds the context length {max_len}")
     if not pool.fits(total):
-        raise InvalidRequest(
-            f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
-            f"exceeds the KV pool of {pool.device_slots} slots (engine.n_slots)"
-        )
+        raise InvalidRequest(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {total} "
+                             f"exceeds the KV pool of {pool.device_slots} slots (engine.n_slots)")
+    return params

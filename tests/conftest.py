@@ -58,3 +58,20 @@ def embedded_llm():
     from orca_mq import LLM
 
     return LLM(max_bs=3, n_slots=4096, dtype="float32")   # exact: judged in fp32
+
+
+@pytest.fixture(scope="session")
+def tiny_served_dir(tmp_path_factory) -> Path:
+    """A tiny random Llama with the embedded model's tokenizer and chat template: a real server that
+    starts in seconds and answers a request in milliseconds (input-handling tests, fuzzing)."""
+    from transformers import LlamaConfig
+
+    from orca_mq.tokenizer import load_tokenizer
+
+    tok = load_tokenizer()
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5,
+                      tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    path = _save_tiny(tmp_path_factory.mktemp("tiny_served"), cfg)
+    tok.save_pretrained(path)
+    return path

@@ -66,7 +66,8 @@ class Server:
         return self.handle.stderr()
 
 
-def start_server(tmp: Path, n_workers: int = 1, ready_timeout: float = 240.0, **overrides: object) -> Server:
+def start_server(tmp: Path, n_workers: int = 1, ready_timeout: float = 240.0, env: dict[str, str] | None = None,
+                 **overrides: object) -> Server:
     tmp.mkdir(parents=True, exist_ok=True)
     sets = {
         "server.frontend_address": f"tcp://127.0.0.1:{free_port()}",
@@ -77,7 +78,7 @@ def start_server(tmp: Path, n_workers: int = 1, ready_timeout: float = 240.0, **
         "model.dtype": "float32",    # exactness is judged in fp32; the default (auto) is bf16 on some CPUs
         **overrides,
     }
-    return Server(spawn(sets, tmp / "launcher.stderr", ready_timeout=ready_timeout, cwd=tmp), tmp / "logs")
+    return Server(spawn(sets, tmp / "launcher.stderr", ready_timeout=ready_timeout, cwd=tmp, env=env), tmp / "logs")
 
 
 def settled(address: str, timeout: float = 30.0) -> dict[str, Any]:

@@ -100,21 +100,22 @@ def test_stop_string_cuts_the_text_and_frees_the_request(zmq, oai, model):
     _wait_idle(zmq)
 
 
-@pytest.mark.parametrize("body, status, needle", [
-    ({"prompt": ""}, 400, "empty prompt"),
-    ({"prompt": "hi", "temperature": -1}, 400, "temperature"),
-    ({"prompt": "hi", "temperature": -1, "stream": True}, 400, "temperature"),
-    ({"prompt": "hi", "max_tokens": 100000}, 400, "context length"),
-    ({"prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
-    ({"prompt": "hi", "n": 2}, 400, "n=1"),
-    ({"prompt": "hi", "model": "gpt-4"}, 404, "gpt-4"),
-    ({"prompt": [[1, 2], [3]]}, 400, "batch"),
+@pytest.mark.parametrize("body, status, needle, code, param", [
+    ({"prompt": ""}, 400, "empty prompt", "invalid_request", None),
+    ({"prompt": "hi", "temperature": -1}, 400, "temperature", "invalid_value", "temperature"),
+    ({"prompt": "hi", "temperature": 0.0001, "stream": True}, 400, "temperature", "invalid_request", None),
+    ({"prompt": "hi", "max_tokens": 100000}, 400, "context length", "invalid_request", None),
+    ({"prompt": "hi", "max_tokens": "many"}, 400, "max_tokens", "invalid_type", "max_tokens"),
+    ({"prompt": "hi", "n": 2}, 400, "'n'", "unsupported_parameter", "n"),
+    ({"prompt": "hi", "model": "gpt-4"}, 404, "gpt-4", "model_not_found", "model"),
+    ({"prompt": [[1, 2], [3]]}, 400, "batch", "unsupported_parameter", "prompt"),
 ])
-def test_errors_are_openai_error_objects(server, body, status, needle):
+def test_errors_are_openai_error_objects(server, body, status, needle, code, param):
     r = httpx.post(server.base_url + "/v1/completions", json=body, timeout=60)
     assert r.status_code == status, r.text
     err = r.json()["error"]
-    assert needle in err["message"] and err["code"] == status and err["type"]
+    assert needle in err["message"] and (err["code"], err["param"]) == (code, param), err
+    assert err["type"] == "invalid_request_error"
 
 
 def test_error_statuses_through_the_openai_client(oai, model):
@@ -129,7 +130,7 @@ def test_malformed_and_oversized_bodies(server):
                    headers={"content-type": "application/json"})
     assert r.status_code == 400 and "error" in r.json()
     r = httpx.post(server.base_url + "/v1/completions", json={"prompt": "x" * 5_000_000}, timeout=30)
-    assert r.status_code == 413 and r.json()["error"]["code"] == 413
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
 
 
 def _stats(zmq) -> dict:

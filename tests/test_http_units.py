@@ -7,7 +7,8 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from orca_mq.bench.metrics import parse_goodput, summarize
-from orca_mq.api.stream import StopStrings, classify
+from orca_mq.api.errors import classify
+from orca_mq.api.stream import StopStrings
 from orca_mq.api.metrics import ApiMetrics
 from orca_mq.server.telemetry import Telemetry
 
@@ -26,10 +27,11 @@ def test_stop_string_split_over_chunks_is_held_back_then_cut():
     ("invalid_request", "empty prompt", 400), ("protocol", "malformed frame", 400),
     ("unavailable", "server is shutting down; not accepting new requests", 503), ("aborted", "request aborted", 503),
     ("overloaded", "server overloaded: too many requests waiting", 429), ("internal", "KeyError('x')", 500), (None, None, 500),
+    ("unauthorized", "unauthorized: invalid API key", 401),
 ])
 def test_error_classification(code, error, status):
     err = classify(code, error)
-    assert err.status == status
+    assert err.status == status and err.code == (code or "internal")
     assert err.message == ("internal server error" if status == 500 else error)   # no internals in a 500
 
 

@@ -6,6 +6,7 @@ import msgpack
 import pytest
 
 from orca_mq.protocol.iteration import IterationPlan, IterationResult, SeqWork
+from orca_mq.sampling_params import SamplingParams
 from orca_mq.protocol import PROTOCOL_VERSION, ProtocolError, decode, encode, unpack
 from orca_mq.protocol.client_msgs import TO_CLIENT, TO_SERVER, Abort, Generate, Output, Ping, Pong, Stats, StatsReply
 from orca_mq.protocol.common_msgs import Error
@@ -24,7 +25,7 @@ MESSAGES = [
     Abort("r1"), Stats("q", record=True), Ping(5),
     Output("r1", [5], "x"), Output("r1", [], "", True, "error", "bad", {"ttft": 0.1}), StatsReply("q", {"a": [1]}),
     Pong(5), Error("nope"), Error("nope", "r1"),
-    AddRequest("r1", [1, 2], {"max_tokens": 3}), AbortRequest("r1"), TokenBatch(3, [("a", 5, None), ("b", None, "abort")]),
+    AddRequest("#1", [1, 2], SamplingParams(max_tokens=3, temperature=0.5, seed=7, stop_token_ids=[2])), AbortRequest("r1"), TokenBatch(3, [("a", 5, None), ("b", None, "abort")]),
     StatsQuery("q"), StatsResult("q", {}), ControlFrame(PLAN, 1.5),
     IterationDone(IterationResult(7, ["a", "b"], [10, 11]), 1.0, 2.0), WorkerStatsQuery("q", True), WorkerStats("q", 1, {}),
     Ready("frontend", 12), Drain(), Drained(), AbortAll("why"), Fatal("worker1 died"), ClientGone(b"\x00abcd"),
@@ -91,3 +92,17 @@ def test_nested_plan_is_checked():
 def test_channels_are_disjoint_where_it_matters():
     assert not TO_SERVER & TO_CLIENT
     assert "plan" not in TO_SERVER | TO_CLIENT
+
+
+def test_older_frames_decode_with_the_newer_fields_defaults():
+    """v3 added Generate.api_key and Stats.api_key: a v2 client's frames still decode (and fail auth, if any)."""
+    v2 = decode(msgpack.packb({"v": 2, "type": "generate", "request_id": "r", "prompt": "x"}), TO_SERVER)
+    assert v2.api_key == "" and decode(msgpack.packb({"v": 2, "type": "stats", "query_id": "q"}), TO_SERVER).api_key == ""
+    assert decode(msgpack.packb({"v": 1, "type": "error", "error": "x"}), TO_CLIENT).code == "internal"
+    assert decode(encode(Generate("r", prompt="x", api_key="k")), TO_SERVER).api_key == "k"
+
+
+def test_add_request_carries_typed_params():
+    """The frontend's parsed SamplingParams reach the scheduler as one (a nested dataclass), never a dict."""
+    msg = decode(encode(AddRequest("#1", [1], SamplingParams(max_tokens=3, seed=9))), channel(AddRequest))
+    assert isinstance(msg.params, SamplingParams) and msg.params.seed == 9 and msg.params.max_tokens == 3

@@ -97,4 +97,4 @@ def test_what_validation_accepts_the_sampler_runs(data: dict[str, object], seed:
         assert tokens[0] in logits[0].topk(min(params.top_k, VOCAB)).indices.tolist()
     if params.temperature > 0:  # one the requested distribution can draw (a NaN overflow picks any)
         assert (logits[0].double() / params.temperature).softmax(-1)[tokens[0]] > 0
-    assert math.isfinite(params.temperature) and params.max_tokens >= 1
+    assert math.isfinite(params.temperature) and (params.max_tokens is None or params.max_tokens >= 1)  # None: the rest of the context

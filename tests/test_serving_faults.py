@@ -21,6 +21,7 @@ import time
 import msgpack
 import pytest
 import zmq
+import zmq.asyncio
 
 from orca_mq.client import AsyncClient, Client
 from orca_mq.protocol import decode, encode
@@ -109,12 +110,30 @@ INVALID = [
 ]
 
 
+PROMPT_FIELDS = ("prompt", "prompt_token_ids", "messages", "chat")
+
+
 def test_invalid_requests_fail_alone(server):
+    """Sent as raw frames: the Python client checks sampling values itself, the server must not rely on it."""
     async def run():
         async with AsyncClient(server.address) as client:
             good = asyncio.create_task(client.generate(prompt="The sky is", max_tokens=6, temperature=0.0, ignore_eos=True))
-            bad = await asyncio.gather(*(client.generate(**kw) for kw, _ in INVALID))
-            return await good, bad
+            ctx = zmq.asyncio.Context()
+            raw = ctx.socket(zmq.DEALER)
+            raw.setsockopt(zmq.LINGER, 0)
+            raw.connect(server.address)
+            for i, (kw, _) in enumerate(INVALID):
+                await raw.send(encode(Generate(f"bad{i}", **{k: v for k, v in kw.items() if k in PROMPT_FIELDS},
+                                               sampling={k: v for k, v in kw.items() if k not in PROMPT_FIELDS})))
+            finals: dict[str, Output] = {}
+            while len(finals) < len(INVALID):
+                assert await raw.poll(60_000)
+                msg = decode(await raw.recv(), TO_CLIENT)
+                if isinstance(msg, Output) and msg.finished:
+                    finals[msg.request_id] = msg
+            raw.close()
+            ctx.term()
+            return await good, [finals[f"bad{i}"] for i in range(len(INVALID))]
 
     good, bad = asyncio.run(run())
     assert good.finish_reason == "length" and len(good.token_ids) == 6

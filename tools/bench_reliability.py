@@ -6,9 +6,14 @@
 2. oversize: three frames of max_frame_bytes + 16 MiB; the broker's RSS must not follow;
 3. huge prompt: a short request's latency on the idle server, then sent 50 ms after another
    client's 20 MB prompt (refused by size) and after a ~150 kB one (tokenized, then refused);
-4. overload: capacity + 50 requests at once: how many get `overloaded`, and how fast;
+4. overload: capacity + 50 requests at once: every `overloaded` reply within `--settle` seconds is
+   counted (more than 50 would be over-refusal), and how fast they came;
 5. soak: clients with aborts and garbage frames, plus clients that vanish mid-request: exactly
-   one final per request, and every KV slot free at the end.
+   one final per request, and every KV slot free at the end;
+6. HTTP fuzz (orca_mq.bench.http_fuzz): schemathesis from the server's own OpenAPI schema
+   (`--http-schema-examples` positive and negative cases per operation) and `--http-bodies`
+   hypothesis bodies: statuses, contract violations (a 5xx, a 4xx without OpenAI's error object),
+   the HTTP process's RSS, and the server's health afterwards.
 
 Prints a table and writes JSON (`--out`).
 """
@@ -30,11 +35,13 @@ sys.path.insert(0, str(ROOT))
 
 from bench_overhead import Server  # noqa: E402
 
+from orca_mq.bench.http_fuzz import body_fuzz, schema_fuzz  # noqa: E402
 from orca_mq.bench.reliability import SoakConfig, fuzz, garbage_frames, soak  # noqa: E402
 from orca_mq.client import AsyncClient  # noqa: E402
 from orca_mq.config import Config  # noqa: E402
 from orca_mq.protocol import encode  # noqa: E402
 from orca_mq.protocol.client_msgs import Generate  # noqa: E402
+from orca_mq.server.process import free_port  # noqa: E402
 
 
 def _rss_mb(pid: int) -> float:
@@ -66,24 +73,29 @@ async def _huge_prompt(address: str) -> dict[str, Any]:
     return out
 
 
-async def _overload(address: str, capacity: int, extra: int = 50) -> dict[str, Any]:
-    """capacity + extra requests at once: the extra ones should get `overloaded` at once."""
+async def _overload(address: str, capacity: int, settle: float, extra: int = 50) -> dict[str, Any]:
+    """capacity + extra requests at once: the extra ones should get `overloaded` at once, and no other one.
+    Every final within `settle` seconds is counted (served requests take far longer: they are left then)."""
     async with AsyncClient(address) as client:
         t = time.perf_counter()
+        times: dict[asyncio.Task[Any], float] = {}
+
+        def stamp(task: asyncio.Task[Any]) -> None:
+            times[task] = time.perf_counter() - t
+
         tasks = [asyncio.create_task(client.generate("Count:", max_tokens=64, ignore_eos=True)) for _ in range(capacity + extra)]
-        overloaded, first, last = 0, 0.0, 0.0
-        for fut in asyncio.as_completed(tasks):
-            if (await fut).code == "overloaded":
-                overloaded += 1
-                last = time.perf_counter() - t
-                first = first or last
-            if overloaded == extra:
-                break
         for task in tasks:
+            task.add_done_callback(stamp)
+        done, pending = await asyncio.wait(tasks, timeout=settle)
+        codes = [task.result().code for task in done if not task.cancelled() and task.exception() is None]
+        refused = sorted(times[task] for task in done if task.exception() is None and task.result().code == "overloaded")
+        for task in pending:
             task.cancel()  # leaving a stream aborts its request
         await asyncio.gather(*tasks, return_exceptions=True)
-    return {"sent": capacity + extra, "overloaded": overloaded, "first_overloaded_ms": first * 1e3,
-            "last_overloaded_ms": last * 1e3}
+    return {"sent": capacity + extra, "capacity": capacity, "expected_overloaded": extra, "overloaded": len(refused),
+            "other_finals": len(codes) - len(refused), "still_running": len(pending), "settle_s": settle,
+            "first_overloaded_ms": refused[0] * 1e3 if refused else None,
+            "last_overloaded_ms": refused[-1] * 1e3 if refused else None}
 
 
 async def _settled(address: str) -> dict[str, Any]:
@@ -116,12 +128,16 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--requests-per-client", type=int, default=100)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--settle", type=float, default=10.0, help="seconds the overload step counts finals for")
+    ap.add_argument("--http-schema-examples", type=int, default=200, help="schemathesis cases per operation and mode")
+    ap.add_argument("--http-bodies", type=int, default=5_000, help="hypothesis request bodies")
     ap.add_argument("--out", default="results/reliability.json")
     args = ap.parse_args()
     cfg = Config()
     capacity = cfg.server.max_waiting + cfg.scheduler.max_bs
     report: dict[str, Any] = {"args": vars(args)}
-    with Server(1, 2, cfg.scheduler.max_bs, []) as server:
+    http_port = free_port()
+    with Server(1, 2, cfg.scheduler.max_bs, [f"server.http_address=127.0.0.1:{http_port}"]) as server:
         broker = server.pid_of("orca_mq.server.broker")
         rng = random.Random(args.seed)
         rss0, t, totals = _rss_mb(broker), time.perf_counter(), {"frames": 0, "protocol": 0, "other": 0, "unanswered": 0}
@@ -139,11 +155,12 @@ def main() -> None:
         report["oversize"] = {"frames": 3, "frame_mb": (cfg.server.max_frame_bytes + (16 << 20)) / 2**20,
                               "broker_rss_mb_before": rss0, "broker_rss_mb_after": _rss_mb(broker)}
         report["huge_prompt"] = asyncio.run(_huge_prompt(server.address))
-        report["overload"] = asyncio.run(_overload(server.address, capacity))
+        report["overload"] = asyncio.run(_overload(server.address, capacity, args.settle))
         asyncio.run(_settled(server.address))  # the overload step's aborted requests leave first
         soak_cfg = SoakConfig(clients=args.clients, requests_per_client=args.requests_per_client, vanishing_clients=8)
         res = asyncio.run(soak(server.address, soak_cfg, args.seed))
         report["soak"] = {**dataclasses.asdict(res), "config": dataclasses.asdict(soak_cfg)}
+        report["http_fuzz"] = _http_fuzz(server, f"http://127.0.0.1:{http_port}", args)
         report["after"] = asyncio.run(_settled(server.address))
     _print(report)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -151,8 +168,21 @@ def main() -> None:
     print(f"wrote {args.out}")
 
 
+def _http_fuzz(server: Any, base_url: str, args: argparse.Namespace) -> dict[str, Any]:
+    http = server.pid_of("orca_mq.api.server")
+    rss0, t = _rss_mb(http), time.perf_counter()
+    schema = schema_fuzz(base_url, None, args.http_schema_examples, args.seed)
+    bodies = body_fuzz(base_url, None, args.http_bodies, args.seed)
+    import httpx
+
+    return {"schema": schema.to_dict(), "bodies": bodies.to_dict(), "seconds": time.perf_counter() - t,
+            "http_rss_mb_before": rss0, "http_rss_mb_after": _rss_mb(http),
+            "health_after": httpx.get(f"{base_url}/health", timeout=30).json()["status"],
+            "server_stderr_tracebacks": server.stderr().count("Traceback")}
+
+
 def _print(r: dict[str, Any]) -> None:
-    f, o, h, ov, s, a = r["fuzz"], r["oversize"], r["huge_prompt"], r["overload"], r["soak"], r["after"]
+    f, o, h, ov, s, a, hf = r["fuzz"], r["oversize"], r["huge_prompt"], r["overload"], r["soak"], r["after"], r["http_fuzz"]
     rows = [
         ("fuzz frames", f"{f['frames']}", f"protocol errors {f['protocol']}, other {f['other']}, unanswered {f['unanswered']}"),
         ("fuzz rate", f"{f['frames_per_s']:.0f}/s", f"broker RSS {f['broker_rss_mb_before']:.0f} -> {f['broker_rss_mb_after']:.0f} MB"),
@@ -160,11 +190,16 @@ def _print(r: dict[str, Any]) -> None:
         ("idle latency", f"{h['idle_ms']:.0f} ms", "1-token request, median of 5"),
         ("20 MB prompt", f"{h['20MB_refused_ms']:.0f} ms", f"code {h['20MB_code']}; a normal request meanwhile {h['normal_during_20MB_ms']:.0f} ms"),
         ("150 kB prompt", f"{h['150kB_refused_ms']:.0f} ms", f"code {h['150kB_code']}; a normal request meanwhile {h['normal_during_150kB_ms']:.0f} ms"),
-        ("overload", f"{ov['sent']} at once", f"{ov['overloaded']} overloaded, after {ov['first_overloaded_ms']:.0f}"
-                                              f"-{ov['last_overloaded_ms']:.0f} ms"),
+        ("overload", f"{ov['sent']} at once", f"{ov['overloaded']} overloaded (expected {ov['expected_overloaded']}), after "
+                                              f"{ov['first_overloaded_ms'] or 0:.0f}-{ov['last_overloaded_ms'] or 0:.0f} ms; "
+                                              f"{ov['other_finals']} other finals within {ov['settle_s']:g} s"),
         ("soak requests", f"{s['requests']}", f"missing finals {s['missing_finals']}, duplicates {s['duplicate_finals']}, {s['seconds']:.0f} s"),
         ("soak finals", "", ", ".join(f"{k} {v}" for k, v in sorted(s["finals"].items()))),
         ("soak faults", "", f"aborts {s['aborts_sent']}, garbage {s['garbage_sent']} (answered {s['garbage_answered']}), vanished requests {s['vanished_requests']}"),
+        ("HTTP schema", f"{hf['schema']['requests']}", f"statuses {hf['schema']['statuses']}, violations {hf['schema']['violations']}"),
+        ("HTTP bodies", f"{hf['bodies']['requests']}", f"statuses {hf['bodies']['statuses']}, violations {hf['bodies']['violations']}"),
+        ("HTTP after", f"{hf['seconds']:.0f} s", f"health {hf['health_after']}, HTTP RSS {hf['http_rss_mb_before']:.0f} -> "
+                                                  f"{hf['http_rss_mb_after']:.0f} MB, tracebacks on the terminal {hf['server_stderr_tracebacks']}"),
         ("after", "", f"used KV slots {a['used_slots']}, broker tracked {a['tracked_requests']}, frontend active {a['active_requests']}"),
     ]
     for name, value, detail in rows:

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
 import torch
@@ -10,6 +9,7 @@ import uvloop
 
 from orca_mq.config import Config
 from orca_mq.logs import setup_logging
+from orca_mq.server.process import child_config, run_logged
 from orca_mq.sched import policy_class
 from orca_mq.engine.device import use_device, worker_device
 from orca_mq.engine.model_runner import ModelRunner
@@ -26,9 +26,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tp-rank", type=int, default=0)
     parser.add_argument("--run-dir", required=True, help="directory of this node's control sockets")
     args = parser.parse_args(argv)
-    cfg = Config.from_dict(json.loads(args.config_json))
-    n, tp = cfg.engine.n_workers, cfg.engine.tp_size
+    cfg = child_config(args.config_json)
     name = worker_name(args.stage, args.tp_rank)
+    code = run_logged(name, cfg, lambda: _serve(cfg, args, name))
+    # the compute thread may sit in a blocking data-plane recv: leave without joining it
+    os._exit(code)
+
+
+def _serve(cfg: Config, args: argparse.Namespace, name: str) -> int:
+    n, tp = cfg.engine.n_workers, cfg.engine.tp_size
     log = setup_logging(name, cfg.log, stage=args.stage)
     use_threads(1)   # this thread sets up and runs the event loop; the compute thread builds and runs the model
     store = connect_store(cfg) if uses_store(cfg) else None
@@ -44,14 +50,13 @@ def main(argv: list[str] | None = None) -> None:
             runner.start_swap_thread()
         use_threads(cfg.engine.threads_per_worker)   # the process's last set_num_threads (threads.py)
         log.info("stage loaded", n_stages=n, tp_rank=args.tp_rank, tp_size=tp, threads=torch.get_num_threads(),
-                 device=str(runner.device))
+                 device=str(runner.device), dtype=str(runner.dtype).removeprefix("torch."), requested_dtype=cfg.model.dtype)
         return runner
 
     controller = Controller(cfg, name, args.stage, args.tp_rank, args.run_dir, log, store)
     code = uvloop.run(controller.run(build, data_plane, device))
     log.info("worker stopped", exit_code=code)
-    # the compute thread may sit in a blocking data-plane recv: leave without joining it
-    os._exit(code)
+    return code
 
 
 if __name__ == "__main__":

@@ -1,37 +1,89 @@
 """Request and response bodies of the OpenAI-compatible API (pydantic), and their mapping to orca-mq
 sampling parameters.
 
-Accepted as OpenAI does: `max_tokens` (chat: also `max_completion_tokens`), `temperature`,
-`top_p`, `seed`, `stop` (a string or a list of them), `n` (1 only), `stream`,
-`stream_options.include_usage`, `response_format` (json_object, json_schema); as vLLM's extensions:
-`top_k`, `ignore_eos`, `stop_token_ids`, `structured_outputs`.
-Fields we cannot honour (n > 1, logprobs, echo, penalties) are refused with 400 instead of
-silently ignored; other unknown fields (`user`, ...) are ignored, as vLLM does.
+Strict, like the ZeroMQ side: a field the schema does not name is refused with 400
+(`unknown_parameter`, naming it); an OpenAI field orca-mq does not implement is refused with 400
+(`unsupported_parameter`) unless it carries its no-op value (null, `n: 1`, `echo: false`, a 0
+penalty, ...), so clients that send defaults still work; numbers are bounded at the schema (the
+bounds of orca_mq.sampling_params), integers are integers (`1e30` and `5.0` are not), so no value of
+any magnitude reaches the wire.
+
+Accepted as OpenAI does: `max_tokens` (chat: also `max_completion_tokens`; absent = the rest of the
+context), `temperature`, `top_p`, `seed`, `stop` (a string or a list of them), `n` (1 only),
+`stream`, `stream_options.include_usage`, `response_format` (text, json_object, json_schema), `user`
+(accepted, unused); as vLLM's extensions: `top_k` (-1 or 0 = off), `ignore_eos`, `stop_token_ids`,
+`structured_outputs` (its shape and grammar are checked by the frontend, as on the ZeroMQ side).
 """
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
+
+from orca_mq.sampling_params import INT32_MAX, INT64_MAX, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE
 
 MAX_STOP_STRINGS = 16           # these two bound the work of the stop-string check on every token
 MAX_STOP_LEN = 256
+TokenId = Annotated[int, Field(strict=True, ge=0, le=INT32_MAX)]
+
+# OpenAI fields orca-mq does not implement -> the values that ask for nothing (null always does)
+_COMMON_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "n": (1,), "logprobs": (False,), "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},),
+}
+COMPLETION_UNSUPPORTED = _COMMON_UNSUPPORTED | {"best_of": (1,), "echo": (False,), "suffix": ("",)}
+CHAT_UNSUPPORTED = _COMMON_UNSUPPORTED | {
+    "top_logprobs": (0,), "tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (), "functions": ([],),
+    "function_call": ("none",), "audio": (), "modalities": (["text"],),
+    "prediction": (), "reasoning_effort": (), "service_tier": ("auto", "default"), "store": (False,), "metadata": (),
+    "web_search_options": (), "prompt_cache_key": (), "safety_identifier": (), "verbosity": (),
+}
+MESSAGE_UNSUPPORTED = {"name": (), "tool_calls": ([],), "tool_call_id": (), "function_call": (), "refusal": (), "audio": ()}
 
 
-class StreamOptions(BaseModel):
-    include_usage: bool = False
+def _noop(value: Any, noops: tuple[Any, ...]) -> bool:
+    return value is None or any(type(value) is type(v) and value == v for v in noops) or (
+        type(value) is float and any(type(v) is int and value == v for v in noops))
 
 
-class JsonSchemaFormat(BaseModel):
+class Strict(BaseModel):
+    """Refuses what it does not name; an UNSUPPORTED field only with its no-op value, which is dropped."""
+
+    model_config = ConfigDict(extra="forbid")
+    UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_fields(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        known = {f.alias or name for name, f in cls.model_fields.items()}
+        for key, value in data.items():
+            if key in known:
+                continue
+            if key in cls.UNSUPPORTED:
+                if not _noop(value, cls.UNSUPPORTED[key]):
+                    raise PydanticCustomError("unsupported_parameter", "unsupported parameter '{param}': orca-mq does "
+                                              "not implement it (see the README's list)", {"param": key})
+                continue
+            raise PydanticCustomError("unknown_parameter", "unknown parameter '{param}'", {"param": str(key)[:80]})
+        return {k: v for k, v in data.items() if k not in cls.UNSUPPORTED or k in known}
+
+
+class StreamOptions(Strict):
+    include_usage: bool = Field(False, strict=True)
+
+
+class JsonSchemaFormat(Strict):
     name: str = Field(min_length=1, max_length=64)
-    description: str | None = None
+    description: str | None = Field(None, max_length=4096)                       # accepted, unused
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")  # absent: any JSON object
-    strict: bool | None = None    # the output always follows the schema, strict or not
+    strict: bool | None = Field(None, strict=True)   # the output always follows the schema, strict or not
 
 
-class ResponseFormat(BaseModel):
+class ResponseFormat(Strict):
     """OpenAI's `response_format`."""
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
@@ -39,7 +91,8 @@ class ResponseFormat(BaseModel):
     @model_validator(mode="after")
     def _schema_given(self) -> "ResponseFormat":
         if (self.type == "json_schema") != (self.json_schema is not None):
-            raise ValueError("json_schema is required with type json_schema, and only with it")
+            raise PydanticCustomError("value_error", "json_schema is required with type json_schema, and only with it",
+                                      {"param": "response_format"})
         return self
 
     def structured_outputs(self) -> dict[str, Any] | None:
@@ -51,39 +104,30 @@ class ResponseFormat(BaseModel):
         return {"json": self.json_schema.schema_}
 
 
-class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class _Sampling(Strict):
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    seed: int | None = None
+    max_tokens: int | None = Field(None, strict=True, ge=1, le=INT32_MAX)
+    temperature: float | None = Field(None, ge=0, le=MAX_TEMPERATURE, allow_inf_nan=False)
+    top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
+    seed: int | None = Field(None, strict=True, ge=0, le=INT64_MAX)
     stop: str | list[str] | None = None
-    n: int = 1
-    stream: bool = False
+    stream: bool = Field(False, strict=True)
     stream_options: StreamOptions | None = None
-    top_k: int | None = None                 # vLLM extension
-    ignore_eos: bool | None = None           # vLLM extension
-    stop_token_ids: list[int] | None = None  # vLLM extension
+    user: str | None = Field(None, max_length=256)                         # OpenAI's end-user id: accepted, unused
+    top_k: int | None = Field(None, strict=True, ge=-1, le=INT32_MAX)      # vLLM extension; -1 = off, as vLLM
+    ignore_eos: bool | None = Field(None, strict=True)                     # vLLM extension
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)  # vLLM extension
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None  # vLLM extension: json | regex | choice | grammar | json_object
-    logprobs: Any = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
 
     @model_validator(mode="after")
-    def _supported(self) -> "_Sampling":
-        if self.n != 1:
-            raise ValueError("only n=1 is supported")
-        if self.logprobs not in (None, False):
-            raise ValueError("logprobs are not supported")
-        if self.presence_penalty or self.frequency_penalty:
-            raise ValueError("presence_penalty and frequency_penalty are not supported")
+    def _stops(self) -> "_Sampling":
         if self.structured_outputs is not None and self.response_format is not None and self.response_format.type != "text":
-            raise ValueError("give response_format or structured_outputs, not both")
+            raise PydanticCustomError("value_error", "give response_format or structured_outputs, not both",
+                                      {"param": "structured_outputs"})
         if len(self.stop_strings) > MAX_STOP_STRINGS or any(not 0 < len(s) <= MAX_STOP_LEN for s in self.stop_strings):
-            raise ValueError(f"stop: at most {MAX_STOP_STRINGS} strings of 1 to {MAX_STOP_LEN} characters")
+            raise PydanticCustomError("value_error", "stop: at most {n} strings of 1 to {chars} characters",
+                                      {"n": MAX_STOP_STRINGS, "chars": MAX_STOP_LEN, "param": "stop"})
         return self
 
     @property
@@ -97,27 +141,27 @@ class _Sampling(BaseModel):
     def limit(self) -> int | None:
         return self.max_tokens
 
-    def sampling(self, default_max_tokens: int) -> dict[str, Any]:
-        """The orca-mq SamplingParams fields that were given; the frontend validates them."""
-        given = {"temperature": self.temperature, "top_p": self.top_p, "seed": self.seed, "top_k": self.top_k,
+    def sampling(self) -> dict[str, Any]:
+        """The SamplingParams fields that were given; max_tokens None = the rest of the context (the frontend's)."""
+        given = {"temperature": self.temperature, "top_p": self.top_p, "seed": self.seed,
+                 "top_k": None if self.top_k is None else max(0, self.top_k),
                  "ignore_eos": self.ignore_eos, "stop_token_ids": self.stop_token_ids,
                  "structured_outputs": self.structured_outputs if self.response_format is None
                  else self.response_format.structured_outputs()}
-        limit = self.limit()
-        return {"max_tokens": default_max_tokens if limit is None else limit} | {k: v for k, v in given.items() if v is not None}
+        return {"max_tokens": self.limit()} | {k: v for k, v in given.items() if v is not None}
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    echo: bool = False
+    UNSUPPORTED = COMPLETION_UNSUPPORTED
+
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
 
     @model_validator(mode="after")
     def _one_prompt(self) -> "CompletionRequest":
-        if self.echo:
-            raise ValueError("echo is not supported")
         if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], (str, list)):
             if len(self.prompt) != 1:
-                raise ValueError("a batch of prompts is not supported: send one prompt per request")
+                raise PydanticCustomError("unsupported_parameter", "a batch of prompts is not supported: send one "
+                                          "prompt per request", {"param": "prompt"})
         return self
 
     def prompt_args(self) -> dict[str, Any]:
@@ -127,13 +171,21 @@ class CompletionRequest(_Sampling):
         return {"prompt": p} if isinstance(p, str) else {"prompt_token_ids": p}
 
 
-class TextPart(BaseModel):
+class TextPart(Strict):
     type: Literal["text"]
     text: str
 
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("type") != "text":
+            raise PydanticCustomError("unsupported_parameter", "content parts of type '{kind}' are not supported "
+                                      "(text only)", {"param": "content", "kind": str(data.get("type"))[:40]})
+        return data
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+
+class ChatMessage(Strict):
+    UNSUPPORTED = MESSAGE_UNSUPPORTED
 
     role: str
     content: str | list[TextPart]
@@ -144,8 +196,10 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_Sampling):
+    UNSUPPORTED = CHAT_UNSUPPORTED
+
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: int | None = Field(None, strict=True, ge=1, le=INT32_MAX)
 
     def limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -233,25 +287,6 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
-
-
-class ErrorInfo(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: int
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorInfo
-
-
-ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 413: "BadRequestError", 429: "RateLimitError",
-               500: "InternalServerError", 503: "ServiceUnavailableError"}
-
-
-def error_body(status: int, message: str) -> dict[str, Any]:
-    return ErrorResponse(error=ErrorInfo(message=message, type=ERROR_TYPES.get(status, "Error"), code=status)).model_dump()
 
 
 def new_id(prefix: str) -> str:

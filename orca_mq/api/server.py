@@ -6,7 +6,9 @@
 Generation requests go over the normal ZeroMQ protocol (orca_mq.client.AsyncClient), so the
 frontend tokenizes, applies the chat template and validates exactly as for ZeroMQ clients.
 Run by the launcher as `python -m orca_mq.api.server --config-json ...` when
-`server.http_address` is set; it reports Ready once it listens.
+`server.http_address` is set; it reports Ready once it listens. Requests are checked at the edge
+(orca_mq.api.edge: API key, body size) and by the strict schemas (orca_mq.api.schemas); errors are
+OpenAI's error object (orca_mq.api.errors); it logs, uvicorn included, to its JSON log only.
 """
 from __future__ import annotations
 
@@ -26,21 +28,23 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
+from starlette.exceptions import HTTPException
 
+from orca_mq.auth import KeyCheck, server_keys
 from orca_mq.client import AsyncClient
-from orca_mq.config import Config
+from orca_mq.config import Config, host_port
 from orca_mq.engine.model_files import resolve_model_path
 from orca_mq.engine.model_info import read_model_info
 from orca_mq.logs import setup_logging
 from orca_mq.protocol.control_msgs import Ready
-from orca_mq.api.body_limit import BodyLimit
-from orca_mq.api.stream import ApiError, Generation, StopStrings, join, until_disconnect
+from orca_mq.api.edge import ApiKeyGuard, BodyLimit, Handled
+from orca_mq.api.errors import INTERNAL_TEXT, ApiError, error_body, from_validation
+from orca_mq.api.stream import Generation, StopStrings, join, until_disconnect
 from orca_mq.api.metrics import ApiMetrics
 from orca_mq.api.schemas import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,
                                            ChatCompletionChunk, ChatCompletionRequest, ChatDelta, Completion,
                                            CompletionChoice, CompletionRequest, ModelCard, ModelList, PromptTokensDetails,
-                                           Usage, error_body, new_id)
-from orca_mq.api.prompt_len import PromptCounter
+                                           Usage, new_id)
 from orca_mq.server.process import process_main
 from orca_mq.server.zmq_queue import BrokerLink
 
@@ -48,8 +52,8 @@ STATS_TIMEOUT = 3.0    # a scheduler that does not answer stats within this is r
 STATS_MAX_AGE = 1.0    # /health and /metrics reuse a stats reply this recent
 
 
-def _json_error(status: int, message: str) -> JSONResponse:
-    return JSONResponse(error_body(status, message), status_code=status)
+def _json_error(err: ApiError) -> JSONResponse:
+    return JSONResponse(error_body(err), status_code=err.status)
 
 
 def _sse(payload: BaseModel | dict[str, Any]) -> str:
@@ -64,8 +68,10 @@ class Api:
         path = resolve_model_path(cfg.model.path)
         self.model_name = path.stem if path.is_file() else path.name
         self.max_model_len = read_model_info(cfg.model.path, cfg.model.cache_dir).max_model_len(cfg)
-        self.prompts = PromptCounter(cfg, self.max_model_len)
-        self.client = AsyncClient(cfg.server.frontend_address)
+        keys = cfg.server.api_keys()
+        curve = cfg.server.curve_secret_key
+        self.client = AsyncClient(cfg.server.frontend_address, api_key=keys[0] if keys else None,
+                                  server_key=server_keys(curve)[0].decode() if curve else None)
         self.metrics = ApiMetrics(self.model_name)
         self.created = int(time.time())
         self.stats_at = -1.0
@@ -78,17 +84,21 @@ class Api:
 
         @app.exception_handler(RequestValidationError)
         async def invalid(_: Request, e: RequestValidationError) -> JSONResponse:
-            msgs = [f"{'.'.join(map(str, err['loc'][1:])) or 'body'}: {err['msg']}" for err in e.errors()]
-            return _json_error(400, "; ".join(msgs))
+            return _json_error(from_validation(e.errors()))
 
         @app.exception_handler(ApiError)
         async def api_error(_: Request, e: ApiError) -> JSONResponse:
-            return _json_error(e.status, e.message)
+            return _json_error(e)
+
+        @app.exception_handler(HTTPException)
+        async def http_error(_: Request, e: HTTPException) -> JSONResponse:  # unknown route, wrong method
+            code = {400: "invalid_json", 404: "not_found", 405: "method_not_allowed"}.get(e.status_code, "error")
+            return _json_error(ApiError(e.status_code, str(e.detail), code))
 
         @app.exception_handler(Exception)
         async def internal(_: Request, e: Exception) -> JSONResponse:
-            self.log.exception("request failed", error=str(e))
-            return _json_error(500, "internal server error")
+            self.log.exception("request failed", error=str(e)[:500])
+            return _json_error(ApiError(500, INTERNAL_TEXT, "internal"))
 
         app.post("/v1/completions", response_model=None)(self.completions)
         app.post("/v1/chat/completions", response_model=None)(self.chat)
@@ -125,10 +135,8 @@ class Api:
     async def _serve(self, body: CompletionRequest | ChatCompletionRequest, request: Request, prefix: str,
                      chunk: Callable[..., BaseModel], whole: Callable[..., BaseModel]) -> Response:
         if body.model is not None and body.model != self.model_name:
-            raise ApiError(404, f"The model `{body.model}` does not exist.")
-        prompt = body.prompt_args()
-        default = None if body.limit() is not None else await self.prompts.remaining(prompt)
-        gen = Generation(self.client, prompt, body.sampling(default or 1), StopStrings(body.stop_strings), self.metrics)
+            raise ApiError(404, f"The model `{body.model[:100]}` does not exist.", "model_not_found", "model")
+        gen = Generation(self.client, body.prompt_args(), body.sampling(), StopStrings(body.stop_strings), self.metrics)
         rid = new_id(prefix)
         pieces = gen.pieces()
         if not body.stream:
@@ -156,7 +164,7 @@ class Api:
                     if text:
                         yield _sse(chunk(rid, text, None, None))
             except ApiError as e:
-                yield _sse(error_body(e.status, e.message))
+                yield _sse(error_body(e))
                 yield "data: [DONE]\n\n"
                 return
             yield _sse(chunk(rid, "", gen.finish_reason, None))
@@ -216,11 +224,11 @@ class _Server(uvicorn.Server):
 
 async def _main(cfg: Config) -> int:
     api = Api(cfg)
-    host, _, port = cfg.server.http_address.rpartition(":")
+    host, port = host_port(cfg.server.http_address, "server.http_address")
+    app = ApiKeyGuard(BodyLimit(Handled(api.app), cfg.server.http_max_body_bytes), KeyCheck(cfg.server.api_keys()))
     server = _Server(uvicorn.Config(
-        BodyLimit(api.app, cfg.server.http_max_body_bytes), host=host or "127.0.0.1", port=int(port),
-        limit_concurrency=cfg.server.http_max_connections, timeout_graceful_shutdown=5, log_level="warning",
-        access_log=False, lifespan="off"))
+        app, host=host, port=port, limit_concurrency=cfg.server.http_max_connections, timeout_graceful_shutdown=5,
+        log_config=None, log_level="warning", access_log=False, lifespan="off"))
     await api.client.connect()
     ctx = zmq.asyncio.Context()
     link = BrokerLink(ctx, cfg.server.backend_address, "http")
@@ -240,7 +248,7 @@ async def _main(cfg: Config) -> int:
 
 
 def main() -> None:
-    process_main("orca-mq OpenAI-compatible HTTP API", lambda cfg, _: _main(cfg))
+    process_main("http", "orca-mq OpenAI-compatible HTTP API", lambda cfg, _: _main(cfg))
 
 
 if __name__ == "__main__":

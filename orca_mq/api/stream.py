@@ -17,30 +17,15 @@ from typing import Any, TypeVar
 
 from starlette.requests import Request
 
-from orca_mq.protocol.common_msgs import ABORTED, INTERNAL, INVALID_REQUEST, OVERLOADED, PROTOCOL, UNAVAILABLE
+from orca_mq.protocol.common_msgs import ABORTED
 from orca_mq.client import AsyncClient
+from orca_mq.api.errors import ApiError, classify
 from orca_mq.api.metrics import ApiMetrics
 
 T = TypeVar("T")
 
 
-class ApiError(Exception):
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-
-
-# orca-mq's stable error codes (orca_mq.protocol.common_msgs) -> HTTP status
-STATUS_BY_CODE = {INVALID_REQUEST: 400, PROTOCOL: 400, OVERLOADED: 429, UNAVAILABLE: 503, ABORTED: 503, INTERNAL: 500}
-
-
-def classify(code: str | None, error: str | None) -> ApiError:
-    status = STATUS_BY_CODE.get(code or INTERNAL, 500)
-    return ApiError(status, "internal server error" if status == 500 else error or code or "")  # a 500 says nothing more
-
-
-OUTCOME_BY_STATUS = {400: "invalid", 429: "overloaded", 500: "internal_error", 503: "unavailable"}
+OUTCOME_BY_STATUS = {400: "invalid", 401: "unauthorized", 429: "overloaded", 500: "internal_error", 503: "unavailable"}
 
 
 @dataclass(slots=True)
@@ -150,5 +135,5 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
     if task.cancelled():
-        raise ApiError(499, "client disconnected")
+        raise ApiError(499, "client disconnected", "aborted")
     return task.result()

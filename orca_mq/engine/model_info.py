@@ -96,7 +96,10 @@ def gguf_reader(path: Path) -> Any:
 
 
 def _gguf_info(path: Path) -> ModelInfo:
-    reader = gguf_reader(path)
+    try:
+        reader = gguf_reader(path)
+    except Exception as e:  # the gguf package raises ValueError, struct.error, IndexError... for a damaged file
+        raise ValueError(f"{path}: not a readable GGUF file ({e})") from e
     f: dict[str, Any] = {}
     for name, fld in reader.fields.items():
         if name.startswith("tokenizer.ggml.") and name not in ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"):

@@ -1,7 +1,7 @@
 """Client <-> server channel (the public socket at `server.frontend_address`).
 
-A client sends `generate` (it chooses the request_id, so it can abort before any reply),
-`abort`, `stats` and `ping`; every request gets exactly one final `output` (finished=True,
+A client sends `generate` (it chooses the request_id, so it can abort before any reply; ids
+belong to their client: two clients may use the same one), `abort`, `stats` and `ping`; every request gets exactly one final `output` (finished=True,
 finish_reason "stop" | "length" | "abort" | "error"). `error` (orca_mq.protocol.common_msgs) answers a frame that could not be accepted at all;
 when it names a request_id that request is over. Error finals carry a stable `code`.
 """
@@ -23,6 +23,7 @@ class Generate:
     messages: list[dict[str, Any]] | None = None    # chat messages; the frontend applies the template
     chat: bool = False
     sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams fields; unknown ones are rejected
+    api_key: str = ""       # protocol v3: one of server.api_key's keys, when the server has any
 
 
 @message("abort")
@@ -37,6 +38,7 @@ class Stats:
     query_id: str
     record: bool = False    # include the scheduler's iteration record and arrival order (tests)
     reset: bool = False     # restart the timing windows after answering (benchmarks)
+    api_key: str = ""       # protocol v3: as Generate's
 
 
 @message("ping")

@@ -7,8 +7,8 @@ Nested dataclasses (the iteration plan) travel as positional lists, tuples as li
 Whatever the bytes, decoding returns a message or raises ProtocolError, nothing else; an error
 message quotes at most a short prefix of what it rejects.
 
-Version 2 added optional fields (Error.code, Output.code); a version-1 frame still decodes, with
-their defaults.
+Version 2 added optional fields (Error.code, Output.code); version 3 added Generate.api_key and
+Stats.api_key (and the code `unauthorized`). An older frame still decodes, with their defaults.
 """
 from __future__ import annotations
 
@@ -20,8 +20,10 @@ from typing import Any, TypeVar
 
 import msgpack
 
-PROTOCOL_VERSION = 2
-SUPPORTED_VERSIONS = (1, 2)
+from orca_mq.short_repr import short_repr
+
+PROTOCOL_VERSION = 3
+SUPPORTED_VERSIONS = (1, 2, 3)
 MAX_FRAME_BYTES = 64 << 20
 
 Conv = Callable[[Any, str], Any]
@@ -94,14 +96,6 @@ def unpack(frame: bytes) -> dict[str, Any]:
 def _request_id(body: dict[Any, Any]) -> str | None:
     rid = body.get("request_id")
     return rid if type(rid) is str else None
-
-
-def short_repr(value: Any, limit: int = 80) -> str:
-    """repr of a rejected value, cut: it may be megabytes of someone else's frame."""
-    if isinstance(value, (list, tuple, dict, str, bytes)) and len(value) > limit:
-        return f"<{type(value).__name__} of {len(value)}>"
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def decode(frame: bytes, accepted: frozenset[str]) -> Any:

@@ -16,7 +16,8 @@ UNAVAILABLE = "unavailable"           # the server is shutting down or lost a pr
 INTERNAL = "internal"                 # the server failed on this request; others continue
 PROTOCOL = "protocol"                 # the frame could not be decoded or is not accepted here
 ABORTED = "aborted"                   # the request was aborted (by its client, or by a drain timeout)
-CODES = frozenset({INVALID_REQUEST, OVERLOADED, UNAVAILABLE, INTERNAL, PROTOCOL, ABORTED})
+UNAUTHORIZED = "unauthorized"         # protocol v3: no valid API key (server.api_key); nothing was served
+CODES = frozenset({INVALID_REQUEST, OVERLOADED, UNAVAILABLE, INTERNAL, PROTOCOL, ABORTED, UNAUTHORIZED})
 
 
 @message("error")

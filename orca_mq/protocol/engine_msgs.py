@@ -10,15 +10,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from orca_mq.protocol.iteration import IterationPlan, IterationResult
+from orca_mq.sampling_params import SamplingParams
 from orca_mq.protocol.codec import message
 
 
 @message("add")
 @dataclass(slots=True)
 class AddRequest:
-    request_id: str
+    request_id: str               # the frontend's internal id, unique within the server (not the client's)
     prompt_token_ids: list[int]
-    params: dict[str, Any]        # SamplingParams.to_dict(), already validated by the frontend
+    params: SamplingParams        # validated by the frontend, max_tokens resolved (orca_mq.validation.admit)
 
 
 @message("abort_req")

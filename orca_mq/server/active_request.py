@@ -1,16 +1,28 @@
-"""The frontend's state of one admitted request: whose it is, its detokenizer, its tokens so far and
-the timestamps its final message reports."""
+"""The frontend's state of one request: `Admission` while it is tokenized, then `ActiveRequest` once
+admitted: whose it is (client and the client's own id), its detokenizer, its tokens so far and the
+timestamps its final message reports."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
 from orca_mq.detokenizer import IncrementalDetokenizer
+from orca_mq.protocol.client_msgs import Generate
+from orca_mq.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class Admission:
+    client: bytes
+    msg: Generate
+    params: SamplingParams    # parsed and validated once, before tokenizing
+    aborted: bool = False     # an abort arrived while it was tokenized
 
 
 @dataclass(slots=True)
 class ActiveRequest:
     client: bytes
+    request_id: str           # the client's id; the scheduler knows the request by the frontend's internal one
     detok: IncrementalDetokenizer
     prompt_tokens: int
     arrival: float

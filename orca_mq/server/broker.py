@@ -13,9 +13,15 @@ Facing clients, it bounds what it holds: ZeroMQ drops a client sending a frame o
 `server.max_frame_bytes` before buffering it (ZMQ_MAXMSGSIZE); at most `server.max_waiting` +
 max_bs x n_workers requests are tracked, past that a new one gets `overloaded` at once; no frame
 can end the loop. Its counters join every stats reply under "broker".
+
+It is also the door: with `server.api_key` set, a `generate` or `stats` without one of the keys
+gets an `unauthorized` final (or error) at once and reaches nothing else; the key is removed from
+a frame before it goes further. With `server.curve_secret_key` the client socket is a CurveZMQ
+server (orca_mq.auth).
 """
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -23,12 +29,13 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from orca_mq.auth import KeyCheck, curve_server
 from orca_mq.config import Config
 from orca_mq.logs import setup_logging
 from orca_mq.protocol import ProtocolError, decode, encode, unpack
-from orca_mq.protocol.client_msgs import TO_CLIENT, TO_SERVER, Generate, Output, Ping, Pong, StatsReply
+from orca_mq.protocol.client_msgs import TO_CLIENT, TO_SERVER, Generate, Output, Ping, Pong, Stats, StatsReply
 from orca_mq.protocol.codec import channel, from_dict
-from orca_mq.protocol.common_msgs import INVALID_REQUEST, OVERLOADED, PROTOCOL, UNAVAILABLE, Error
+from orca_mq.protocol.common_msgs import INVALID_REQUEST, OVERLOADED, PROTOCOL, UNAUTHORIZED, UNAVAILABLE, Error
 from orca_mq.sampling_params import InvalidRequest
 from orca_mq.validation import check_request_id
 from orca_mq.protocol.control_msgs import ClientGone, Fatal, Resume
@@ -45,11 +52,14 @@ class BrokerCounters:
     clients: int = 0               # clients with such requests
     rejected_frames: int = 0       # client frames answered with a `protocol` error
     overloaded: int = 0            # requests refused with `overloaded`
+    unauthorized: int = 0          # requests and stats queries refused for want of a valid API key
     vanished_clients: int = 0
 
 
-def _router(ctx: zmq.asyncio.Context, address: str, max_msg_size: int = -1) -> zmq.asyncio.Socket:
+def _router(ctx: zmq.asyncio.Context, address: str, max_msg_size: int = -1, curve_secret_key: str = "") -> zmq.asyncio.Socket:
     sock = ctx.socket(zmq.ROUTER)
+    if curve_secret_key:
+        curve_server(sock, curve_secret_key)
     sock.setsockopt(zmq.MAXMSGSIZE, max_msg_size)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
     sock.setsockopt(zmq.SNDHWM, 0)
@@ -63,7 +73,7 @@ class Broker:
     def __init__(self, cfg: Config, restarts: int = 0) -> None:
         self.log = setup_logging("broker", cfg.log)
         self.ctx = zmq.asyncio.Context()
-        self.clients = _router(self.ctx, cfg.server.frontend_address, cfg.server.max_frame_bytes)
+        self.clients = _router(self.ctx, cfg.server.frontend_address, cfg.server.max_frame_bytes, cfg.server.curve_secret_key)
         self.backend = _router(self.ctx, cfg.server.backend_address)
         self.waiting: dict[bytes, set[str]] = {}   # client -> request ids without a final message
         self.gone: dict[bytes, None] = {}
@@ -72,6 +82,7 @@ class Broker:
         self.restarts = restarts
         self.capacity = cfg.server.max_waiting + cfg.scheduler.max_bs * cfg.engine.n_workers
         self.counters = BrokerCounters()
+        self.keys = KeyCheck(cfg.server.api_keys())
 
     async def run(self) -> int:
         self.log.info("broker listening", clients=self.clients.LAST_ENDPOINT.decode(),
@@ -106,6 +117,12 @@ class Broker:
             if isinstance(msg, Ping):
                 await self._to_client(client, encode(Pong(msg.nonce, self.server_id, self.restarts)))
                 continue
+            if isinstance(msg, (Generate, Stats)):
+                if not self.keys.ok(msg.api_key):
+                    await self._unauthorized(client, msg)
+                    continue
+                if msg.api_key:  # no further: the backend may cross hosts
+                    parts = [encode(dataclasses.replace(msg, api_key=""))]
             if isinstance(msg, Generate):
                 if self.fatal is not None:
                     await self._to_client(client, encode(_failed(msg.request_id, UNAVAILABLE, UNAVAILABLE_TEXT)))
@@ -191,6 +208,15 @@ class Broker:
         self.waiting.clear()
         self.counters.tracked_requests = 0
 
+    async def _unauthorized(self, client: bytes, msg: Generate | Stats) -> None:
+        self.counters.unauthorized += 1
+        self.log.warning("unauthorized", client=client.hex(), message=msg.TYPE, key_given=bool(msg.api_key))  # type: ignore[attr-defined]
+        text = "unauthorized: this server needs an API key (api_key=...)" if not msg.api_key else "unauthorized: invalid API key"
+        if isinstance(msg, Generate):
+            await self._to_client(client, encode(_failed(msg.request_id, UNAUTHORIZED, text)))
+        else:
+            await self._to_client(client, encode(Error(text, None, UNAUTHORIZED)))
+
     def stats(self) -> dict[str, int]:
         self.counters.clients = len(self.waiting)
         return asdict(self.counters) | {"restarts": self.restarts}
@@ -220,7 +246,7 @@ def _failed(request_id: str, code: str, text: str) -> Output:
 
 
 def main() -> None:
-    process_main("orca-mq broker", lambda cfg, args: Broker(cfg, args.restarts).run(),
+    process_main("broker", "orca-mq broker", lambda cfg, args: Broker(cfg, args.restarts).run(),
                  ("--restarts", {"type": int, "default": 0, "help": "restarts so far (reported in stats)"}))
 
 

@@ -11,6 +11,8 @@ the scheduler when its tokens are ready); an abort or a vanished client meanwhil
 A client that disconnects is reported by the broker (`client_gone`, from ZMQ_ROUTER_MANDATORY
 send failures on the first token sent after it left); its requests are aborted, which frees
 their KV at the scheduler's next iteration.
+Request ids belong to their client (orca_mq.server.request_ids): the scheduler sees an internal
+id per request, so two clients with the same id never see each other's tokens or finals.
 """
 from __future__ import annotations
 
@@ -33,11 +35,12 @@ from orca_mq.protocol.control_msgs import AbortAll, ClientGone, Drain, Drained, 
 from orca_mq.protocol.engine_msgs import AbortRequest, AddRequest, StatsQuery, StatsResult, TokenBatch
 from orca_mq.sampling_params import InvalidRequest, SamplingParams
 from orca_mq.tokenizer import load_tokenizer
-from orca_mq.validation import validate_request
+from orca_mq.validation import admit
 from orca_mq.engine.model_info import read_model_info
-from orca_mq.server.active_request import ActiveRequest
+from orca_mq.server.active_request import ActiveRequest, Admission
 from orca_mq.server.prompts import Prompts
 from orca_mq.server.process import process_main
+from orca_mq.server.request_ids import RequestIds
 from orca_mq.server.zmq_queue import CLIENT, BrokerLink, Envelope, serve
 from orca_mq.structured.compiler import Compiler, bounded
 
@@ -60,13 +63,13 @@ class Frontend:
         self.info = read_model_info(cfg.model.path, cfg.model.cache_dir)
         self.prompts = Prompts.for_model(self.tokenizer, self.info.max_model_len(cfg))
         self.tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="tokenize")
-        self.grammars = Compiler(cfg.structured)   # checks structured outputs' constraints, in the tokenize pool
-        self.admitting: dict[str, tuple[bytes, bool]] = {}   # being tokenized: rid -> (client, aborted); bounded by the broker
+        self.ids = RequestIds()                          # (client, its id) <-> internal id
+        self.admitting: dict[str, Admission] = {}        # being tokenized, by internal id; bounded by the broker
+        self.grammars = Compiler(cfg.structured)         # checks structured outputs' constraints, in the tokenize pool
         self.admissions: set[asyncio.Task[None]] = set()
         self.ctx = zmq.asyncio.Context()
         self.link = BrokerLink(self.ctx, cfg.server.backend_address, "frontend")
-        self.active: dict[str, ActiveRequest] = {}
-        self.by_client: dict[bytes, set[str]] = {}
+        self.active: dict[str, ActiveRequest] = {}       # by internal id
         self.stats_waiting: dict[str, tuple[bytes, str]] = {}  # our query id -> (client, its query id)
         self.draining = False
 
@@ -91,10 +94,7 @@ class Frontend:
             if isinstance(msg, Generate):
                 await self._enqueue(env.source, msg)
             elif isinstance(msg, Abort):
-                if self.admitting.get(msg.request_id, (b"",))[0] == env.source:
-                    self.admitting[msg.request_id] = (env.source, True)
-                elif msg.request_id in self.active and self.active[msg.request_id].client == env.source:
-                    await self.link.to_peer("scheduler", AbortRequest(msg.request_id))
+                await self._abort(self.ids.lookup(env.source, msg.request_id))
             elif isinstance(msg, Stats):
                 if len(self.stats_waiting) >= MAX_STATS_QUERIES:
                     await self.link.to_client(env.source, Error("too many stats queries in flight", None, OVERLOADED))
@@ -107,11 +107,7 @@ class Frontend:
         if isinstance(msg, TokenBatch):
             await self._on_tokens(msg)
         elif isinstance(msg, StatsResult):
-            client, query_id = self.stats_waiting.pop(msg.query_id, (b"", ""))
-            if client:
-                stats = msg.stats | {"frontend": {"active_requests": len(self.active), "admitting": len(self.admitting),
-                                         "draining": self.draining}}
-                await self.link.to_client(client, StatsReply(query_id, stats))
+            await self._stats_reply(msg)
         elif isinstance(msg, ClientGone):
             await self._client_gone(msg.client)
         elif isinstance(msg, Drain):
@@ -120,77 +116,82 @@ class Frontend:
             await self._maybe_drained()
         elif isinstance(msg, AbortAll):
             self.log.warning("aborting every request", reason=msg.reason, active=len(self.active))
-            for rid in self.active:
-                await self.link.to_peer("scheduler", AbortRequest(rid))
-            for rid, (client, _) in self.admitting.items():
-                self.admitting[rid] = (client, True)
+            for iid in [*self.active, *self.admitting]:
+                await self._abort(iid)
         elif isinstance(msg, Error):
             self.log.warning("error from a process", error=msg.error, request_id=msg.request_id)
 
+    async def _abort(self, iid: str | None) -> None:
+        if iid in self.admitting:
+            self.admitting[iid].aborted = True
+        elif iid in self.active:
+            await self.link.to_peer("scheduler", AbortRequest(iid))
+
     async def _enqueue(self, client: bytes, msg: Generate) -> None:
-        rid = msg.request_id
+        """The checks that need no tokenizer, on the event loop; the params parsed and validated here, once."""
         try:
             if self.draining:
                 raise _Unavailable("server is shutting down; not accepting new requests")
-            if rid in self.active or rid in self.admitting:
-                raise InvalidRequest(f"request_id {rid!r} is already in use")
             self.prompts.check(msg)
-            SamplingParams.from_dict(msg.sampling).validate(self.info.vocab_size)
+            params = SamplingParams.from_dict(msg.sampling)
+            params.validate(self.info.vocab_size)
+            iid = self.ids.new(client, msg.request_id)
         except InvalidRequest as e:
-            await self._refuse(client, rid, e)
+            await self._refuse(client, msg.request_id, e)
             return
-        self.admitting[rid] = (client, False)
-        task = asyncio.create_task(self._tokenize_and_admit(client, msg))
+        self.admitting[iid] = Admission(client, msg, params)
+        task = asyncio.create_task(self._tokenize_and_admit(iid, msg, params))
         self.admissions.add(task)
         task.add_done_callback(self.admissions.discard)
 
-    async def _tokenize_and_admit(self, client: bytes, msg: Generate) -> None:
-        rid = msg.request_id
+    async def _tokenize_and_admit(self, iid: str, msg: Generate, params: SamplingParams) -> None:
         failure: Exception | None = None
         prompt_ids: list[int] = []
         try:
             prompt_ids = await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, self.prompts.token_ids, msg)
-            if (spec := SamplingParams.from_dict(msg.sampling).structured_outputs) is not None:
+            if (spec := params.structured_outputs) is not None:  # parsed once, in _enqueue
                 await bounded(self.tokenize_pool, self.grammars.check, spec, self.cfg.structured.compile_timeout)
         except Exception as e:
             failure = e
-        entry = self.admitting.pop(rid, None)
+        adm = self.admitting.pop(iid, None)
+        if adm is None:
+            return  # its client vanished meanwhile
         try:
-            if entry is None:
-                pass  # its client vanished meanwhile
-            elif entry[1]:  # aborted while it was tokenized
-                await self.link.to_client(client, Output(rid, [], "", True, "abort", code=ABORTED))
+            if adm.aborted:
+                self.ids.release(iid)
+                await self.link.to_client(adm.client, Output(msg.request_id, [], "", True, "abort", code=ABORTED))
             elif failure is not None:
                 raise failure
             else:
-                await self._admit(client, msg, prompt_ids)
+                await self._admit(iid, adm, prompt_ids)
         except InvalidRequest as e:
-            await self._refuse(client, rid, e)
+            self.ids.release(iid)
+            await self._refuse(adm.client, msg.request_id, e)
         except Exception:  # e.g. a tokenizer failure: fail this request, keep serving the others
-            self.log.exception("request failed before admission", request_id=rid)
-            await self.link.to_client(client, Output(rid, [], "", True, "error", INTERNAL_TEXT, code=INTERNAL))
+            self.ids.release(iid)
+            self.log.exception("request failed before admission", request_id=iid)
+            await self.link.to_client(adm.client, Output(msg.request_id, [], "", True, "error", INTERNAL_TEXT, code=INTERNAL))
         await self._maybe_drained()
 
-    async def _admit(self, client: bytes, msg: Generate, prompt_ids: list[int]) -> None:
-        rid = msg.request_id
+    async def _admit(self, iid: str, adm: Admission, prompt_ids: list[int]) -> None:
         if self.draining:
             raise _Unavailable("server is shutting down; not accepting new requests")
-        params = SamplingParams.from_dict(msg.sampling)
-        validate_request(prompt_ids, params, self.info, self.cfg)
-        self.active[rid] = ActiveRequest(client, IncrementalDetokenizer(self.tokenizer), len(prompt_ids), time.time())
-        self.by_client.setdefault(client, set()).add(rid)
-        self.log.info("request admitted", request_id=rid, prompt_tokens=len(prompt_ids), max_tokens=params.max_tokens)
-        await self.link.to_peer("scheduler", AddRequest(rid, prompt_ids, params.to_dict()))
+        params = admit(prompt_ids, adm.params, self.info, self.cfg)
+        rid = adm.msg.request_id
+        self.active[iid] = ActiveRequest(adm.client, rid, IncrementalDetokenizer(self.tokenizer), len(prompt_ids), time.time())
+        self.log.info("request admitted", request_id=iid, client_request_id=rid, prompt_tokens=len(prompt_ids),
+                      max_tokens=params.max_tokens)
+        await self.link.to_peer("scheduler", AddRequest(iid, prompt_ids, params))
 
     async def _refuse(self, client: bytes, rid: str, e: InvalidRequest) -> None:
-        self.log.info("request rejected", request_id=rid, error=str(e))
+        self.log.info("request rejected", client_request_id=rid, error=str(e))
         code = UNAVAILABLE if isinstance(e, _Unavailable) else INVALID_REQUEST
         await self.link.to_client(client, Output(rid, [], "", True, "error", str(e), code=code))
 
     async def _on_tokens(self, batch: TokenBatch) -> None:
         now = time.time()
-        for rid, token_id, reason in batch.events:
-            req = self.active.get(rid)
+        for iid, token_id, reason in batch.events:
+            req = self.active.get(iid)
             if req is None:
                 continue  # its client vanished: the abort is already on its way
             new = [] if token_id is None else [token_id]
@@ -199,33 +200,41 @@ class Frontend:
                 req.first_token = req.first_token or now
             text = req.detok.step(new)
             if reason is None:
-                await self.link.to_client(req.client, Output(rid, new, text))
+                await self.link.to_client(req.client, Output(req.request_id, new, text))
                 continue
             text += req.detok.finish()
-            metrics = {**req.metrics(now), **({"scheduler": batch.metrics[rid]} if rid in batch.metrics else {})}
+            metrics = {**req.metrics(now), **({"scheduler": batch.metrics[iid]} if iid in batch.metrics else {})}
             error = INTERNAL_TEXT if reason == "error" else None
-            await self.link.to_client(req.client, Output(rid, new, text, True, reason, error, metrics, FINAL_CODES.get(reason)))
-            self._forget(rid)
-            self.log.info("request finished", request_id=rid, finish_reason=reason,
+            await self.link.to_client(req.client, Output(req.request_id, new, text, True, reason, error, metrics,
+                                                         FINAL_CODES.get(reason)))
+            self._forget(iid)
+            self.log.info("request finished", request_id=iid, finish_reason=reason,
                           completion_tokens=len(req.token_ids), iteration=batch.iteration)
         await self._maybe_drained()
 
+    async def _stats_reply(self, msg: StatsResult) -> None:
+        client, query_id = self.stats_waiting.pop(msg.query_id, (b"", ""))
+        if not client:
+            return
+        stats = msg.stats | {"frontend": {"active_requests": len(self.active), "admitting": len(self.admitting),
+                                          "draining": self.draining}}
+        if "record" in stats:  # the asking client's own requests under its own ids
+            stats["record"] = [[it, [self.ids.name(i, client) for i in iids]] for it, iids in stats["record"]]
+            stats["arrival_order"] = [self.ids.name(i, client) for i in stats["arrival_order"]]
+        await self.link.to_client(client, StatsReply(query_id, stats))
+
     async def _client_gone(self, client: bytes) -> None:
-        rids = self.by_client.get(client, set()).copy()
-        for rid in [r for r, (c, _) in self.admitting.items() if c == client]:
-            del self.admitting[rid]
-        self.log.info("client disconnected; aborting its requests", client=client.hex(), requests=len(rids))
-        for rid in rids:
-            self._forget(rid)
-            await self.link.to_peer("scheduler", AbortRequest(rid))
+        iids = self.ids.of_client(client)
+        self.log.info("client disconnected; aborting its requests", client=client.hex(), requests=len(iids))
+        for iid in iids:
+            self.ids.release(iid)
+            if self.admitting.pop(iid, None) is None and self.active.pop(iid, None) is not None:
+                await self.link.to_peer("scheduler", AbortRequest(iid))
         await self._maybe_drained()
 
-    def _forget(self, rid: str) -> None:
-        req = self.active.pop(rid)
-        owned = self.by_client[req.client]
-        owned.discard(rid)
-        if not owned:
-            del self.by_client[req.client]
+    def _forget(self, iid: str) -> None:
+        del self.active[iid]
+        self.ids.release(iid)
 
     async def _maybe_drained(self) -> None:
         if self.draining and not self.active and not self.admitting:
@@ -233,7 +242,7 @@ class Frontend:
 
 
 def main() -> None:
-    process_main("orca-mq frontend", lambda cfg, _: Frontend(cfg).run())
+    process_main("frontend", "orca-mq frontend", lambda cfg, _: Frontend(cfg).run())
 
 
 if __name__ == "__main__":

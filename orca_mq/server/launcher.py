@@ -20,18 +20,21 @@ seconds, then aborted), stop every child, exit 0. A second signal stops at once.
 from __future__ import annotations
 
 import copy
+import json
+import os
 import shutil
 import signal
 import sys
 import tempfile
 import time
 from collections import deque
+from pathlib import Path
 from typing import Any
 
 import zmq
 
 from orca_mq.config import Config
-from orca_mq.logs import setup_logging
+from orca_mq.logs import server_marker, setup_logging
 from orca_mq.protocol import ProtocolError, decode
 from orca_mq.protocol.client_msgs import Error, Ping, Pong
 from orca_mq.protocol.codec import channel
@@ -78,11 +81,16 @@ class Launcher:
         print(f"orca-mq [{time.monotonic() - self.t0:6.1f}s] {text}", file=sys.stderr, flush=True)
 
     def run(self) -> int:
+        marker = server_marker(self.cfg.log.dir)
         try:
+            if self.cfg.log.dir:  # `orca-mq logs` finds the running servers by it
+                marker.write_text(json.dumps({"pid": os.getpid(), "frontend_address": self.cfg.server.frontend_address,
+                                              "http_address": self.cfg.server.http_address}))
             self._start("broker")
             print(self._ready_line(), flush=True)
             return self._supervise()
         except StartupError as e:
+            self.log.error("start-up failed", error=str(e))
             self.say(f"error: {e}")
             return 0 if self.signals else 1
         except NodeError as e:
@@ -99,6 +107,7 @@ class Launcher:
                 self.link.close()
             self.ctx.term()
             shutil.rmtree(self.run_dir, ignore_errors=True)
+            marker.unlink(missing_ok=True)
 
     # ------------------------------------------------------------ start
 
@@ -106,8 +115,23 @@ class Launcher:
         return f"{READY_LINE}{self.cfg.server.frontend_address}"
 
     def _spawn(self, role: str, group: str, module: str, *extra: str) -> None:
-        self.children.append(start_child(role, group, module, self.child_cfg.to_dict(), *extra))
+        error_file = self._error_file(role)
+        error_file.unlink(missing_ok=True)
+        self.children.append(start_child(role, group, module, self.child_cfg, error_file, *extra))
         self.log.info("started", child=role, child_pid=self.children[-1].proc.pid, restarts=self.n_restarts)
+
+    def _error_file(self, role: str) -> Path:
+        return Path(self.run_dir) / f"{role}.error"
+
+    def _why(self, dead: list[Child]) -> str:
+        """What died and why, in one line: each child's own one-line reason, else its exit status."""
+        def reason(c: Child) -> str:
+            try:
+                return f"{c.role}: {self._error_file(c.role).read_text()}"
+            except OSError:
+                return f"{c.role} exited with status {c.proc.returncode}"
+
+        return "; ".join(map(reason, dead))
 
     def _start(self, group: str) -> None:
         """Start `group` and wait for it: "broker", everything; "engine", the frontend, the scheduler and
@@ -164,8 +188,7 @@ class Launcher:
         if lost := self._dead_nodes():
             raise StartupError(f"{', '.join(lost)} failed during start-up")
         if dead := self._dead():
-            raise StartupError(f"{', '.join(c.role for c in dead)} exited during start-up "
-                               f"(exit {', '.join(str(c.proc.returncode) for c in dead)}); see the logs in {self.cfg.log.dir}")
+            raise StartupError(f"{self._why(dead)} (during start-up; details in {self.cfg.log.dir})")
         if self.signals:
             raise StartupError("interrupted during start-up")
         if time.monotonic() > deadline:
@@ -208,7 +231,7 @@ class Launcher:
                     self._fail_in_flight(roles)
                 return False
             self.n_restarts += 1
-            self.log.error("a process died; restarting", died=roles, group=group, restarts=self.n_restarts)
+            self.log.error("a process died; restarting", died=roles, why=self._why(dead), group=group, restarts=self.n_restarts)
             self.say(f"{roles} died: restarting {_WHAT[group]}")
             if group == "engine":
                 self._fail_in_flight(roles)

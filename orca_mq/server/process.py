@@ -7,6 +7,7 @@ prints its ready line) and stop it with `ServerHandle.stop`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import json
 import os
@@ -21,10 +22,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from orca_mq.config import Config
+from orca_mq.config import API_KEY_ENV, Config
 
 ROOT = Path(__file__).resolve().parents[2]   # children import orca_mq, workers and kernels from here
 READY_LINE = "orca-mq ready on "
+ERROR_FILE_ENV = "ORCA_MQ_ERROR_FILE"   # where a child that fails writes its one-line reason for the launcher
 
 
 def free_port() -> int:
@@ -69,13 +71,45 @@ class Child:
     started: float = field(default_factory=time.monotonic)
 
 
-def start_child(role: str, group: str, module: str, config: Mapping[str, Any], *extra: str) -> Child:
+def start_child(role: str, group: str, module: str, cfg: Config, error_file: Path, *extra: str) -> Child:
     """`python -m module --config-json ...` in its own session: a terminal's Ctrl-C reaches only the
-    launcher, which then drains in order; the child's stdout goes to the launcher's stderr."""
+    launcher, which then drains in order; the child's stdout goes to the launcher's stderr. The API keys
+    go in the environment (readable by this user only), never on the command line (`ps` shows it to all)."""
+    config = cfg.to_dict()
+    config["server"]["api_key"] = ""
     cmd = [sys.executable, "-m", module, "--config-json", json.dumps(config), *extra]
-    proc = subprocess.Popen(cmd, env=_env(), stdout=sys.stderr, stdin=subprocess.DEVNULL,
+    env = _env() | {API_KEY_ENV: cfg.server.api_key, ERROR_FILE_ENV: str(error_file)}
+    proc = subprocess.Popen(cmd, env=env, stdout=sys.stderr, stdin=subprocess.DEVNULL,
                             start_new_session=True, preexec_fn=_die_with_parent)
     return Child(role, group, proc)
+
+
+def child_config(config_json: str) -> Config:
+    """A child's config: the launcher's JSON, and the API keys from the environment."""
+    cfg = Config.from_dict(json.loads(config_json))
+    cfg.server.api_key = os.environ.get(API_KEY_ENV, "")
+    return cfg
+
+
+def run_logged(role: str, cfg: Config, body: Callable[[], int]) -> int:
+    """Run a child's `body`; if it raises, the traceback goes to its log, one line to the launcher
+    (ERROR_FILE_ENV), nothing to the terminal, and the exit status is 1."""
+    from orca_mq.logs import setup_logging
+
+    log = setup_logging(role, cfg.log)
+    try:
+        return body()
+    except Exception as e:
+        log.exception("process failed", error=str(e)[:500])
+        if path := os.environ.get(ERROR_FILE_ENV):
+            with contextlib.suppress(OSError):
+                Path(path).write_text(one_line(e))
+        return 1
+
+
+def one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text if len(text) <= 300 else text[:300] + "..."
 
 
 def stop_children(children: list[Child], grace: float) -> None:
@@ -133,8 +167,9 @@ class ServerHandle:
 
 
 def spawn(sets: Mapping[str, Any], stderr_path: Path, *, config: str | None = None, ready_timeout: float = 600.0,
-          cwd: Path | None = None) -> ServerHandle:
-    """Start `tools/launch.py --set k=v ...` and return once it prints its ready line.
+          cwd: Path | None = None, env: Mapping[str, str] | None = None) -> ServerHandle:
+    """Start `tools/launch.py --set k=v ...` and return once it prints its ready line; `env` adds to (and
+    only it may set the API key of) the environment it starts in.
     Raises RuntimeError (with the tail of its stderr) if it exits or is not ready in time."""
     cmd = [sys.executable, "-u", str(ROOT / "tools" / "launch.py"), *(["--config", config] if config else [])]
     for k, v in sets.items():
@@ -143,8 +178,9 @@ def spawn(sets: Mapping[str, Any], stderr_path: Path, *, config: str | None = No
     err: IO[str] = stderr_path.open("w")
     err.write("# " + " ".join(cmd) + "\n")
     err.flush()
+    base = {k: v for k, v in _env().items() if k != API_KEY_ENV}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL, text=True,
-                            cwd=cwd or ROOT, env=_env() | {"PYTHONUNBUFFERED": "1"}, start_new_session=True)
+                            cwd=cwd or ROOT, env=base | {"PYTHONUNBUFFERED": "1", **(env or {})}, start_new_session=True)
     err.close()
     handle = ServerHandle(proc, str(sets.get("server.frontend_address", "")), stderr_path)
     assert proc.stdout is not None
@@ -160,10 +196,10 @@ def spawn(sets: Mapping[str, Any], stderr_path: Path, *, config: str | None = No
     raise RuntimeError(f"server not ready (exit code {proc.returncode}); its stderr ends:\n{handle.stderr()[-4000:]}")
 
 
-def process_main(description: str, run: Callable[[Config, argparse.Namespace], Coroutine[Any, Any, int]],
+def process_main(role: str, description: str, run: Callable[[Config, argparse.Namespace], Coroutine[Any, Any, int]],
                  *options: tuple[str, dict[str, Any]]) -> None:
     """The entry point of every asyncio process the launcher starts: `--config-json` (and `options`)
-    in, `run(cfg, args)` on uvloop, its result as the exit status."""
+    in, `run(cfg, args)` on uvloop, its result as the exit status (run_logged)."""
     import uvloop
 
     parser = argparse.ArgumentParser(description=description)
@@ -171,4 +207,5 @@ def process_main(description: str, run: Callable[[Config, argparse.Namespace], C
     for flag, kwargs in options:
         parser.add_argument(flag, **kwargs)
     args = parser.parse_args()
-    sys.exit(uvloop.run(run(Config.from_dict(json.loads(args.config_json)), args)))
+    cfg = child_config(args.config_json)
+    sys.exit(run_logged(role, cfg, lambda: uvloop.run(run(cfg, args))))

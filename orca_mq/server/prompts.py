@@ -1,5 +1,6 @@
-"""A request's prompt -> token ids, for the frontend: a size check in O(1) first, then the
-tokenizer (or chat template), which the frontend runs off its event loop.
+"""A request's prompt -> token ids, for the frontend and the offline API (the one place the chat
+template is applied): a size check in O(1) first, then the tokenizer (or chat template), which the
+frontend runs off its event loop.
 
 The size bound is derived from the context length: no token of the vocabulary covers more than
 `longest_token` characters, so a prompt longer than max_model_len x longest_token characters
@@ -51,17 +52,25 @@ class Prompts:
         if msg.prompt_token_ids is not None:
             return msg.prompt_token_ids
         if msg.messages is None and not msg.chat:
-            return self._encode(msg.prompt, special=True)
-        messages: list[dict[str, Any]] = msg.messages if msg.messages is not None else [{"role": "user", "content": msg.prompt}]
+            return self.encode_text(msg.prompt or "")
+        return self.encode_chat(msg.messages if msg.messages is not None else [{"role": "user", "content": msg.prompt}])
+
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        """The model's chat template, with the generation prompt (the one place it is applied)."""
         if not messages or not all(
-            set(m) == {"role", "content"} and isinstance(m["role"], str) and isinstance(m["content"], str) for m in messages
+            isinstance(m, dict) and set(m) == {"role", "content"} and isinstance(m["role"], str)
+            and isinstance(m["content"], str) for m in messages
         ):
             raise InvalidRequest("messages must be a non-empty list of {'role': str, 'content': str}")
         try:
             text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         except Exception as e:  # jinja raises for roles or orders the template forbids
             raise InvalidRequest(f"chat template: {e}") from None
-        return self._encode(text, special=False)
+        return self._encode(text, special=False)  # the template already holds any BOS
+
+    def encode_text(self, text: str) -> list[int]:
+        """Raw completion text: the model's special tokens (BOS) only where its tokenizer adds them."""
+        return self._encode(text, special=True)
 
     def _encode(self, text: str, special: bool) -> list[int]:
         """= tokenizer.encode(text, add_special_tokens=special), without holding the GIL."""

@@ -30,7 +30,6 @@ from orca_mq.protocol.control_msgs import Progress, Ready
 from orca_mq.protocol.iteration import IterationResult
 from orca_mq.protocol.engine_msgs import (AbortRequest, AddRequest, ControlFrame, IterationDone, StatsQuery,
                                           StatsResult, TokenBatch, WorkerStats, WorkerStatsQuery)
-from orca_mq.sampling_params import SamplingParams
 from orca_mq.sched import StepOutput, TokenEvent, make_scheduler
 from orca_mq.sched.request import Request
 from orca_mq.engine.model_info import read_model_info
@@ -110,14 +109,13 @@ class SchedulerProcess:
             return
         if isinstance(msg, AddRequest):
             try:
-                params = SamplingParams.from_dict(msg.params)
-                if params.structured_outputs is not None:  # it waits, unscheduled, for its grammar
+                if msg.params.structured_outputs is not None:  # it waits, unscheduled, for its grammar
                     self.compiling[msg.request_id] = False
-                    task = asyncio.create_task(self._compile_and_add(msg, params))
+                    task = asyncio.create_task(self._compile_and_add(msg))
                     self.compile_tasks.add(task)
                     task.add_done_callback(self.compile_tasks.discard)
                     return
-                self._add(Request(msg.request_id, msg.prompt_token_ids, params, time.monotonic()))
+                self._add(Request(msg.request_id, msg.prompt_token_ids, msg.params, time.monotonic()))
             except Exception:  # the frontend validated it: a refusal here is a bug, fail only this request
                 await self._refused(msg.request_id)
                 return
@@ -150,14 +148,14 @@ class SchedulerProcess:
         self.log.info("structured outputs: vocabulary loaded", seconds=round(time.perf_counter() - started, 2))
         return vocab
 
-    async def _compile_and_add(self, msg: AddRequest, params: SamplingParams) -> None:
+    async def _compile_and_add(self, msg: AddRequest) -> None:
         """Compile a constrained request's grammar off the event loop, then let it be scheduled."""
         rid = msg.request_id
         try:
-            grammar = await bounded(self.grammar_pool, self.grammars.compile, params.structured_outputs,  # type: ignore[arg-type]
+            grammar = await bounded(self.grammar_pool, self.grammars.compile, msg.params.structured_outputs,  # type: ignore[arg-type]
                                     self.cfg.structured.compile_timeout)
             if not self.compiling.pop(rid):
-                self._add(Request(rid, msg.prompt_token_ids, params, time.monotonic(), grammar=grammar))
+                self._add(Request(rid, msg.prompt_token_ids, msg.params, time.monotonic(), grammar=grammar))
                 await self._step([])
                 return
             await self._emit(-1, [TokenEvent(rid, None, "abort")])
@@ -231,7 +229,7 @@ class SchedulerProcess:
 
 
 def main() -> None:
-    process_main("orca-mq iteration scheduler", lambda cfg, args: SchedulerProcess(cfg, args.run_dir).run(),
+    process_main("scheduler", "orca-mq iteration scheduler", lambda cfg, args: SchedulerProcess(cfg, args.run_dir).run(),
                  ("--run-dir", {"required": True, "help": "directory of the workers' control sockets"}))
 
 

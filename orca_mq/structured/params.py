@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
-from orca_mq.protocol.codec import short_repr
+from orca_mq.short_repr import short_repr
 from orca_mq.errors import InvalidRequest
 
 Kind = Literal["json", "regex", "choice", "grammar", "json_object"]

@@ -1,0 +1,87 @@
+"""ASGI wrappers at the HTTP API's edge, before FastAPI reads anything:
+
+- `ApiKeyGuard`: with `server.api_key`, every route but /health needs `Authorization: Bearer KEY`
+  (one of the keys, compared in constant time); otherwise 401 with OpenAI's error object;
+- `BodyLimit`: a declared Content-Length over the limit gets 413 at once; a chunked body is cut
+  off (and refused) as soon as it passes the limit;
+- `Handled`: FastAPI answers an exception with its handler (which logs it) and then re-raises it
+  for the server to print; the re-raise ends here, so no traceback reaches a terminal.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from orca_mq.api.errors import ApiError, error_body
+from orca_mq.auth import KeyCheck
+
+Scope = dict[str, Any]
+Receive = Any
+Send = Any
+OPEN_PATHS = frozenset({"/health"})   # a load balancer's probe needs no key
+
+
+class ApiKeyGuard:
+    def __init__(self, app: Any, keys: KeyCheck) -> None:
+        self.app = app
+        self.keys = keys
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not self.keys.required or scope["path"] in OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        scheme, _, key = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1").partition(" ")
+        if scheme.lower() == "bearer" and self.keys.ok(key.strip()):
+            await self.app(scope, receive, send)
+            return
+        message = ("Incorrect API key provided." if key else
+                   "You didn't provide an API key: send the header 'Authorization: Bearer KEY'.")
+        await send_error(send, ApiError(401, message, "invalid_api_key"), [(b"www-authenticate", b"Bearer")])
+
+
+class BodyLimit:
+    def __init__(self, app: Any, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.limit):
+            await send_error(send, self._too_large())
+            return
+        seen = 0
+
+        async def limited() -> dict[str, Any]:
+            nonlocal seen
+            msg = await receive()
+            seen += len(msg.get("body", b""))
+            if seen > self.limit:
+                raise self._too_large()
+            return msg
+
+        await self.app(scope, limited, send)
+
+    def _too_large(self) -> ApiError:
+        return ApiError(413, f"request body larger than {self.limit} bytes (server.http_max_body_bytes)", "request_too_large")
+
+
+class Handled:
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await self.app(scope, receive, send)
+        except Exception:  # answered (500) and logged by the API's exception handler already
+            pass
+
+
+async def send_error(send: Send, err: ApiError, headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    body = json.dumps(error_body(err)).encode()
+    await send({"type": "http.response.start", "status": err.status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            *(headers or [])]})
+    await send({"type": "http.response.body", "body": body})
