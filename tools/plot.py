@@ -35,6 +35,11 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+from orca_mq.bench.scorecard import throughput_at  # noqa: E402
+
 # settings that may tell two result files apart (besides rate, the x axis of most figures)
 SETTINGS = ("policy", "max_bs", "cv", "zipf", "input_len", "output_len", "num_requests", "seed", "set")
 CSV_METRICS = ("n_requests", "n_errors", "makespan_s", "throughput_tok_s", "throughput_req_s", "jct_mean_s",
@@ -199,18 +204,8 @@ def write_csv(runs: list[Run], out: Path) -> Path:
 
 
 def orca_throughput_at(orca: list[Run], latency: float) -> tuple[float, str]:
-    """orca's throughput at a median normalized latency, linear along its points sorted by latency:
-    (value, "="); beyond its slowest point its highest throughput is a lower bound (value, ">=");
-    below its fastest point it is unknown (nan, "n/a")."""
-    pts = sorted((r.m("norm_latency_p50_s"), r.m("throughput_tok_s")) for r in orca)
-    if latency > pts[-1][0]:
-        return max(t for _, t in pts), ">="
-    if latency < pts[0][0]:
-        return math.nan, "n/a"
-    for (l0, t0), (l1, t1) in zip(pts, pts[1:] or pts):
-        if l0 <= latency <= l1:
-            return t0 if l1 == l0 else t0 + (t1 - t0) * (latency - l0) / (l1 - l0), "="
-    raise AssertionError("unreachable: the latency lies within the points")
+    """orca's throughput at a median normalized latency, along its points (orca_mq/bench/scorecard.py)."""
+    return throughput_at(((r.m("norm_latency_p50_s"), r.m("throughput_tok_s")) for r in orca), latency)
 
 
 def equal_latency(runs: list[Run], out: Path) -> Path | None:
