@@ -8,7 +8,7 @@ device pool. Preemptive MLFQ leaves started jobs idle, each holding KV; three po
 * `defer`: no swapping. A new job starts once its reservation fits next to the resident jobs'; it
   waits for free room meanwhile (the MLFQ then degrades to FCFS for the jobs waiting to start).
 * `reactive`: a new job that needs room takes it from idle resident jobs of lower priority expected
-  to need at least twice its service, largest ENST first: their KV goes to the host pool and their
+  to need more than `fastserve.preempt_margin` (2) times its service, largest ENST first: their KV goes to the host pool and their
   reservation is released. A job whose KV is on the host waits for room (it takes none from others)
   and is uploaded in the iteration that runs it (which waits for the copy).
 * `proactive` (FastServe): as reactive, and ahead of time: keep max(K, burst) blocks unreserved for

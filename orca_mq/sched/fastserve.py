@@ -78,14 +78,18 @@ class FastServeScheduler(Scheduler):
         self.log.info("fastserve quanta", quanta_s=[round(q, 4) for q in self.mlfq.quanta], kv_policy=self.fs.kv_policy)
 
     def remaining_s(self, req: Request) -> float:
-        """Its expected remaining service: its prompt still to feed, then its expected remaining tokens
-        (the learned law of output lengths) at one increment iteration at max_bs each."""
+        """Its expected remaining service: its prompt still to feed, then its expected remaining tokens."""
         prompt = self.profile.initiation_time(req.prompt_left) - self.profile.increment_time(1) if req.prompt_pending else 0.0
-        return max(0.0, prompt) + self.lengths.expected_remaining(len(req.output_token_ids)) * self.profile.increment_time(self.max_bs)
+        return max(0.0, prompt) + self._decode_s(len(req.output_token_ids))
 
     def new_job_s(self) -> float:
         """A new job's expected service, its prompt aside."""
-        return self.lengths.expected_remaining(0) * self.profile.increment_time(self.max_bs)
+        return self._decode_s(0)
+
+    def _decode_s(self, attained: int) -> float:
+        """The expected remaining tokens after `attained` (the learned law of output lengths), at one
+        increment iteration at max_bs each."""
+        return self.lengths.expected_remaining(attained) * self.profile.increment_time(self.max_bs)
 
     def next_iteration_time(self, req: Request) -> float:
         """Its next iteration: the next prompt chunk (the whole prompt without a token budget), or an increment."""
