@@ -44,3 +44,21 @@ def test_srpt_oracle_runs_the_shortest_first():
     oracle.use_profile(ONE_SECOND)
     result = simulate(oracle, _requests(), profile_cost(ONE_SECOND))
     assert result["jct_mean_s"] == 2.5 and result["makespan_s"] == 4.0
+
+
+def test_a_scorecard_is_replayed_on_its_own_traces(tmp_path):
+    # one round of the FastServe trace at load 1 of 2 req/s for 10 s: 20 requests, seed 0 + 1 + round
+    from simulate import replay_scorecard
+
+    from orca_mq.config import load_config
+
+    runs = [{"trace": "fastserve", "load": 1.0, "round": 0, "policy": pol, "summary": {"jct_mean_s": jct}}
+            for pol, jct in (("orca", 2.0), ("fastserve", 2.2), ("orca-again", 1.8))]
+    card = {"args": {"duration": 10.0, "min_requests": 20, "max_requests": 80, "seed": 0},
+            "capacity": {"fastserve": 2.0}, "runs": runs}
+    path = tmp_path / "card.json"
+    path.write_text(__import__("json").dumps(card))
+    row, = replay_scorecard(str(path), load_config(None, []), IterationProfile([(1, 0.03), (512, 0.9)], [(1, 0.03), (32, 0.1)]))
+    assert row["n"] == 20 and row["served"] == {"orca": 1.0, "fastserve": 1.1, "orca-again": 0.9}
+    assert row["sim"]["orca"] == 1.0 and set(row["sim"]) == {"orca", "fastserve"}    # the A/A pair is the served machine's
+    assert 0.5 < row["sim"]["fastserve"] < 1.5 and row["sim_jct_mean_s"]["orca"] > 0

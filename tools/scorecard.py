@@ -6,12 +6,17 @@
 
 One server per policy is started once (real processes, the ZeroMQ client) and kept for the whole run.
 For each trace shape a burst of `--capacity-requests` requests on the orca server measures the
-system's capacity (requests completed per second when all arrive at once); each load is a fraction
-of it, with `load x capacity x --duration` requests (within --min/--max-requests). Every round draws
-a new trace per (shape, load) and runs it on every policy, the policies' order rotated each round;
-the request-level baseline runs the ORCA trace only (the paper compares it there). After each run
-the workers' record of that run's iterations ([decodes, prompt tokens, compute ms]) is kept, so the
-cost of one batch composition under fastserve and under orca can be compared at the end.
+system's capacity: the requests per second it completes with every iteration full, from the burst's
+own iterations (orca_mq/bench/scorecard.py: full_batch_capacity; the burst's completion rate is kept
+too, as `burst_req_s`); each load is a fraction of it, with `load x capacity x --duration` requests
+(within --min/--max-requests). Every round draws a new trace per (shape, load) and runs it on every
+policy, the policies' order rotated each round; the request-level baseline runs the ORCA trace only
+(the paper compares it there). `orca-again` in --policies runs the orca server a second time in each
+round: its ratio to orca is the noise floor of every ratio. After each run the workers' record of
+that run's iterations ([decodes, prompt tokens, compute ms]) is kept: each run reports its
+iterations, decodes and compute per iteration, and the cost of one batch composition under
+fastserve and under orca is compared at the end. `tools/simulate.py --scorecard FILE` replays the
+same traces on the simulator.
 
 Writes the runs, the medians (orca_mq/bench/scorecard.py), the targets of issue 21 judged from them,
 and figures (FILE.<trace>.png: mean, p99 JCT, mean TTFT, median ITL against load; FILE.fig10.png:
@@ -23,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -35,11 +41,13 @@ if str(ROOT) not in sys.path:
 
 from orca_mq.bench.metrics import summarize  # noqa: E402
 from orca_mq.bench.replay import open_client, replay  # noqa: E402
-from orca_mq.bench.scorecard import METRICS, TRACES, aggregate, judge, shape_cost_ratio  # noqa: E402
+from orca_mq.bench.scorecard import (CONTROL, METRICS, SERVER, TRACES, aggregate, composition, full_batch_capacity,  # noqa: E402
+                                     judge, mean_lengths, round_order, shape_cost_ratio, trace_spec)
 from orca_mq.bench.trace import TraceSpec, load_corpus, make_trace  # noqa: E402
+from orca_mq.config import load_config  # noqa: E402
 from orca_mq.server.process import ServerHandle, free_port, spawn  # noqa: E402
 
-LABEL = {"srpt": "srpt (oracle)", "request": "request-level", "orca": "orca", "fastserve": "fastserve"}
+LABEL = {"srpt": "srpt (oracle)", "request": "request-level", "orca": "orca", "fastserve": "fastserve", CONTROL: "orca again (A/A)"}
 
 
 def start(policy: str, sets: list[str], logs: Path) -> ServerHandle:
@@ -61,12 +69,16 @@ async def _settle(address: str, reset: bool, record: bool = False, timeout: floa
             await asyncio.sleep(0.2)
 
 
-def run_trace(address: str, trace: list) -> tuple[dict[str, Any], list[list[float]]]:
-    async def go() -> tuple[dict[str, Any], list[list[float]]]:
+def run_trace(address: str, trace: list) -> tuple[dict[str, Any], list[list[float]], float]:
+    """The run's summary with its iterations' composition, the workers' record of its iterations, and
+    the median gap between two iterations of a worker (ms: scheduler turnaround and messaging)."""
+    async def go() -> tuple[dict[str, Any], list[list[float]], float]:
         await _settle(address, reset=True)
         records, _ = await replay(address, trace, progress=False)
         stats = await _settle(address, reset=True, record=True)
-        return summarize(records), [row for w in stats["workers"] if w for row in w.get("shapes", [])]
+        rows = [row for w in stats["workers"] if w for row in w.get("shapes", [])]
+        gaps = [w["idle"]["median_ms"] for w in stats["workers"] if w and w["idle"]["median_ms"] is not None]
+        return summarize(records) | composition(rows), rows, (statistics.median(gaps) if gaps else 0.0)
 
     return asyncio.run(go())
 
@@ -83,7 +95,7 @@ def plot(result: dict[str, Any], out: Path) -> list[Path]:
         fig, axes = plt.subplots(1, 4, figsize=(17, 3.8))
         for ax, (metric, title) in zip(axes, (("jct_mean_s", "mean JCT (s)"), ("jct_p99_s", "p99 JCT (s)"),
                                               ("ttft_mean_s", "mean TTFT (s)"), ("itl_p50_s", "median ITL (s)"))):
-            for policy in result["args"]["policies"]:
+            for policy in (p for p in result["args"]["policies"] if p != CONTROL):
                 pts = sorted((float(lo), p[policy][metric]) for lo, p in loads.items()
                              if policy in p and p[policy].get(metric) is not None)
                 if pts:
@@ -115,8 +127,10 @@ def plot(result: dict[str, Any], out: Path) -> list[Path]:
 def table(result: dict[str, Any]) -> str:
     lines = []
     for trace, loads in result["aggregate"].items():
-        lines.append(f"\n{trace} trace (capacity {result['capacity'][trace]:.2f} req/s); medians, x = ratio to orca")
-        lines.append(f"{'load':>5} {'policy':>14} {'mean JCT':>14} {'p99 JCT':>14} {'mean TTFT':>10} {'ITL p50':>14} {'tok/s':>7}")
+        lines.append(f"\n{trace} trace (capacity {result['capacity'][trace]:.2f} req/s at full batch; the burst completed "
+                     f"{result['burst_req_s'][trace]:.2f} req/s); medians, x = ratio to orca in the same round")
+        lines.append(f"{'load':>5} {'policy':>16} {'mean JCT':>14} {'p99 JCT':>14} {'mean TTFT':>10} {'ITL p50':>14} {'tok/s':>7} "
+                     f"{'its':>5} {'dec/it':>6} {'ms/it':>14}")
         for load, pol in sorted(loads.items(), key=lambda kv: float(kv[0])):
             for policy in result["args"]["policies"]:
                 if (m := pol.get(policy)) is None:
@@ -124,8 +138,9 @@ def table(result: dict[str, Any]) -> str:
                 def cell(k: str) -> str:
                     v, x = m.get(k), m.get(k + "/orca")
                     return "-" if v is None else f"{v:6.2f} ({x:4.2f}x)" if x is not None else f"{v:6.2f}"
-                lines.append(f"{load:>5} {LABEL[policy]:>14} {cell('jct_mean_s'):>14} {cell('jct_p99_s'):>14} "
-                             f"{m['ttft_mean_s'] or 0:10.2f} {cell('itl_p50_s'):>14} {m['throughput_tok_s'] or 0:7.1f}")
+                lines.append(f"{load:>5} {LABEL[policy]:>16} {cell('jct_mean_s'):>14} {cell('jct_p99_s'):>14} "
+                             f"{m['ttft_mean_s'] or 0:10.2f} {cell('itl_p50_s'):>14} {m['throughput_tok_s'] or 0:7.1f} "
+                             f"{m['iterations'] or 0:5.0f} {m['decodes_mean'] or 0:6.1f} {cell('compute_ms_mean'):>14}")
     lines.append("\ntargets (issue 21)")
     for row in result["targets"]:
         value = "n/a" if row["value"] is None else f"{row['value']:.3f}"
@@ -156,34 +171,31 @@ def main(argv: list[str] | None = None) -> int:
     from orca_mq.tokenizer import load_tokenizer
 
     corpus = load_corpus(load_tokenizer("", "~/.cache/orca_mq"))
-    servers = {pol: start(pol, args.sets, logs) for pol in policies}
-    result: dict[str, Any] = {"args": vars(args), "logs": str(logs), "capacity": {}, "runs": []}
+    servers = {pol: start(pol, args.sets, logs) for pol in dict.fromkeys(SERVER.get(p, p) for p in policies)}
+    max_bs = load_config(None, args.sets).scheduler.max_bs
+    result: dict[str, Any] = {"args": vars(args), "logs": str(logs), "capacity": {}, "burst_req_s": {}, "runs": []}
     shapes: dict[str, dict[str, list[list[float]]]] = {t: {"orca": [], "fastserve": []} for t in traces}
     try:
         for trace in traces:
             shape = TRACES[trace]
             burst = make_trace(TraceSpec(shape["kind"], args.capacity_requests, 0.0, shape["cv"], shape["zipf"],
                                          shape["input_len"], shape["output_len"], args.seed), corpus)
-            summary, _ = run_trace(servers["orca"].address, burst)
-            result["capacity"][trace] = summary["throughput_req_s"]
-            print(f"{trace} trace: capacity {summary['throughput_req_s']:.2f} req/s (burst of {len(burst)})", file=sys.stderr)
+            summary, rows, gap_ms = run_trace(servers["orca"].address, burst)
+            result["burst_req_s"][trace] = summary["throughput_req_s"]
+            result["capacity"][trace] = full_batch_capacity(rows, mean_lengths(trace), max_bs, gap_ms)
+            print(f"{trace} trace: capacity {result['capacity'][trace]:.2f} req/s at full batch (the burst of {len(burst)} "
+                  f"completed {summary['throughput_req_s']:.2f} req/s)", file=sys.stderr)
         for rnd in range(args.rounds):
-            order = policies[rnd % len(policies):] + policies[: rnd % len(policies)]
             for trace in traces:
-                shape = TRACES[trace]
                 for load in loads:
-                    rate = load * result["capacity"][trace]
-                    n = max(args.min_requests, min(args.max_requests, round(rate * args.duration)))
-                    spec = TraceSpec(shape["kind"], n, rate, shape["cv"], shape["zipf"], shape["input_len"],
-                                     shape["output_len"], args.seed + 1 + rnd)
-                    for policy in order:
-                        if policy == "request" and trace != "orca":
-                            continue
-                        summary, rows = run_trace(servers[policy].address, make_trace(spec, corpus))
+                    spec = trace_spec(trace, load, result["capacity"][trace], rnd, args.duration, args.min_requests,
+                                      args.max_requests, args.seed)
+                    for policy in round_order(policies, trace, rnd):
+                        summary, rows, _ = run_trace(servers[SERVER.get(policy, policy)].address, make_trace(spec, corpus))
                         if policy in shapes[trace]:
                             shapes[trace][policy] += rows
-                        result["runs"].append({"trace": trace, "load": load, "round": rnd, "policy": policy,
-                                               "n": n, "summary": {k: summary.get(k) for k in (*METRICS, "n_ok", "n_errors")}})
+                        result["runs"].append({"trace": trace, "load": load, "round": rnd, "policy": policy, "n": spec.num_requests,
+                                               "summary": {k: summary.get(k) for k in (*METRICS, "n_ok", "n_errors")}})
                         print(f"round {rnd} {trace} load {load:g} {policy}: mean JCT {summary['jct_mean_s']:.2f} s, "
                               f"{summary['n_errors']} errors", file=sys.stderr)
                         out.write_text(json.dumps(result, indent=1, default=str))

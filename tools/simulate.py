@@ -4,6 +4,7 @@ and the SRPT oracle, could do for JCT on this engine.
 
     python tools/simulate.py --trace fastserve --rates 2 --cvs 4 --zipf 1.5 --output-len 1:512 \\
         [--policies orca,fastserve,srpt] [--set section.key=value ...] [--profile FILE.json] --out FILE.json
+    python tools/simulate.py --scorecard results/scorecard.json [--profile FILE.json] --out FILE.json
 
 The schedulers are the serving system's own policies, driven through the same `Scheduler.step()`
 as the offline `LLM` and the scheduler process, fed the same trace as tools/bench.py (same spec and
@@ -13,6 +14,11 @@ profile: the initiation time of each prompt chunk beyond a batch-1 increment, pl
 iteration at the batch's decode size), measured by running the real engine's probes (`--profile`
 reuses a saved one; without it the profile is measured and saved next to --out). One pipeline
 stage; no swap or messaging cost.
+
+With --scorecard, the very traces a tools/scorecard.py run served (its capacities, loads, rounds and
+seeds) are replayed, and each policy's mean JCT relative to orca's in the same round is printed
+beside the served one: where they differ, the served system did something the scheduling code alone
+does not explain (or the machine's noise did: see the scorecard's orca-again row).
 
 `srpt` is an oracle, not a policy of the system (orca_mq/sched/srpt.py): it knows every request's
 output length and runs the least remaining work first, so its mean JCT bounds what any policy that
@@ -33,6 +39,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from orca_mq.bench.cost_model import gpt3_175b_profile  # noqa: E402
+from orca_mq.bench.scorecard import CONTROL, trace_spec  # noqa: E402
 from orca_mq.bench.trace import DEFAULT_INPUT_LEN, DEFAULT_OUTPUT_LEN, TraceSpec, make_trace, parse_range  # noqa: E402
 from orca_mq.config import Config, load_config  # noqa: E402
 from orca_mq.protocol.iteration import IterationPlan, IterationResult  # noqa: E402
@@ -121,6 +128,31 @@ def run_policy(cfg: Config, policy: str, spec: TraceSpec, profile: IterationProf
     return simulate(sched, trace_requests(spec), cost)
 
 
+def replay_scorecard(path: str, cfg: Config, profile: IterationProfile) -> list[dict[str, Any]]:
+    """Each (trace, load, round) a scorecard served, simulated for its policies: per point, the served
+    and the simulated mean JCT ratios to orca (medians over rounds), the simulated means."""
+    card = json.loads(Path(path).read_text())
+    a = card["args"]
+    served: dict[tuple[str, float], dict[str, list[float]]] = {}
+    runs = {(r["trace"], float(r["load"]), int(r["round"])): {} for r in card["runs"]}
+    for r in card["runs"]:
+        runs[(r["trace"], float(r["load"]), int(r["round"]))][r["policy"]] = r["summary"]["jct_mean_s"]
+    rows: dict[tuple[str, float], dict[str, Any]] = {}
+    for (trace, load, rnd), pols in sorted(runs.items()):
+        spec = trace_spec(trace, load, card["capacity"][trace], rnd, a["duration"], a["min_requests"], a["max_requests"], a["seed"])
+        sim = {pol: run_policy(cfg, pol, spec, profile, profile_cost(profile))["jct_mean_s"] for pol in pols if pol != CONTROL}
+        row = rows.setdefault((trace, load), {"trace": trace, "load": load, "n": spec.num_requests, "sim": {}, "served": {}})
+        for pol in pols:
+            row["served"].setdefault(pol, []).append(pols[pol] / pols["orca"])
+            if pol in sim:
+                row["sim"].setdefault(pol, []).append(sim[pol] / sim["orca"])
+                row.setdefault("sim_jct_mean_s", {}).setdefault(pol, []).append(sim[pol])
+    for row in rows.values():
+        for key in ("sim", "served", "sim_jct_mean_s"):
+            row[key] = {pol: statistics.median(v) for pol, v in row[key].items()}
+    return list(rows.values())
+
+
 def measured_profile(sets: list[str]) -> IterationProfile:
     """This machine's profile, measured as a FastServe server measures it at start-up (offline: one stage)."""
     from orca_mq import LLM
@@ -132,7 +164,8 @@ def measured_profile(sets: list[str]) -> IterationProfile:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--trace", choices=("orca", "fastserve"), required=True)
+    p.add_argument("--trace", choices=("orca", "fastserve"))
+    p.add_argument("--scorecard", default=None, help="a tools/scorecard.py JSON: replay its traces, compare its ratios")
     p.add_argument("--policies", default="orca,fastserve,srpt", help="comma list of orca, request, fastserve, srpt")
     p.add_argument("--num-requests", type=int, default=60)
     p.add_argument("--rates", default="1", help="comma list of req/s")
@@ -158,6 +191,18 @@ def main(argv: list[str] | None = None) -> int:
     else:
         profile = measured_profile(sets)
         profile.save(out.with_suffix(".profile.json"))
+    if args.scorecard:
+        card = replay_scorecard(args.scorecard, cfg, profile)
+        print(f"{'trace':>9} {'load':>5} {'n':>4}  mean JCT / orca's in the same round (median of rounds): served | simulated")
+        for row in card:
+            cells = " ".join(f"{pol} {row['served'][pol]:.3f} | {row['sim'][pol]:.3f}" if pol in row["sim"]
+                             else f"{pol} {row['served'][pol]:.3f} | -" for pol in row["served"] if pol != "orca")
+            print(f"{row['trace']:>9} {row['load']:>5g} {row['n']:>4}  {cells}")
+        out.write_text(json.dumps({"args": vars(args), "profile": profile.to_dict(), "scorecard": card}, indent=2, default=str))
+        print(f"wrote {out}")
+        return 0
+    if args.trace is None:
+        p.error("--trace or --scorecard is required")
     policies = args.policies.split(",")
     rows: list[dict[str, Any]] = []
     for cv in map(float, args.cvs.split(",")):

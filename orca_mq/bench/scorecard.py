@@ -2,10 +2,15 @@
 the system's measured capacity, on an ORCA-shaped and a FastServe-shaped trace, summarized as medians
 over interleaved rounds, and issue 21's targets judged from those medians.
 
-A load is a fraction of the capacity a burst of the same trace shape measured (requests per second
-it completes when all arrive at once). Ratios to `orca` are taken round by round, then the median,
-so that a machine whose speed drifts between rounds moves both sides of each ratio alike. `srpt` is an
-oracle (it knows output lengths): it bounds what a policy can gain and is never a contender.
+A load is a fraction of the capacity measured with a burst of the same trace shape: the requests per
+second the engine completes when every iteration is full (`full_batch_capacity`, from the burst's
+own iterations). The burst's completion rate itself is not the capacity on a heavy-tailed trace:
+its end is the longest job decoding alone, so it reads the FastServe trace's capacity ~40% low and
+"load 1.5" would not be an overload. Ratios to `orca` are taken round by round, then the median,
+so that a machine whose speed drifts between rounds moves both sides of each ratio alike; the
+policies' order rotates round by round (`round_order`). `orca-again`, a second run of the orca
+server in the same round, is the noise floor of those ratios (an A/A pair). `srpt` is an oracle
+(it knows output lengths): it bounds what a policy can gain and is never a contender.
 """
 from __future__ import annotations
 
@@ -15,6 +20,10 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
+from orca_mq.bench.trace import TraceSpec, zipf_pmf
+
 TRACES: dict[str, dict[str, Any]] = {
     # ORCA §6.2: Poisson arrivals, input ~ U(32, 512), output ~ U(1, 128), generation forced
     "orca": {"kind": "orca", "cv": 1.0, "zipf": 1.0, "input_len": (32, 512), "output_len": (1, 128)},
@@ -22,10 +31,70 @@ TRACES: dict[str, dict[str, Any]] = {
     "fastserve": {"kind": "fastserve", "cv": 4.0, "zipf": 1.2, "input_len": (8, 384), "output_len": (1, 400)},
 }
 METRICS = ("jct_mean_s", "jct_p50_s", "jct_p99_s", "ttft_mean_s", "ttft_p50_s", "itl_p50_s", "throughput_tok_s",
-           "throughput_req_s", "norm_latency_p50_s", "makespan_s")
+           "throughput_req_s", "norm_latency_p50_s", "makespan_s",
+           "iterations", "decodes_mean", "prompt_tokens_mean", "compute_ms_mean")   # the last: `composition`
 GAINS_NOTHING = 0.9       # the oracle's mean JCT at or above this fraction of orca's: nothing to gain
 ORACLE_GAINS = 0.5        # at or below it: the oracle halves orca's mean JCT
 SHAPE_BUCKET = (4, 32)    # decodes, prompt tokens: iterations in one bucket have one batch composition
+CONTROL = "orca-again"    # the orca server run twice in a round: the A/A ratio, the noise floor of every ratio
+SERVER = {CONTROL: "orca"}  # which policy's server a label runs on (default: its own)
+
+
+def runs_trace(policy: str, trace: str) -> bool:
+    """The request-level baseline runs the ORCA trace only (the paper compares it there)."""
+    return policy != "request" or trace == "orca"
+
+
+def round_order(policies: Sequence[str], trace: str, rnd: int) -> list[str]:
+    """The policies that run `trace`, rotated by the round: over as many rounds as there are of them,
+    each runs once in every position, so a machine that drifts within a round favours none."""
+    runs = [p for p in policies if runs_trace(p, trace)]
+    k = rnd % len(runs) if runs else 0
+    return runs[k:] + runs[:k]
+
+
+def trace_spec(trace: str, load: float, capacity: float, rnd: int, duration: float, min_requests: int,
+               max_requests: int, seed: int) -> TraceSpec:
+    """The trace a round runs at a load: `load x capacity x duration` requests (within the bounds) of
+    the trace's shape, a new draw per round; tools/simulate.py --scorecard replays the same ones."""
+    shape, rate = TRACES[trace], load * capacity
+    n = max(min_requests, min(max_requests, round(rate * duration)))
+    return TraceSpec(shape["kind"], n, rate, shape["cv"], shape["zipf"], shape["input_len"], shape["output_len"], seed + 1 + rnd)
+
+
+def mean_lengths(trace: str) -> tuple[float, float]:
+    """The expected (prompt, output) tokens of a request of the trace's shape (its laws, not a sample:
+    a few dozen Zipf draws have a mean that varies by half)."""
+    shape = TRACES[trace]
+    if shape["kind"] == "orca":
+        return sum(shape["input_len"]) / 2, sum(shape["output_len"]) / 2
+    return tuple(float(np.arange(lo, hi + 1) @ zipf_pmf(lo, hi, shape["zipf"]))  # type: ignore[return-value]
+                 for lo, hi in (shape["input_len"], shape["output_len"]))
+
+
+def full_batch_capacity(rows: Sequence[Sequence[float]], lengths: tuple[float, float], max_bs: int,
+                        gap_ms: float = 0.0) -> float:
+    """Requests per second the engine completes when every iteration carries `max_bs` decodes: the
+    iterations' compute ([decodes, prompt tokens, ms], a worker's record) fitted as
+    ms = a + b x decodes + c x prompt tokens, plus `gap_ms` between iterations (scheduler and
+    messaging); a request of `lengths` (prompt, output) tokens then costs c x prompt +
+    (a + gap + b x max_bs) / max_bs x output engine-milliseconds, and the capacity is one over that."""
+    x = np.asarray(rows, dtype=np.float64).reshape(-1, 3)
+    if len(x) < 3 or np.ptp(x[:, 0]) == 0 or np.ptp(x[:, 1]) == 0:
+        raise ValueError("full_batch_capacity: need iterations of several batch sizes and prompt sizes")
+    (a, b, c), *_ = np.linalg.lstsq(np.c_[np.ones(len(x)), x[:, 0], x[:, 1]], x[:, 2], rcond=None)
+    prompt, output = lengths
+    return 1000.0 / (max(c, 0.0) * prompt + (max(a, 0.0) + gap_ms + max(b, 0.0) * max_bs) / max_bs * output)
+
+
+def composition(rows: Sequence[Sequence[float]]) -> dict[str, float | None]:
+    """What a run's iterations were ([decodes, prompt tokens, ms] each): how many, their mean decodes,
+    prompt tokens and compute, so a ratio of JCTs can be told apart into what was scheduled and how
+    fast it ran."""
+    if not rows:
+        return {"iterations": 0, "decodes_mean": None, "prompt_tokens_mean": None, "compute_ms_mean": None}
+    return {"iterations": len(rows), "decodes_mean": statistics.mean(d for d, _, _ in rows),
+            "prompt_tokens_mean": statistics.mean(p for _, p, _ in rows), "compute_ms_mean": statistics.mean(ms for *_, ms in rows)}
 
 
 def throughput_at(points: Iterable[tuple[float, float]], latency: float) -> tuple[float, str]:
@@ -103,6 +172,9 @@ def judge(agg: Mapping[str, Any], shape_ratios: Mapping[str, float | None]) -> l
         for load, pol in loads.items():
             fs, oracle = pol.get("fastserve"), pol.get("srpt")
             where = f"{trace} trace, load {load}"
+            if CONTROL in pol:   # two runs of one server: a ratio this far from 1 is the machine, not a policy
+                aa = pol[CONTROL].get("jct_mean_s/orca")
+                check("noise floor: orca again vs orca mean JCT, max(x, 1/x) (A/A)", where, aa and max(aa, 1 / aa), 1.05)
             if fs:
                 check("fastserve median ITL / orca's", where, fs.get("itl_p50_s/orca"), 1.1)
             if not (fs and oracle and oracle.get("jct_mean_s/orca") is not None):
