@@ -30,6 +30,7 @@ import argparse
 import json
 import statistics
 import sys
+from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -133,8 +134,7 @@ def replay_scorecard(path: str, cfg: Config, profile: IterationProfile) -> list[
     and the simulated mean JCT ratios to orca (medians over rounds), the simulated means."""
     card = json.loads(Path(path).read_text())
     a = card["args"]
-    served: dict[tuple[str, float], dict[str, list[float]]] = {}
-    runs = {(r["trace"], float(r["load"]), int(r["round"])): {} for r in card["runs"]}
+    runs: dict[tuple[str, float, int], dict[str, float]] = defaultdict(dict)
     for r in card["runs"]:
         runs[(r["trace"], float(r["load"]), int(r["round"]))][r["policy"]] = r["summary"]["jct_mean_s"]
     rows: dict[tuple[str, float], dict[str, Any]] = {}
