@@ -6,7 +6,8 @@ import math
 import pytest
 
 from orca_mq.bench.scorecard import (CONTROL, aggregate, full_batch_capacity, judge, mean_lengths, round_order,
-                                     shape_cost_ratio, throughput_at)
+                                     shape_cost_ratio, throughput_at, trace_spec)
+from orca_mq.bench.trace import make_trace
 
 
 def run(trace, load, rnd, policy, **m):
@@ -81,3 +82,13 @@ def test_the_noise_floor_is_judged_from_the_a_a_pair():
     agg = {"fastserve": {"1": {"orca": {"jct_mean_s": 1.0}, CONTROL: {"jct_mean_s": 0.8, "jct_mean_s/orca": 0.8}}}}
     row, = (r for r in judge(agg, {}) if r["what"].startswith("noise floor"))
     assert row["value"] == pytest.approx(1.25) and row["met"] is False
+
+
+def test_no_two_runs_of_a_server_share_a_prompt():
+    # capped at 80 requests, loads 1 and 1.5 of one round drew the same requests: the second run of
+    # every server took their prompts from its prefix cache
+    loads = [0.25, 1.0, 1.5]
+    specs = [trace_spec("fastserve", load, 6.0, rnd, loads, 15.0, 20, 80, 0) for rnd in range(2) for load in loads]
+    assert [s.num_requests for s in specs] == [22, 80, 80] * 2
+    heads = [tuple(r.prompt_token_ids[:16]) for s in specs for r in make_trace(s, range(100_000))]
+    assert len(set(heads)) == len(heads)

@@ -11,8 +11,8 @@ own iterations (orca_mq/bench/scorecard.py: full_batch_capacity; the burst's com
 too, as `burst_req_s`); each load is a fraction of it, with `load x capacity x --duration` requests
 (within --min/--max-requests). Every round draws a new trace per (shape, load) and runs it on every
 policy, the policies' order rotated each round; the request-level baseline runs the ORCA trace only
-(the paper compares it there). `orca-again` in --policies runs the orca server a second time in each
-round: its ratio to orca is the noise floor of every ratio. After each run the workers' record of
+(the paper compares it there). `orca-again` in --policies runs a second orca server in each round:
+its ratio to orca is the noise floor of every ratio. After each run the workers' record of
 that run's iterations ([decodes, prompt tokens, compute ms]) is kept: each run reports its
 iterations, decodes and compute per iteration, and the cost of one batch composition under
 fastserve and under orca is compared at the end. `tools/simulate.py --scorecard FILE` replays the
@@ -41,19 +41,19 @@ if str(ROOT) not in sys.path:
 
 from orca_mq.bench.metrics import summarize  # noqa: E402
 from orca_mq.bench.replay import open_client, replay  # noqa: E402
-from orca_mq.bench.scorecard import (CONTROL, METRICS, SERVER, TRACES, aggregate, composition, full_batch_capacity,  # noqa: E402
-                                     judge, mean_lengths, round_order, shape_cost_ratio, trace_spec)
-from orca_mq.bench.trace import TraceSpec, load_corpus, make_trace  # noqa: E402
+from orca_mq.bench.scorecard import (CONTROL, METRICS, TRACES, aggregate, composition, full_batch_capacity,  # noqa: E402
+                                     judge, mean_lengths, policy_of, round_order, shape_cost_ratio, trace_spec)
+from orca_mq.bench.trace import TraceSpec, load_corpus, make_trace, spec_dict  # noqa: E402
 from orca_mq.config import load_config  # noqa: E402
 from orca_mq.server.process import ServerHandle, free_port, spawn  # noqa: E402
 
 LABEL = {"srpt": "srpt (oracle)", "request": "request-level", "orca": "orca", "fastserve": "fastserve", CONTROL: "orca again (A/A)"}
 
 
-def start(policy: str, sets: list[str], logs: Path) -> ServerHandle:
-    own = {"scheduler.policy": policy, "server.frontend_address": f"tcp://127.0.0.1:{free_port()}",
-           "server.http_address": "", "log.dir": str(logs / policy), "log.level": "warning"}
-    return spawn(own | dict(s.split("=", 1) for s in sets), logs / f"{policy}.launch.log")
+def start(label: str, sets: list[str], logs: Path) -> ServerHandle:
+    own = {"scheduler.policy": policy_of(label), "server.frontend_address": f"tcp://127.0.0.1:{free_port()}",
+           "server.http_address": "", "log.dir": str(logs / label), "log.level": "warning"}
+    return spawn(own | dict(s.split("=", 1) for s in sets), logs / f"{label}.launch.log")
 
 
 async def _settle(address: str, reset: bool, record: bool = False, timeout: float = 300.0) -> dict[str, Any]:
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     from orca_mq.tokenizer import load_tokenizer
 
     corpus = load_corpus(load_tokenizer("", "~/.cache/orca_mq"))
-    servers = {pol: start(pol, args.sets, logs) for pol in dict.fromkeys(SERVER.get(p, p) for p in policies)}
+    servers = {pol: start(pol, args.sets, logs) for pol in policies}
     max_bs = load_config(None, args.sets).scheduler.max_bs
     result: dict[str, Any] = {"args": vars(args), "logs": str(logs), "capacity": {}, "burst_req_s": {}, "runs": []}
     shapes: dict[str, dict[str, list[list[float]]]] = {t: {"orca": [], "fastserve": []} for t in traces}
@@ -188,13 +188,13 @@ def main(argv: list[str] | None = None) -> int:
         for rnd in range(args.rounds):
             for trace in traces:
                 for load in loads:
-                    spec = trace_spec(trace, load, result["capacity"][trace], rnd, args.duration, args.min_requests,
-                                      args.max_requests, args.seed)
+                    spec = trace_spec(trace, load, result["capacity"][trace], rnd, loads, args.duration,
+                                      args.min_requests, args.max_requests, args.seed)
                     for policy in round_order(policies, trace, rnd):
-                        summary, rows, _ = run_trace(servers[SERVER.get(policy, policy)].address, make_trace(spec, corpus))
+                        summary, rows, _ = run_trace(servers[policy].address, make_trace(spec, corpus))
                         if policy in shapes[trace]:
                             shapes[trace][policy] += rows
-                        result["runs"].append({"trace": trace, "load": load, "round": rnd, "policy": policy, "n": spec.num_requests,
+                        result["runs"].append({"trace": trace, "load": load, "round": rnd, "policy": policy, "spec": spec_dict(spec),
                                                "summary": {k: summary.get(k) for k in (*METRICS, "n_ok", "n_errors")}})
                         print(f"round {rnd} {trace} load {load:g} {policy}: mean JCT {summary['jct_mean_s']:.2f} s, "
                               f"{summary['n_errors']} errors", file=sys.stderr)

@@ -135,11 +135,17 @@ def replay_scorecard(path: str, cfg: Config, profile: IterationProfile) -> list[
     card = json.loads(Path(path).read_text())
     a = card["args"]
     runs: dict[tuple[str, float, int], dict[str, float]] = defaultdict(dict)
+    specs: dict[tuple[str, float, int], TraceSpec] = {}
     for r in card["runs"]:
-        runs[(r["trace"], float(r["load"]), int(r["round"]))][r["policy"]] = r["summary"]["jct_mean_s"]
+        key = (r["trace"], float(r["load"]), int(r["round"]))
+        runs[key][r["policy"]] = r["summary"]["jct_mean_s"]
+        if "spec" in r:   # a scorecard from before the per-load draws has none: one draw per round, as below
+            d = r["spec"]
+            specs[key] = TraceSpec(**{**d, "input_len": tuple(d["input_len"]), "output_len": tuple(d["output_len"])})
     rows: dict[tuple[str, float], dict[str, Any]] = {}
     for (trace, load, rnd), pols in sorted(runs.items()):
-        spec = trace_spec(trace, load, card["capacity"][trace], rnd, a["duration"], a["min_requests"], a["max_requests"], a["seed"])
+        spec = specs.get((trace, load, rnd)) or trace_spec(trace, load, card["capacity"][trace], rnd, [load], a["duration"],
+                                                           a["min_requests"], a["max_requests"], a["seed"])
         sim = {pol: run_policy(cfg, pol, spec, profile, profile_cost(profile))["jct_mean_s"] for pol in pols if pol != CONTROL}
         row = rows.setdefault((trace, load), {"trace": trace, "load": load, "n": spec.num_requests, "sim": {}, "served": {}})
         for pol in pols:

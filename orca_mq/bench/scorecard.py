@@ -8,9 +8,11 @@ own iterations). The burst's completion rate itself is not the capacity on a hea
 its end is the longest job decoding alone, so it reads the FastServe trace's capacity ~40% low and
 "load 1.5" would not be an overload. Ratios to `orca` are taken round by round, then the median,
 so that a machine whose speed drifts between rounds moves both sides of each ratio alike; the
-policies' order rotates round by round (`round_order`). `orca-again`, a second run of the orca
-server in the same round, is the noise floor of those ratios (an A/A pair). `srpt` is an oracle
-(it knows output lengths): it bounds what a policy can gain and is never a contender.
+policies' order rotates round by round (`round_order`). Every (round, load) draws its own trace
+(`trace_spec`): a server that ran the same prompts before would take them from its prefix cache.
+`orca-again`, a second orca server run in the same round, is the noise floor of those ratios (an
+A/A pair). `srpt` is an oracle (it knows output lengths): it bounds what a policy can gain and is
+never a contender.
 """
 from __future__ import annotations
 
@@ -36,8 +38,12 @@ METRICS = ("jct_mean_s", "jct_p50_s", "jct_p99_s", "ttft_mean_s", "ttft_p50_s", 
 GAINS_NOTHING = 0.9       # the oracle's mean JCT at or above this fraction of orca's: nothing to gain
 ORACLE_GAINS = 0.5        # at or below it: the oracle halves orca's mean JCT
 SHAPE_BUCKET = (4, 32)    # decodes, prompt tokens: iterations in one bucket have one batch composition
-CONTROL = "orca-again"    # the orca server run twice in a round: the A/A ratio, the noise floor of every ratio
-SERVER = {CONTROL: "orca"}  # which policy's server a label runs on (default: its own)
+CONTROL = "orca-again"    # a second orca server: its ratio to orca's is the noise floor of every ratio (A/A)
+
+
+def policy_of(label: str) -> str:
+    """The scheduler policy a scorecard label runs (the A/A control is orca on a server of its own)."""
+    return "orca" if label == CONTROL else label
 
 
 def runs_trace(policy: str, trace: str) -> bool:
@@ -53,13 +59,17 @@ def round_order(policies: Sequence[str], trace: str, rnd: int) -> list[str]:
     return runs[k:] + runs[:k]
 
 
-def trace_spec(trace: str, load: float, capacity: float, rnd: int, duration: float, min_requests: int,
-               max_requests: int, seed: int) -> TraceSpec:
-    """The trace a round runs at a load: `load x capacity x duration` requests (within the bounds) of
-    the trace's shape, a new draw per round; tools/simulate.py --scorecard replays the same ones."""
+def trace_spec(trace: str, load: float, capacity: float, rnd: int, loads: Sequence[float], duration: float,
+               min_requests: int, max_requests: int, seed: int) -> TraceSpec:
+    """The trace of one round at one of its `loads`: `load x capacity x duration` requests (within the
+    bounds) of the trace's shape, each (round, load) its own draw, seeded after the capacity burst's
+    `seed`: no two runs of a server share a prompt (capped at --max-requests, two loads would
+    otherwise draw the same requests, and the second run take their prompts from the prefix cache).
+    tools/simulate.py --scorecard replays the same ones."""
     shape, rate = TRACES[trace], load * capacity
     n = max(min_requests, min(max_requests, round(rate * duration)))
-    return TraceSpec(shape["kind"], n, rate, shape["cv"], shape["zipf"], shape["input_len"], shape["output_len"], seed + 1 + rnd)
+    return TraceSpec(shape["kind"], n, rate, shape["cv"], shape["zipf"], shape["input_len"], shape["output_len"],
+                     seed + 1 + rnd * len(loads) + list(loads).index(load))
 
 
 def mean_lengths(trace: str) -> tuple[float, float]:
