@@ -2,6 +2,11 @@
 at every iteration. One seam, so how the products run (and, later, a batch-invariant mode) is
 chosen in one place for the projections, the MLP and the LM head alike.
 
+Batch-invariant mode (`engine.deterministic`): a GEMM library picks its kernel, blocking and thread
+split by the shape, so a row's result can change with how many rows share the call (MKL sgemm here
+has three: 1 row, 2-3, 4 or more). With `rows` > 0 every call has exactly `rows` rows, the batch cut
+into tiles and the last one zero-padded, so a row's products never depend on the batch.
+
 Methods (`engine.gemm`):
 - `torch`: `F.linear` on the plain [out, in] weight (MKL sgemm for float32 on the CPU, cuBLAS on CUDA).
 - `onednn`: the weight reordered once into oneDNN's blocked layout and multiplied by oneDNN's
@@ -57,8 +62,16 @@ def prepare(w: Tensor, method: Method) -> Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), None) if method == "onednn" else w
 
 
-def linear(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
-    """x [T, in] @ w.T (+ b) -> [T, out], whatever layout `prepare` gave w."""
+def linear(x: Tensor, w: Tensor, b: Tensor | None = None, rows: int = 0) -> Tensor:
+    """x [T, in] @ w.T (+ b) -> [T, out], whatever layout `prepare` gave w; `rows` > 0: in calls
+    of exactly that many rows (batch-invariant)."""
+    t = x.shape[0]
+    if rows and t and t != rows:
+        return torch.cat([_linear(tile, w, b) for tile in F.pad(x, (0, 0, 0, -t % rows)).split(rows)])[:t]
+    return _linear(x, w, b)
+
+
+def _linear(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
     if not w.is_mkldnn:
         return F.linear(x, w, b)
     if x.shape[0] == 0:   # oneDNN refuses an empty batch

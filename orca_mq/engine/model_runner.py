@@ -26,6 +26,9 @@ if TYPE_CHECKING:
 
 Tensor = torch.Tensor
 log = logging.getLogger(__name__)
+# one query per attention row, reduced over its keys in a fixed order (the torch path pads a batch's
+# rows to its longest: a row's reduction then depends on the others)
+DETERMINISTIC_BACKENDS = ("cpu", "triton")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -64,8 +67,13 @@ class ModelRunner:
             weights.lm_head = gemm.prepare(weights.lm_head, self.gemm)
         self.pool = PoolSize.from_config(cfg)
         self.block_size = self.pool.block_size
-        self.model = StageModel(self.info, weights, layers, self.info.max_model_len(cfg), self.device,
-                                resolve(cfg.engine.attention_backend, self.device, self.dtype), self.tp)
+        attention = resolve(cfg.engine.attention_backend, self.device, self.dtype)
+        self.deterministic = cfg.engine.deterministic
+        if self.deterministic and attention.name not in DETERMINISTIC_BACKENDS:
+            raise ValueError(f"engine.deterministic needs an attention backend whose rows are batch-invariant "
+                             f"({' | '.join(DETERMINISTIC_BACKENDS)}); {attention.name} runs for {self.device} {self.dtype}")
+        self.model = StageModel(self.info, weights, layers, self.info.max_model_len(cfg), self.device, attention,
+                                self.tp, cfg.engine.deterministic_rows if self.deterministic else 0)
         self.kv = KVCache.allocate(len(layers), self.pool.device_blocks, self.block_size,
                                    self.tp.n_kv_heads, self.info.head_dim, self.dtype, self.device)
         # FastServe's copies: a worker starts its copy thread (start_swap_thread); offline, an inline
@@ -116,7 +124,7 @@ class ModelRunner:
 
     def forward(self, plan: IterationPlan, hidden_in: Tensor | None = None) -> Tensor:
         """Hidden states [T, hidden], or on the last stage logits [S, vocab] of each sampling request's last token."""
-        meta = build_metadata(plan, self.block_size, self.device)
+        meta = build_metadata(plan, self.block_size, self.device, token_rows=self.deterministic)
         if self.first:
             inputs = torch.tensor([t for s in plan.seqs for t in s.token_ids], dtype=torch.int64, device=self.device)
         elif hidden_in is None:
