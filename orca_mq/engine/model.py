@@ -25,9 +25,9 @@ Tensor = torch.Tensor
 class StageModel:
     def __init__(self, info: ModelInfo, weights: StageWeights, layers: range, max_len: int,
                  device: torch.device, attention: AttentionBackend, tp: TensorParallel | None = None,
-                 gemm_rows: int = 0) -> None:
+                 rows: gemm.Rows = gemm.Rows()) -> None:
         self.info, self.layers = info, layers
-        self.linear = functools.partial(gemm.linear, rows=gemm_rows)   # rows > 0: batch-invariant GEMMs
+        self.linear = functools.partial(gemm.linear, rows=rows)   # rows.n > 0: batch-invariant GEMMs
         self.tp = tp or TensorParallel(info)  # this rank's heads and the stage's all-reduces (size 1: identity)
         self.w = weights
         self.first, self.last = weights.embed is not None and layers.start == 0, weights.final_norm is not None
