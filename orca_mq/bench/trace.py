@@ -22,7 +22,7 @@ a random offset. Windows are therefore distinct until the corpus wraps around, a
 different alignment after that. The prompt builder takes plain token ids, so tests need no
 tokenizer.
 
-Chat-shaped traces (issue 22: prefix caching), closed loop:
+Chat-shaped traces (issue 22: prefix caching):
 
 * ``chat``: ``num_requests`` requests, each one of ``system_prompts`` shared system prompts of
   ``system_len`` tokens, chosen with bounded-Zipf popularity θ = ``zipf`` (prompt 0 the most
@@ -38,11 +38,13 @@ Chat-shaped traces (issue 22: prefix caching), closed loop:
 Chat prompts are chat messages of text (the server applies its chat template), so any OpenAI
 server can be measured on them (`/v1/chat/completions`): the pieces are windows of the token
 corpus as above, turned into text by the caller's ``decode`` (the bench's tokenizer), so a piece
-of L tokens reads back as about L tokens, and equal pieces are equal strings.
+of L tokens reads back as about L tokens, and equal pieces are equal strings. System prompts and
+user turns are one run of consecutive windows, so they are all distinct (until the corpus wraps).
 
 Everything random comes from one ``numpy.random.Generator(PCG64(seed))`` drawn in a fixed order:
-input lengths, output lengths, corpus offset, then the arrival process. So the same seed and
-arguments give the same trace whatever policy is measured, and, as in ORCA §6.2 ("change the
+input lengths, output lengths, corpus offset, then the arrival process (chat traces draw each
+conversation's system prompt first). So the same seed and arguments give the same trace whatever
+policy is measured, and, as in ORCA §6.2 ("change the
 Poisson parameter and adjust the request arrival time accordingly"), changing only the rate keeps
 the very same requests and scales their arrival times by old_rate / new_rate (gaps are unit-rate
 draws divided by the rate; the same holds for the Gamma trace at a fixed CV).
@@ -258,7 +260,7 @@ def make_chat_trace(spec: TraceSpec, corpus: Sequence[int], decode: Callable[[li
     systems, users = pieces[:k], pieces[k:]
     starts = gamma_arrivals(rng, n, spec.rate, spec.cv)
     system_text = [decode(ids) for ids in systems]
-    out = []
+    out: list[ChatTurn] = []
     for c in range(n):
         for t in range(turns):
             i = c * turns + t
