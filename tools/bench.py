@@ -267,7 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     tok = load_tokenizer(cfg.model.path, cfg.model.cache_dir)
     corpus = load_corpus(tok)
     trace = make_chat_trace(spec, corpus, tok.decode) if chat else make_trace(spec, corpus)
-    span = "closed loop" if chat else f"over {trace[-1].arrival_s:.1f} s"
+    last = max(t.delay_s for t in trace if t.turn == 0) if chat else trace[-1].arrival_s
+    span = f"over {last:.1f} s" + (", each conversation's turns closed loop" if args.trace == "multiturn" else "")
     print(f"bench: trace {args.trace}: {len(trace)} requests {span} "
           f"(corpus {len(corpus)} tokens, built in {time.perf_counter() - t_prep:.1f} s)", file=sys.stderr)
 
