@@ -43,7 +43,8 @@ from orca_mq.bench.metrics import summarize  # noqa: E402
 from orca_mq.bench.openai_backend import OpenAIClient  # noqa: E402
 from orca_mq.bench.plot_run import plot_cdfs  # noqa: E402
 from orca_mq.bench.replay import open_client, replay  # noqa: E402
-from orca_mq.bench.trace import CHAT_KINDS, TraceSpec, load_corpus, make_chat_trace, make_trace, spec_dict  # noqa: E402
+from orca_mq.bench.trace import (  # noqa: E402
+    CHAT_KINDS, TraceSpec, load_corpus, make_chat_trace, make_trace, parse_range, spec_dict)
 from orca_mq.server.process import free_port, spawn  # noqa: E402
 
 SCENARIOS = {  # name -> trace spec: all at once (c64) or deterministic 2 s gaps (c1); short, for a 2-core machine
@@ -75,6 +76,18 @@ def start_peer(python: str, port: int, log: Path, slots: int, ctx: int) -> subpr
     return proc
 
 
+def respec(spec: TraceSpec, changes: list[str]) -> TraceSpec:
+    """The scenario's spec with FIELD=VALUE changes (each value read as the field's type), validated."""
+    for change in changes:
+        name, _, value = change.partition("=")
+        if name not in TraceSpec.__dataclass_fields__ or name == "kind" or not value:
+            raise ValueError(f"--spec {change!r}: expected FIELD=VALUE, FIELD a TraceSpec field other than kind")
+        old = getattr(spec, name)
+        spec = dataclasses.replace(spec, **{name: parse_range(value) if isinstance(old, tuple) else type(old)(value)})
+    spec.validate()
+    return spec
+
+
 def run(backend: str, target: str, trace: list, extra: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     factory = open_client if backend == "zmq" else (lambda url: OpenAIClient(url, extra=extra))
     import uvloop
@@ -96,6 +109,8 @@ def main() -> int:
                    help="one more orca-mq server: the --set config plus these (repeatable)")
     p.add_argument("--peer-body", type=json.loads, default={"cache_prompt": True}, metavar="JSON",
                    help='fields added to every request to the peer (default {"cache_prompt": true})')
+    p.add_argument("--spec", action="append", default=[], metavar="FIELD=VALUE",
+                   help="change a TraceSpec field of every scenario run, e.g. system_prompts=4 (repeatable)")
     p.add_argument("--out", required=True, metavar="FILE.json")
     args = p.parse_args()
     signal.signal(signal.SIGTERM, _on_sigterm)  # so `finally` stops the server and the peer
@@ -106,7 +121,10 @@ def main() -> int:
 
     tok = load_tokenizer("", "~/.cache/orca_mq")
     corpus = load_corpus(tok)
-    traces = {name: spec for name, spec in SCENARIOS.items() if name in args.scenarios}
+    try:
+        traces = {name: respec(spec, args.spec) for name, spec in SCENARIOS.items() if name in args.scenarios}
+    except ValueError as e:
+        p.error(str(e))
     base = {"scheduler.max_bs": 64, **dict(item.split("=", 1) for item in args.set)}
     servers = {"": base} | {v: base | dict(item.split("=", 1) for item in v.split(",")) for v in args.variant}
     launchers: list[Any] = []
@@ -159,7 +177,7 @@ def main() -> int:
     print(table)
     for scen, runs in last.items():
         plot_cdfs(runs, out.with_name(f"{out.stem}.{scen}.png"), f"{scen}: last round")
-    out.write_text(json.dumps({"scenarios": {k: spec_dict(SCENARIOS[k]) for k in traces}, "rounds": args.rounds,
+    out.write_text(json.dumps({"scenarios": {k: spec_dict(v) for k, v in traces.items()}, "rounds": args.rounds,
                                "summaries": results, "table": table, "last_round_records": last}, default=str))
     print(f"wrote {out} and {out.stem}.<scenario>.png")
     return 0
