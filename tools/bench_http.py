@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import signal
 import statistics
 import subprocess
@@ -39,7 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tools")]
 
 from bench import _on_sigterm  # noqa: E402  (tools/bench.py)
-from orca_mq.bench.metrics import summarize  # noqa: E402
+from orca_mq.bench.metrics import is_ok, summarize  # noqa: E402
 from orca_mq.bench.openai_backend import OpenAIClient  # noqa: E402
 from orca_mq.bench.plot_run import plot_cdfs  # noqa: E402
 from orca_mq.bench.replay import open_client, replay  # noqa: E402
@@ -86,6 +87,15 @@ def respec(spec: TraceSpec, changes: list[str]) -> TraceSpec:
         spec = dataclasses.replace(spec, **{name: parse_range(value) if isinstance(old, tuple) else type(old)(value)})
     spec.validate()
     return spec
+
+
+def ttft_by_turn(records: list[dict[str, Any]], turns: int) -> list[float]:
+    """Mean TTFT of each turn's ok requests (NaN for a turn with none)."""
+    ttfts: list[list[float]] = [[] for _ in range(turns)]
+    for r in records:
+        if is_ok(r) and r["first_token_s"] is not None:
+            ttfts[r["turn"]].append(r["first_token_s"] - r["arrival_s"])
+    return [statistics.fmean(x) if x else math.nan for x in ttfts]
 
 
 def run(backend: str, target: str, trace: list, extra: dict[str, Any] | None = None) -> list[dict[str, Any]]:
@@ -160,6 +170,8 @@ def main() -> int:
                     t = time.perf_counter()
                     last[scen][name] = records = run(*contenders[name][:2], trace, contenders[name][2])
                     summary = summarize(records)
+                    if spec.kind == "multiturn":
+                        summary["ttft_mean_by_turn_s"] = ttft_by_turn(records, spec.turns)
                     results[scen][name].append(summary)
                     partial.write_text(json.dumps(results, default=str))   # what is done so far, if the run is cut short
                     print(f"round {r} {scen} {name}: {summary['n_ok']}/{summary['n_requests']} ok, "
@@ -204,6 +216,11 @@ def report(results: dict[str, dict[str, list[dict[str, Any]]]]) -> str:
             lines.append(f"{k} per round, ratio to {first}: " + "; ".join(
                 f"{name} " + " ".join(f"{a[k] / b[k]:.2f}" for a, b in zip(runs, by_name[first]))
                 for name, runs in by_name.items() if name != first))
+        if SCENARIOS[scen].kind == "multiturn":
+            lines.append("mean TTFT (ms) of turn 0, 1, ... (median over rounds): " + "; ".join(
+                f"{name} " + " ".join(f"{statistics.median(s['ttft_mean_by_turn_s'][t] for s in runs) * 1e3:.0f}"
+                                      for t in range(len(runs[0]["ttft_mean_by_turn_s"])))
+                for name, runs in by_name.items()))
     lines.append("\nthroughput in tok/s, makespan and mean JCT in s, other latencies in ms; prompt and cached tokens "
                  "as the servers report them")
     return "\n".join(lines)
