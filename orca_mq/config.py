@@ -44,6 +44,8 @@ class EngineConfig:
     block_size: int = 16
     host_slots: int = 65536
     prefix_caching: bool = True
+    deterministic: bool = False
+    deterministic_rows: int = 16
 
 
 @dataclass(slots=True)
@@ -214,6 +216,8 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | list
 
 def check(cfg: Config) -> None:
     """Checks across keys or inside a string, once per load: a mistake is a one-line ValueError."""
+    if cfg.engine.deterministic_rows < 1:
+        raise ValueError(f"engine.deterministic_rows must be >= 1, got {cfg.engine.deterministic_rows}")
     for key in cfg.server.api_keys():
         if len(key) > MAX_API_KEY_CHARS or not re.fullmatch(r"[!-~]+", key):
             raise ValueError(f"server.api_key: each key (comma-separated) must be 1 to {MAX_API_KEY_CHARS} "

@@ -10,7 +10,7 @@ import torch
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def _save_tiny(path: Path, config) -> Path:
+def _save_tiny(path: Path, config, near_ties: bool = False) -> Path:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
@@ -18,6 +18,10 @@ def _save_tiny(path: Path, config) -> Path:
     with torch.no_grad():  # random init is near-zero for some params; widen so bugs change logits
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.02)
+        if near_ties:  # token 2i+1's LM-head row = token 2i's within 1e-6: greedy picks between them by rounding
+            w = model.lm_head.weight
+            n = w.shape[0] // 2 * 2
+            w[1:n:2] = w[0:n:2] * (1 + 1e-6 * torch.randn_like(w[0:n:2]))
     model.save_pretrained(path, safe_serialization=True)
     return path
 
@@ -60,10 +64,7 @@ def embedded_llm():
     return LLM(max_bs=3, n_slots=4096, dtype="float32")   # exact: judged in fp32
 
 
-@pytest.fixture(scope="session")
-def tiny_served_dir(tmp_path_factory) -> Path:
-    """A tiny random Llama with the embedded model's tokenizer and chat template: a real server that
-    starts in seconds and answers a request in milliseconds (input-handling tests, fuzzing)."""
+def _served_model(path: Path, near_ties: bool) -> Path:
     from transformers import LlamaConfig
 
     from orca_mq.tokenizer import load_tokenizer
@@ -71,7 +72,21 @@ def tiny_served_dir(tmp_path_factory) -> Path:
     tok = load_tokenizer()
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5,
-                      tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-    path = _save_tiny(tmp_path_factory.mktemp("tiny_served"), cfg)
+                      tie_word_embeddings=not near_ties, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    _save_tiny(path, cfg, near_ties)
     tok.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_served_dir(tmp_path_factory) -> Path:
+    """A tiny random Llama with the embedded model's tokenizer and chat template: a real server that
+    starts in seconds and answers a request in milliseconds (input-handling tests, fuzzing)."""
+    return _served_model(tmp_path_factory.mktemp("tiny_served"), near_ties=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_near_tie_dir(tmp_path_factory) -> Path:
+    """tiny_served_dir's shape with its top logits in near-tied pairs: greedy tokens flip with
+    rounding, so a test sees any change of a request's logits (engine.deterministic)."""
+    return _served_model(tmp_path_factory.mktemp("tiny_near_tie"), near_ties=True)

@@ -9,13 +9,19 @@
 4. overload: capacity + 50 requests at once: every `overloaded` reply within `--settle` seconds is
    counted (more than 50 would be over-refusal), and how fast they came;
 5. soak: clients with aborts and garbage frames, plus clients that vanish mid-request: exactly
-   one final per request, and every KV slot free at the end;
+   one final per request, and every KV slot free at the end; then every request that ran to its
+   length against the same prompt, temperature and seed alone on the idle server (reproducibility
+   under load: `--set engine.deterministic=true` against the default);
 6. HTTP fuzz (orca_mq.bench.http_fuzz): schemathesis from the server's own OpenAPI schema
    (`--http-schema-examples` positive and negative cases per operation) and `--http-bodies`
    hypothesis bodies: statuses, contract violations (a 5xx, a 4xx without OpenAI's error object),
    the HTTP process's RSS, and the server's health afterwards.
 
 Prints a table and writes JSON (`--out`).
+
+    python tools/bench_reliability.py --out results/reliability.json
+    python tools/bench_reliability.py --soak-only --clients 8 --requests-per-client 150 --max-tokens 16 \
+        --set engine.deterministic=true --out results/soak_deterministic.json
 """
 from __future__ import annotations
 
@@ -36,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 from bench_overhead import Server  # noqa: E402
 
 from orca_mq.bench.http_fuzz import body_fuzz, schema_fuzz  # noqa: E402
-from orca_mq.bench.reliability import SoakConfig, fuzz, garbage_frames, soak  # noqa: E402
+from orca_mq.bench.reliability import SoakConfig, fuzz, garbage_frames, reproduce, soak  # noqa: E402
 from orca_mq.client import AsyncClient  # noqa: E402
 from orca_mq.config import Config  # noqa: E402
 from orca_mq.protocol import encode  # noqa: E402
@@ -131,41 +137,53 @@ def main() -> None:
     ap.add_argument("--settle", type=float, default=10.0, help="seconds the overload step counts finals for")
     ap.add_argument("--http-schema-examples", type=int, default=200, help="schemathesis cases per operation and mode")
     ap.add_argument("--http-bodies", type=int, default=5_000, help="hypothesis request bodies")
+    ap.add_argument("--max-tokens", type=int, default=4, help="soak requests' max_tokens are drawn from 1..this")
+    ap.add_argument("--soak-only", action="store_true", help="only the soak and its reproduction (steps 5)")
+    ap.add_argument("--set", action="append", default=[], metavar="section.key=value", help="server config")
     ap.add_argument("--out", default="results/reliability.json")
     args = ap.parse_args()
     cfg = Config()
     capacity = cfg.server.max_waiting + cfg.scheduler.max_bs
     report: dict[str, Any] = {"args": vars(args)}
     http_port = free_port()
-    with Server(1, 2, cfg.scheduler.max_bs, [f"server.http_address=127.0.0.1:{http_port}"]) as server:
-        broker = server.pid_of("orca_mq.server.broker")
-        rng = random.Random(args.seed)
-        rss0, t, totals = _rss_mb(broker), time.perf_counter(), {"frames": 0, "protocol": 0, "other": 0, "unanswered": 0}
-        for start in range(0, args.frames, 10_000):
-            res = asyncio.run(fuzz(server.address, garbage_frames(rng, min(10_000, args.frames - start))))
-            totals["frames"] += res.frames
-            totals["protocol"] += res.errors.get("protocol", 0)
-            totals["other"] += res.other_replies + sum(n for c, n in res.errors.items() if c != "protocol")
-            totals["unanswered"] += res.unanswered
-        report["fuzz"] = {**totals, "frames_per_s": totals["frames"] / (time.perf_counter() - t),
-                          "broker_rss_mb_before": rss0, "broker_rss_mb_after": _rss_mb(broker)}
-        rss0 = _rss_mb(broker)
-        _oversize(server.address, cfg.server.max_frame_bytes)
-        time.sleep(1)
-        report["oversize"] = {"frames": 3, "frame_mb": (cfg.server.max_frame_bytes + (16 << 20)) / 2**20,
-                              "broker_rss_mb_before": rss0, "broker_rss_mb_after": _rss_mb(broker)}
-        report["huge_prompt"] = asyncio.run(_huge_prompt(server.address))
-        report["overload"] = asyncio.run(_overload(server.address, capacity, args.settle))
-        asyncio.run(_settled(server.address))  # the overload step's aborted requests leave first
-        soak_cfg = SoakConfig(clients=args.clients, requests_per_client=args.requests_per_client, vanishing_clients=8)
+    with Server(1, 2, cfg.scheduler.max_bs, [f"server.http_address=127.0.0.1:{http_port}", *args.set]) as server:
+        if not args.soak_only:
+            _faults(server, report, args, capacity, cfg.server.max_frame_bytes)
+        soak_cfg = SoakConfig(clients=args.clients, requests_per_client=args.requests_per_client, vanishing_clients=8,
+                              max_tokens=args.max_tokens)
         res = asyncio.run(soak(server.address, soak_cfg, args.seed))
         report["soak"] = {**dataclasses.asdict(res), "config": dataclasses.asdict(soak_cfg)}
-        report["http_fuzz"] = _http_fuzz(server, f"http://127.0.0.1:{http_port}", args)
+        report["soak"]["reproduced"] = asyncio.run(reproduce(server.address, report["soak"].pop("completed"), args.max_tokens))
+        if not args.soak_only:
+            report["http_fuzz"] = _http_fuzz(server, f"http://127.0.0.1:{http_port}", args)
         report["after"] = asyncio.run(_settled(server.address))
     _print(report)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2, default=str))
     print(f"wrote {args.out}")
+
+
+def _faults(server: Any, report: dict[str, Any], args: argparse.Namespace, capacity: int, max_frame: int) -> None:
+    """Steps 1-4: fuzz, oversize frames, huge prompts, overload."""
+    broker = server.pid_of("orca_mq.server.broker")
+    rng = random.Random(args.seed)
+    rss0, t, totals = _rss_mb(broker), time.perf_counter(), {"frames": 0, "protocol": 0, "other": 0, "unanswered": 0}
+    for start in range(0, args.frames, 10_000):
+        res = asyncio.run(fuzz(server.address, garbage_frames(rng, min(10_000, args.frames - start))))
+        totals["frames"] += res.frames
+        totals["protocol"] += res.errors.get("protocol", 0)
+        totals["other"] += res.other_replies + sum(n for c, n in res.errors.items() if c != "protocol")
+        totals["unanswered"] += res.unanswered
+    report["fuzz"] = {**totals, "frames_per_s": totals["frames"] / (time.perf_counter() - t),
+                      "broker_rss_mb_before": rss0, "broker_rss_mb_after": _rss_mb(broker)}
+    rss0 = _rss_mb(broker)
+    _oversize(server.address, max_frame)
+    time.sleep(1)
+    report["oversize"] = {"frames": 3, "frame_mb": (max_frame + (16 << 20)) / 2**20,
+                          "broker_rss_mb_before": rss0, "broker_rss_mb_after": _rss_mb(broker)}
+    report["huge_prompt"] = asyncio.run(_huge_prompt(server.address))
+    report["overload"] = asyncio.run(_overload(server.address, capacity, args.settle))
+    asyncio.run(_settled(server.address))  # the overload step's aborted requests leave first
 
 
 def _http_fuzz(server: Any, base_url: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -182,26 +200,38 @@ def _http_fuzz(server: Any, base_url: str, args: argparse.Namespace) -> dict[str
 
 
 def _print(r: dict[str, Any]) -> None:
-    f, o, h, ov, s, a, hf = r["fuzz"], r["oversize"], r["huge_prompt"], r["overload"], r["soak"], r["after"], r["http_fuzz"]
-    rows = [
-        ("fuzz frames", f"{f['frames']}", f"protocol errors {f['protocol']}, other {f['other']}, unanswered {f['unanswered']}"),
-        ("fuzz rate", f"{f['frames_per_s']:.0f}/s", f"broker RSS {f['broker_rss_mb_before']:.0f} -> {f['broker_rss_mb_after']:.0f} MB"),
-        ("oversize", f"3 x {o['frame_mb']:.0f} MB", f"broker RSS {o['broker_rss_mb_before']:.0f} -> {o['broker_rss_mb_after']:.0f} MB"),
-        ("idle latency", f"{h['idle_ms']:.0f} ms", "1-token request, median of 5"),
-        ("20 MB prompt", f"{h['20MB_refused_ms']:.0f} ms", f"code {h['20MB_code']}; a normal request meanwhile {h['normal_during_20MB_ms']:.0f} ms"),
-        ("150 kB prompt", f"{h['150kB_refused_ms']:.0f} ms", f"code {h['150kB_code']}; a normal request meanwhile {h['normal_during_150kB_ms']:.0f} ms"),
-        ("overload", f"{ov['sent']} at once", f"{ov['overloaded']} overloaded (expected {ov['expected_overloaded']}), after "
-                                              f"{ov['first_overloaded_ms'] or 0:.0f}-{ov['last_overloaded_ms'] or 0:.0f} ms; "
-                                              f"{ov['other_finals']} other finals within {ov['settle_s']:g} s"),
+    rows: list[tuple[str, str, str]] = []
+    if "fuzz" in r:
+        f, o, h, ov = r["fuzz"], r["oversize"], r["huge_prompt"], r["overload"]
+        rows += [
+            ("fuzz frames", f"{f['frames']}", f"protocol errors {f['protocol']}, other {f['other']}, unanswered {f['unanswered']}"),
+            ("fuzz rate", f"{f['frames_per_s']:.0f}/s", f"broker RSS {f['broker_rss_mb_before']:.0f} -> {f['broker_rss_mb_after']:.0f} MB"),
+            ("oversize", f"3 x {o['frame_mb']:.0f} MB", f"broker RSS {o['broker_rss_mb_before']:.0f} -> {o['broker_rss_mb_after']:.0f} MB"),
+            ("idle latency", f"{h['idle_ms']:.0f} ms", "1-token request, median of 5"),
+            ("20 MB prompt", f"{h['20MB_refused_ms']:.0f} ms", f"code {h['20MB_code']}; a normal request meanwhile {h['normal_during_20MB_ms']:.0f} ms"),
+            ("150 kB prompt", f"{h['150kB_refused_ms']:.0f} ms", f"code {h['150kB_code']}; a normal request meanwhile {h['normal_during_150kB_ms']:.0f} ms"),
+            ("overload", f"{ov['sent']} at once", f"{ov['overloaded']} overloaded (expected {ov['expected_overloaded']}), after "
+                                                  f"{ov['first_overloaded_ms'] or 0:.0f}-{ov['last_overloaded_ms'] or 0:.0f} ms; "
+                                                  f"{ov['other_finals']} other finals within {ov['settle_s']:g} s"),
+        ]
+    s, rep = r["soak"], r["soak"]["reproduced"]
+    rows += [
         ("soak requests", f"{s['requests']}", f"missing finals {s['missing_finals']}, duplicates {s['duplicate_finals']}, {s['seconds']:.0f} s"),
         ("soak finals", "", ", ".join(f"{k} {v}" for k, v in sorted(s["finals"].items()))),
         ("soak faults", "", f"aborts {s['aborts_sent']}, garbage {s['garbage_sent']} (answered {s['garbage_answered']}), vanished requests {s['vanished_requests']}"),
-        ("HTTP schema", f"{hf['schema']['requests']}", f"statuses {hf['schema']['statuses']}, violations {hf['schema']['violations']}"),
-        ("HTTP bodies", f"{hf['bodies']['requests']}", f"statuses {hf['bodies']['statuses']}, violations {hf['bodies']['violations']}"),
-        ("HTTP after", f"{hf['seconds']:.0f} s", f"health {hf['health_after']}, HTTP RSS {hf['http_rss_mb_before']:.0f} -> "
-                                                  f"{hf['http_rss_mb_after']:.0f} MB, tracebacks on the terminal {hf['server_stderr_tracebacks']}"),
-        ("after", "", f"used KV slots {a['used_slots']}, broker tracked {a['tracked_requests']}, frontend active {a['active_requests']}"),
+        ("under load", f"{rep['mismatches']}/{rep['probes']}", f"requests whose tokens differ from the same one alone "
+                                                               f"({rep['greedy_mismatches']}/{rep['greedy_probes']} greedy; {rep['runs_alone']} runs alone)"),
     ]
+    if "http_fuzz" in r:
+        hf = r["http_fuzz"]
+        rows += [
+            ("HTTP schema", f"{hf['schema']['requests']}", f"statuses {hf['schema']['statuses']}, violations {hf['schema']['violations']}"),
+            ("HTTP bodies", f"{hf['bodies']['requests']}", f"statuses {hf['bodies']['statuses']}, violations {hf['bodies']['violations']}"),
+            ("HTTP after", f"{hf['seconds']:.0f} s", f"health {hf['health_after']}, HTTP RSS {hf['http_rss_mb_before']:.0f} -> "
+                                                      f"{hf['http_rss_mb_after']:.0f} MB, tracebacks on the terminal {hf['server_stderr_tracebacks']}"),
+        ]
+    a = r["after"]
+    rows.append(("after", "", f"used KV slots {a['used_slots']}, broker tracked {a['tracked_requests']}, frontend active {a['active_requests']}"))
     for name, value, detail in rows:
         print(f"{name:<15} {value:>14}  {detail}")
 

@@ -3,7 +3,9 @@ tools/bench_reliability.py: a fuzz of undecodable client frames, and a soak of w
 clients mixed with aborts, garbage frames and clients that vanish mid-request.
 
 Everything is counted so that a caller can assert the contract: every garbage frame gets one
-`error` reply, every request of a client that stays gets exactly one final message.
+`error` reply, every request of a client that stays gets exactly one final message. Every request
+that runs to its length is kept, and `reproduce` replays each (prompt, temperature, seed) alone:
+what the same request gives under load against alone (engine.deterministic).
 """
 from __future__ import annotations
 
@@ -131,6 +133,7 @@ class SoakConfig:
     garbage_rate: float = 0.1         # a garbage frame after this share of requests
     vanishing_clients: int = 4        # clients that send requests and disappear
     timeout: float = 60.0             # seconds without any message before a client gives up
+    seeds: int = 8                    # sampling seeds drawn from: few, so `reproduce` needs few runs alone
 
 
 @dataclass(slots=True)
@@ -144,6 +147,7 @@ class SoakResult:
     garbage_answered: int = 0
     vanished_requests: int = 0
     seconds: float = 0.0
+    completed: list[tuple[str, float, int, list[int]]] = field(default_factory=list)  # (prompt, temperature, seed, tokens)
 
 
 async def soak(address: str, cfg: SoakConfig, seed: int = 0) -> SoakResult:
@@ -166,6 +170,8 @@ async def _client(ctx: zmq.asyncio.Context, address: str, name: str, rng: random
     finals: Counter[str] = Counter()
     pending: set[str] = set()
     abort_on_token: set[str] = set()
+    sent_as: dict[str, tuple[str, float, int]] = {}
+    tokens: dict[str, list[int]] = {}
     sent = garbage = 0
     try:
         while sent < cfg.requests_per_client or pending or garbage:
@@ -174,8 +180,10 @@ async def _client(ctx: zmq.asyncio.Context, address: str, name: str, rng: random
                 sent += 1
                 pending.add(rid)
                 sampling = {"max_tokens": rng.randint(1, cfg.max_tokens), "ignore_eos": True,
-                            "temperature": rng.choice([0.0, 0.8]), "seed": rng.randrange(2**63)}
-                await sock.send(encode(Generate(rid, prompt=rng.choice(PROMPTS), sampling=sampling)))
+                            "temperature": rng.choice([0.0, 0.8]), "seed": rng.randrange(cfg.seeds)}
+                prompt = rng.choice(PROMPTS)
+                sent_as[rid], tokens[rid] = (prompt, sampling["temperature"], sampling["seed"]), []
+                await sock.send(encode(Generate(rid, prompt=prompt, sampling=sampling)))
                 if rng.random() < cfg.abort_rate:
                     result.aborts_sent += 1
                     if rng.random() < 0.5:
@@ -196,11 +204,15 @@ async def _client(ctx: zmq.asyncio.Context, address: str, name: str, rng: random
                 finals[msg.request_id] += 1  # type: ignore[index]
                 pending.discard(msg.request_id)  # type: ignore[arg-type]
                 reason = "error" if isinstance(msg, Error) else msg.finish_reason
+                if isinstance(msg, Output) and reason == "length" and msg.request_id in sent_as:
+                    result.completed.append((*sent_as[msg.request_id], tokens[msg.request_id] + msg.token_ids))
                 key = f"{reason}/{msg.code}"
                 result.finals[key] = result.finals.get(key, 0) + 1
-            elif isinstance(msg, Output) and msg.request_id in abort_on_token:
-                abort_on_token.discard(msg.request_id)
-                await sock.send(encode(Abort(msg.request_id)))
+            elif isinstance(msg, Output) and msg.request_id in tokens:
+                tokens[msg.request_id] += msg.token_ids
+                if msg.request_id in abort_on_token:
+                    abort_on_token.discard(msg.request_id)
+                    await sock.send(encode(Abort(msg.request_id)))
         while await sock.poll(300):  # anything after the last final is a duplicate
             msg = decode(await sock.recv(), TO_CLIENT)
             if isinstance(msg, Output) and msg.request_id in finals:
@@ -210,6 +222,22 @@ async def _client(ctx: zmq.asyncio.Context, address: str, name: str, rng: random
     result.requests += sent
     result.duplicate_finals += sum(n - 1 for n in finals.values() if n > 1)
     result.missing_finals += len(pending)
+
+
+async def reproduce(address: str, completed: list[tuple[str, float, int, list[int]]], max_tokens: int) -> dict[str, Any]:
+    """Every (prompt, temperature, seed) of `completed` alone on the idle server for `max_tokens`:
+    a request's tokens under load must be a prefix of them (ignore_eos; a draw depends only on the
+    seed and the position). Counts the mismatches, greedy ones apart."""
+    from orca_mq.client import AsyncClient
+
+    alone: dict[tuple[str, float, int], list[int]] = {}
+    async with AsyncClient(address) as client:
+        for prompt, temperature, seed in sorted({c[:3] for c in completed}):
+            out = await client.generate(prompt, max_tokens=max_tokens, temperature=temperature, seed=seed, ignore_eos=True)
+            alone[prompt, temperature, seed] = out.token_ids
+    bad = [c for c in completed if alone[c[:3]][: len(c[3])] != c[3]]
+    return {"probes": len(completed), "greedy_probes": sum(c[1] == 0 for c in completed), "runs_alone": len(alone),
+            "mismatches": len(bad), "greedy_mismatches": sum(c[1] == 0 for c in bad)}
 
 
 async def _vanishing(ctx: zmq.asyncio.Context, address: str, name: str, cfg: SoakConfig, result: SoakResult) -> None:

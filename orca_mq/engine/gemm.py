@@ -2,6 +2,14 @@
 at every iteration. One seam, so how the products run (and, later, a batch-invariant mode) is
 chosen in one place for the projections, the MLP and the LM head alike.
 
+Batch-invariant mode (`engine.deterministic`): a GEMM library picks its kernel, blocking and thread
+split by the shape, so a row's result can change with how many rows share the call (MKL sgemm here
+has three: 1 row, 2-3, 4 or more). `Rows(n, pad=True)`: every call has exactly n rows, the batch cut
+into tiles and the last one zero-padded, so a row's products never depend on the batch. Where
+`row_invariant` finds, by trying, that the library gives a row the same bits for every row count up
+to n and at every place in the call (oneDNN float32 here), `Rows(n, pad=False)` only cuts batches
+larger than n, and pays nothing below.
+
 Methods (`engine.gemm`):
 - `torch`: `F.linear` on the plain [out, in] weight (MKL sgemm for float32 on the CPU, cuBLAS on CUDA).
 - `onednn`: the weight reordered once into oneDNN's blocked layout and multiplied by oneDNN's
@@ -14,6 +22,7 @@ A reordered weight is an opaque tensor: sharding (tensor parallelism) happens be
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -57,8 +66,38 @@ def prepare(w: Tensor, method: Method) -> Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), None) if method == "onednn" else w
 
 
-def linear(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
-    """x [T, in] @ w.T (+ b) -> [T, out], whatever layout `prepare` gave w."""
+@dataclass(frozen=True, slots=True)
+class Rows:
+    """How many rows one GEMM call takes: 0 = the whole batch (the default mode)."""
+
+    n: int = 0
+    pad: bool = True   # every call exactly n rows (the last tile zero-padded); False: at most n
+
+
+def linear(x: Tensor, w: Tensor, b: Tensor | None = None, rows: Rows = Rows()) -> Tensor:
+    """x [T, in] @ w.T (+ b) -> [T, out], whatever layout `prepare` gave w; cut into calls as `rows` says."""
+    t = x.shape[0]
+    if not rows.n or t == 0 or t == rows.n or (t < rows.n and not rows.pad):
+        return _linear(x, w, b)
+    if rows.pad:
+        x = F.pad(x, (0, 0, 0, -t % rows.n))
+    return torch.cat([_linear(tile, w, b) for tile in x.split(rows.n)])[:t]
+
+
+def row_invariant(w: Tensor, b: Tensor | None, max_rows: int) -> bool:
+    """Whether `linear` gives a row the same bits in a call of any 1..max_rows rows and at any place
+    in it, found by trying: a library chooses its kernels by shape, dtype and machine, never by the
+    values, so random rows stand for all."""
+    g = torch.Generator(device=w.device).manual_seed(0)
+    x = torch.randn(max_rows, w.shape[1], generator=g, device=w.device).to(w.dtype)
+    full = _linear(x, w, b)
+    if not all(torch.equal(_linear(x[:m], w, b), full[:m]) for m in range(1, max_rows)):
+        return False
+    same = _linear(x[:1].expand(max_rows, -1).contiguous(), w, b)
+    return bool((same == same[:1]).all())
+
+
+def _linear(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
     if not w.is_mkldnn:
         return F.linear(x, w, b)
     if x.shape[0] == 0:   # oneDNN refuses an empty batch

@@ -6,6 +6,7 @@ head runs only on the last token of each request that samples (a prompt chunk wi
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -23,8 +24,10 @@ Tensor = torch.Tensor
 
 class StageModel:
     def __init__(self, info: ModelInfo, weights: StageWeights, layers: range, max_len: int,
-                 device: torch.device, attention: AttentionBackend, tp: TensorParallel | None = None) -> None:
+                 device: torch.device, attention: AttentionBackend, tp: TensorParallel | None = None,
+                 rows: gemm.Rows = gemm.Rows()) -> None:
         self.info, self.layers = info, layers
+        self.linear = functools.partial(gemm.linear, rows=rows)   # rows.n > 0: batch-invariant GEMMs
         self.tp = tp or TensorParallel(info)  # this rank's heads and the stage's all-reduces (size 1: identity)
         self.w = weights
         self.first, self.last = weights.embed is not None and layers.start == 0, weights.final_norm is not None
@@ -65,7 +68,7 @@ class StageModel:
             x = self.ops.rms_norm(h, norm["w"], self.info.norm_eps)
         else:
             x = self.ops.add_rms_norm(h, delta, norm["w"], self.info.norm_eps)[1]
-        return self.tp.gather_logits(gemm.linear(x, self.w.lm_head))
+        return self.tp.gather_logits(self.linear(x, self.w.lm_head))
 
     def embed(self, tokens: Tensor, meta: AttentionMetadata) -> Tensor:
         h = self.tp.embed(tokens, self.w.embed)
@@ -78,7 +81,7 @@ class StageModel:
         v = qkv[:, -self.split[2]:].view(t, -1, d)
         self.attention.write_kv(k, v, k_cache, v_cache, meta)
         o = self.attention.attend(q, k, v, k_cache, v_cache, meta, self.scale).reshape(t, -1)
-        return self.tp.reduce(gemm.linear(o, w["o"], w.get("o_b")))  # row-parallel: partial sums per rank
+        return self.tp.reduce(self.linear(o, w["o"], w.get("o_b")))  # row-parallel: partial sums per rank
 
     def _llama_layer(self, h: Tensor, delta: Tensor | None, w: dict[str, Tensor], meta: AttentionMetadata,
                      k_cache: Tensor, v_cache: Tensor) -> tuple[Tensor, Tensor]:
@@ -88,19 +91,19 @@ class StageModel:
             x = self.ops.rms_norm(h, w["attn_norm"], eps)
         else:
             h, x = self.ops.add_rms_norm(h, delta, w["attn_norm"], eps)
-        qkv = gemm.linear(x, w["qkv"])
+        qkv = self.linear(x, w["qkv"])
         q, k = self.ops.rotary(qkv, meta.positions, self.cos, self.sin, self.n_heads, self.tp.n_kv_heads)
         h, x = self.ops.add_rms_norm(h, self._attention(qkv, q, k, w, meta, k_cache, v_cache), w["ffn_norm"], eps)
-        return h, self.tp.reduce(gemm.linear(self.ops.silu_mul(gemm.linear(x, w["gate_up"])), w["down"]))
+        return h, self.tp.reduce(self.linear(self.ops.silu_mul(self.linear(x, w["gate_up"])), w["down"]))
 
     def _gpt2_layer(self, h: Tensor, delta: Tensor | None, w: dict[str, Tensor], meta: AttentionMetadata,
                     k_cache: Tensor, v_cache: Tensor) -> tuple[Tensor, Tensor]:
         if delta is not None:
             h = h + delta
         eps, t, d = self.info.norm_eps, h.shape[0], self.info.head_dim
-        qkv = gemm.linear(F.layer_norm(h, (h.shape[-1],), w["ln1_w"], w["ln1_b"], eps), w["qkv"], w.get("qkv_b"))
+        qkv = self.linear(F.layer_norm(h, (h.shape[-1],), w["ln1_w"], w["ln1_b"], eps), w["qkv"], w.get("qkv_b"))
         q, k = qkv[:, : self.split[0]].view(t, -1, d), qkv[:, self.split[0]: -self.split[2]].view(t, -1, d)
         h = h + self._attention(qkv, q, k, w, meta, k_cache, v_cache)
         x = F.layer_norm(h, (h.shape[-1],), w["ln2_w"], w["ln2_b"], eps)
-        return h, self.tp.reduce(gemm.linear(F.gelu(gemm.linear(x, w["fc"], w["fc_b"]), approximate="tanh"),
+        return h, self.tp.reduce(self.linear(F.gelu(self.linear(x, w["fc"], w["fc_b"]), approximate="tanh"),
                                              w["proj"], w.get("proj_b")))

@@ -19,13 +19,16 @@ from orca_mq.engine.parallel import TensorParallel, TPGroup
 from orca_mq.engine.sampler import sample
 from orca_mq.engine.threads import use_threads
 from orca_mq.engine.model_info import ModelInfo, read_model_info
-from orca_mq.engine.weights import MATRICES, load_stage_weights
+from orca_mq.engine.weights import MATRICES, StageWeights, load_stage_weights
 
 if TYPE_CHECKING:
     from orca_mq.config import Config
 
 Tensor = torch.Tensor
 log = logging.getLogger(__name__)
+# one query per attention row, reduced over its keys in a fixed order (the torch path pads a batch's
+# rows to its longest: a row's reduction then depends on the others)
+DETERMINISTIC_BACKENDS = ("cpu", "triton")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -64,13 +67,37 @@ class ModelRunner:
             weights.lm_head = gemm.prepare(weights.lm_head, self.gemm)
         self.pool = PoolSize.from_config(cfg)
         self.block_size = self.pool.block_size
-        self.model = StageModel(self.info, weights, layers, self.info.max_model_len(cfg), self.device,
-                                resolve(cfg.engine.attention_backend, self.device, self.dtype), self.tp)
+        attention = resolve(cfg.engine.attention_backend, self.device, self.dtype)
+        self.deterministic = cfg.engine.deterministic
+        if self.deterministic and attention.name not in DETERMINISTIC_BACKENDS:
+            raise ValueError(f"engine.deterministic needs an attention backend whose rows are batch-invariant "
+                             f"({' | '.join(DETERMINISTIC_BACKENDS)}); {attention.name} runs for {self.device} {self.dtype}")
+        self.rows = self._gemm_rows(cfg, weights) if self.deterministic else gemm.Rows()
+        self.model = StageModel(self.info, weights, layers, self.info.max_model_len(cfg), self.device, attention,
+                                self.tp, self.rows)
         self.kv = KVCache.allocate(len(layers), self.pool.device_blocks, self.block_size,
                                    self.tp.n_kv_heads, self.info.head_dim, self.dtype, self.device)
         # FastServe's copies: a worker starts its copy thread (start_swap_thread); offline, an inline
         # swapper (and its host pool) is made at the first plan that swaps
         self.swapper: KVSwapper | None = None
+
+    @staticmethod
+    def _gemm_rows(cfg: "Config", weights: StageWeights) -> gemm.Rows:
+        """Deterministic mode's GEMM calls: tiles of deterministic_rows, unless every GEMM of this
+        stage is found row-invariant up to the most rows an iteration gives it (the token budget;
+        the LM head: max_bs), when calls are cut only above that."""
+        budget, max_bs = cfg.scheduler.max_num_batched_tokens, cfg.scheduler.max_bs
+        tiles = gemm.Rows(cfg.engine.deterministic_rows)
+        if not budget:   # whole prompts: no bound on an iteration's rows to try up to
+            return tiles
+        max_rows = max(budget, max_bs)
+        shapes = {(tuple(w[k].shape), k + "_b" in w): (w[k], w.get(k + "_b"), max_rows)
+                  for w in weights.layers for k in MATRICES if k in w}
+        if weights.lm_head is not None:
+            shapes["lm_head"] = (weights.lm_head, None, max_bs)
+        ok = all(gemm.row_invariant(*probe) for probe in shapes.values())
+        log.info("deterministic GEMMs: %s", f"row-invariant up to {max_rows} rows" if ok else f"tiles of {tiles.n} rows")
+        return gemm.Rows(max_rows, pad=False) if ok else tiles
 
     def start_swap_thread(self) -> None:
         """Apply the plans' swaps on a copy thread (a worker whose policy swaps KV), up to
@@ -116,7 +143,7 @@ class ModelRunner:
 
     def forward(self, plan: IterationPlan, hidden_in: Tensor | None = None) -> Tensor:
         """Hidden states [T, hidden], or on the last stage logits [S, vocab] of each sampling request's last token."""
-        meta = build_metadata(plan, self.block_size, self.device)
+        meta = build_metadata(plan, self.block_size, self.device, token_rows=self.deterministic)
         if self.first:
             inputs = torch.tensor([t for s in plan.seqs for t in s.token_ids], dtype=torch.int64, device=self.device)
         elif hidden_in is None:
