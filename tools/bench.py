@@ -1,11 +1,21 @@
 #!/usr/bin/env python3
 """Run one benchmark: generate a trace, replay it against the system, write metrics.
 
-    python tools/bench.py --policy {request,orca,fastserve} --trace {orca,fastserve}
+    python tools/bench.py --policy {request,orca,fastserve} --trace {orca,fastserve,chat,multiturn}
         [--num-requests N] [--rate REQ_PER_S] [--cv CV] [--zipf THETA]
         [--input-len MIN:MAX] [--output-len MIN:MAX] [--max-bs B] [--seed S]
+        [--system-prompts N] [--system-len L] [--turns T] [--think S]
         [--set section.key=value ...] [--address ADDR] --out FILE.json
-        [--backend openai [--base-url URL] [--model NAME]] [--burstiness K] [--goodput ttft:MS tpot:MS e2el:MS]
+        [--backend openai [--base-url URL] [--model NAME] [--extra-body JSON]] [--burstiness K]
+        [--goodput ttft:MS tpot:MS e2el:MS]
+
+--trace chat / multiturn are issue 22's chat-shaped traces (orca_mq/bench/trace.py): N requests of
+one of --system-prompts shared system prompts of --system-len tokens (Zipf popularity --zipf) + a
+user turn of --input-len tokens; or N conversations of --turns turns, each turn sent --think
+seconds after the previous answer ended, with the conversation so far as its prompt. They are chat
+messages: the ZeroMQ client sends them as messages=, the openai backend to /v1/chat/completions.
+The table adds the cached prompt tokens the servers report (the final message's metrics;
+usage.prompt_tokens_details.cached_tokens over HTTP).
 
 --backend orca-mq (default) replays over the ZeroMQ client; --backend openai over HTTP against any
 OpenAI-compatible server (/v1/completions, streamed, the trace's token ids as the prompt): with
@@ -49,10 +59,12 @@ if str(ROOT) not in sys.path:
 from orca_mq.server.process import ServerHandle, free_port, spawn  # noqa: E402
 from orca_mq.bench.metrics import format_table, summarize
 from orca_mq.bench.trace import (
-    DEFAULT_INPUT_LEN,
-    DEFAULT_OUTPUT_LEN,
+    CHAT_KINDS,
     TRACE_KINDS,
     TraceSpec,
+    chat_stats,
+    default_lengths,
+    make_chat_trace,
     make_trace,
     parse_range,
     spec_dict,
@@ -85,17 +97,30 @@ def _range_arg(text: str) -> tuple[int, int]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--policy", required=True, choices=POLICIES)
-    p.add_argument("--trace", required=True, choices=TRACE_KINDS)
-    p.add_argument("--num-requests", type=int, default=100, metavar="N")
+    p.add_argument("--trace", required=True, choices=TRACE_KINDS + CHAT_KINDS)
+    p.add_argument("--num-requests", type=int, default=100, metavar="N", help="requests (multiturn: conversations)")
     p.add_argument("--rate", type=parse_rate, default=1.0, metavar="REQ_PER_S",
                    help="mean arrival rate in req/s; inf or 0 = all requests at t=0 (default 1)")
     p.add_argument("--cv", type=float, default=1.0, help="CV of the Gamma inter-arrival times (default 1 = the orca trace's Poisson)")
     p.add_argument("--zipf", type=float, default=1.0, metavar="THETA",
-                   help="fastserve trace: Zipf exponent of the lengths, P(min+i) ~ 1/(i+1)^THETA (default 1)")
+                   help="fastserve trace: Zipf exponent of the lengths, P(min+i) ~ 1/(i+1)^THETA; chat traces: "
+                        "of the system prompts' popularity (default 1)")
+    lens = {k: default_lengths(k) for k in TRACE_KINDS + CHAT_KINDS}
     p.add_argument("--input-len", type=_range_arg, default=None, metavar="MIN:MAX",
-                   help=f"prompt length range, inclusive (default {DEFAULT_INPUT_LEN[0]}:{DEFAULT_INPUT_LEN[1]})")
+                   help="prompt length range, inclusive; chat traces: the user turn's (default "
+                        + ", ".join(f"{k} {i[0]}:{i[1]}" for k, (i, _) in lens.items()) + ")")
     p.add_argument("--output-len", type=_range_arg, default=None, metavar="MIN:MAX",
-                   help=f"max_tokens range, inclusive (default {DEFAULT_OUTPUT_LEN[0]}:{DEFAULT_OUTPUT_LEN[1]})")
+                   help="max_tokens range, inclusive (default "
+                        + ", ".join(f"{k} {o[0]}:{o[1]}" for k, (_, o) in lens.items()) + ")")
+    chat = TraceSpec()
+    p.add_argument("--system-prompts", type=int, default=chat.system_prompts, metavar="N",
+                   help=f"chat traces: shared system prompts, 0 = none (default {chat.system_prompts})")
+    p.add_argument("--system-len", type=int, default=chat.system_len, metavar="L",
+                   help=f"chat traces: tokens of each system prompt (default {chat.system_len})")
+    p.add_argument("--turns", type=int, default=chat.turns, metavar="T",
+                   help=f"multiturn: turns per conversation (default {chat.turns})")
+    p.add_argument("--think", type=float, default=chat.think_s, metavar="S",
+                   help="multiturn: seconds between an answer's end and the next turn (default 0)")
     p.add_argument("--max-bs", type=int, default=None, metavar="B", help="scheduler.max_bs (default: config.toml)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="section.key=value",
@@ -106,6 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--base-url", default=None, metavar="URL",
                    help="openai backend: a running server, e.g. http://127.0.0.1:8000 (default: launch orca-mq with HTTP)")
     p.add_argument("--model", default=None, help="openai backend: model name to send (default: the first of /v1/models)")
+    p.add_argument("--extra-body", type=json.loads, default=None, metavar="JSON",
+                   help='openai backend: fields added to every request, e.g. \'{"cache_prompt": true}\' for llama.cpp')
     p.add_argument("--burstiness", type=float, default=None, metavar="K",
                    help="Gamma arrivals with shape K (CV = 1/sqrt(K); 1 = Poisson), either trace, as vllm bench serve")
     p.add_argument("--goodput", nargs="+", default=[], metavar="METRIC:MS",
@@ -163,7 +190,7 @@ def run_replay(address: str, trace: list, args: argparse.Namespace) -> tuple[lis
     def http_client(url: str) -> Any:
         from orca_mq.bench.openai_backend import OpenAIClient
 
-        return OpenAIClient(url, args.model)
+        return OpenAIClient(url, args.model, extra=args.extra_body)
 
     coro = replay(address, trace, progress=not args.no_progress, warmup=args.warmup,
                   request_timeout=args.request_timeout or None,
@@ -219,14 +246,19 @@ def main(argv: list[str] | None = None) -> int:
         args.max_bs = cfg.scheduler.max_bs
     cfg.set("scheduler.max_bs", args.max_bs)
 
+    in_len, out_len = default_lengths(args.trace)
     spec = TraceSpec(kind=args.trace, num_requests=args.num_requests, rate=args.rate, cv=args.cv, zipf=args.zipf,
-                     input_len=args.input_len or DEFAULT_INPUT_LEN, output_len=args.output_len or DEFAULT_OUTPUT_LEN,
-                     seed=args.seed)
+                     input_len=args.input_len or in_len, output_len=args.output_len or out_len, seed=args.seed,
+                     system_prompts=args.system_prompts, system_len=args.system_len, turns=args.turns,
+                     think_s=args.think)
     try:
         spec.validate()
     except ValueError as e:
         sys.exit(f"bench: {e}")
-    longest = spec.input_len[1] + spec.output_len[1]
+    chat = args.trace in CHAT_KINDS
+    turns = spec.turns if args.trace == "multiturn" else 1
+    longest = spec.input_len[1] + spec.output_len[1] if not chat else \
+        spec.system_len * (spec.system_prompts > 0) + turns * (spec.input_len[1] + spec.output_len[1])
     if longest > cfg.model.max_model_len:
         print(f"bench: warning: input max + output max = {longest} > model.max_model_len = {cfg.model.max_model_len}; "
               f"the longest requests will be rejected", file=sys.stderr)
@@ -234,8 +266,10 @@ def main(argv: list[str] | None = None) -> int:
     t_prep = time.perf_counter()
     tok = load_tokenizer(cfg.model.path, cfg.model.cache_dir)
     corpus = load_corpus(tok)
-    trace = make_trace(spec, corpus)
-    print(f"bench: trace {args.trace}: {len(trace)} requests over {trace[-1].arrival_s:.1f} s "
+    trace = make_chat_trace(spec, corpus, tok.decode) if chat else make_trace(spec, corpus)
+    last = max(t.delay_s for t in trace if t.turn == 0) if chat else trace[-1].arrival_s
+    span = f"over {last:.1f} s" + (", each conversation's turns closed loop" if args.trace == "multiturn" else "")
+    print(f"bench: trace {args.trace}: {len(trace)} requests {span} "
           f"(corpus {len(corpus)} tokens, built in {time.perf_counter() - t_prep:.1f} s)", file=sys.stderr)
 
     launch_sets: list[str] = []
@@ -288,7 +322,8 @@ def main(argv: list[str] | None = None) -> int:
         # the effective system config: exact when launched here, config.toml + --set when --address is used
         "system": cfg.to_dict(),
         "trace_spec": spec_dict(spec),
-        "trace_stats": trace_stats(trace),
+        "extra_body": args.extra_body,
+        "trace_stats": chat_stats(trace) if chat else trace_stats(trace),
         "started_at": started_at, "wall_start": wall_start, "git_rev": _git_rev(), "host": platform.node(),
         "launcher_exit_code": launcher_rc,
     }
@@ -299,6 +334,9 @@ def main(argv: list[str] | None = None) -> int:
 
     rate = "inf" if math.isinf(args.rate) or args.rate == 0 else f"{args.rate:g} req/s"
     extra = f", cv={args.cv:g}, zipf={args.zipf:g}" if args.trace == "fastserve" else ""
+    if chat:
+        extra = (f", {spec.system_prompts} system prompts x {spec.system_len} (zipf={args.zipf:g})"
+                 + (f", {turns} turns, think {spec.think_s:g} s" if turns > 1 else ""))
     print(f"policy={args.policy} max_bs={args.max_bs} trace={args.trace} rate={rate}{extra} "
           f"n={args.num_requests} seed={args.seed}")
     print(format_table(summary))

@@ -10,7 +10,8 @@ A record is a dict (the same shape the replayer writes into the result file):
     finish_s          float | None  time the final event (finished=True) or the error was received
     token_times_s     list[float]   receive time of every generated token (tokens that came in
                                     one event share its time); may be absent
-    prompt_tokens     int
+    prompt_tokens     int | None  the server's count when its final message reports it, else the trace's
+    cached_tokens     int | None  of those, taken from the server's prefix cache (None: not reported)
     max_tokens        int
     generated_tokens  int
     finish_reason     "stop" | "length" | "abort" | "error" | None
@@ -129,6 +130,8 @@ def summarize(records: Iterable[Mapping[str, Any]], slos: Mapping[str, float] | 
         "n_len_mismatch": sum(1 for r in ok if r.get("max_tokens") is not None
                               and int(r.get("generated_tokens") or 0) != int(r["max_tokens"])),
         "total_prompt_tokens": int(sum(int(r.get("prompt_tokens") or 0) for r in recs)),
+        "total_cached_tokens": (int(sum(int(r.get("cached_tokens") or 0) for r in recs))
+                                if any(r.get("cached_tokens") is not None for r in recs) else None),
         "total_generated_tokens": gen_total,
         "makespan_s": makespan,
         "throughput_tok_s": gen_total / makespan if makespan else None,
@@ -161,6 +164,7 @@ _TABLE_ROWS = (
     ("goodput", lambda s: _fmt(s.get("goodput_req_s"), "req/s") + "".join(
         f"  {k}<={v * 1000:g}ms" for k, v in (s.get("goodput_slos_s") or {}).items())),
     ("prompt / generated tokens", lambda s: f"{s['total_prompt_tokens']} / {s['total_generated_tokens']}"),
+    ("cached prompt tokens", lambda s: "-" if s.get("total_cached_tokens") is None else str(s["total_cached_tokens"])),
 )
 
 

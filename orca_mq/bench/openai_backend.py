@@ -1,7 +1,9 @@
 """The replayer's client for any OpenAI-compatible server (orca-mq's HTTP API, llama.cpp's
-server, vLLM, ...): `POST /v1/completions` with the trace's token ids as the prompt, streamed
-(server-sent events), greedy, generation forced to max_tokens with `ignore_eos` (llama.cpp and
-vLLM accept it).
+server, vLLM, ...): `POST /v1/completions` with the trace's token ids as the prompt, or
+`POST /v1/chat/completions` with a chat trace's messages, streamed (server-sent events), greedy,
+generation forced to max_tokens with `ignore_eos` (llama.cpp and vLLM accept it). ``extra`` is
+merged into every body, for a server's own options (llama.cpp's `cache_prompt`); orca-mq refuses
+fields it does not know.
 
 Every content chunk is one token event, timed when it arrives, as `vllm bench serve` does; the
 final `usage` (stream_options.include_usage) gives the true token count, and tokens a server
@@ -32,9 +34,11 @@ class Event:
 
 
 class OpenAIClient:
-    def __init__(self, base_url: str, model: str | None = None, timeout: float = 3600.0) -> None:
+    def __init__(self, base_url: str, model: str | None = None, timeout: float = 3600.0,
+                 extra: dict[str, Any] | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         self.model = model
+        self.extra = dict(extra or {})
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
         self.http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout, limits=limits)
 
@@ -48,13 +52,15 @@ class OpenAIClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.http.aclose()
 
-    async def stream(self, *, prompt_token_ids: list[int], max_tokens: int, temperature: float = 0.0,
-                     ignore_eos: bool = True) -> AsyncIterator[Event]:
+    async def stream(self, *, prompt_token_ids: list[int] | None = None, messages: list[dict[str, str]] | None = None,
+                     max_tokens: int, temperature: float = 0.0, ignore_eos: bool = True) -> AsyncIterator[Event]:
         rid = uuid.uuid4().hex
-        body = {"model": self.model, "prompt": prompt_token_ids, "max_tokens": max_tokens, "temperature": temperature,
-                "ignore_eos": ignore_eos, "stream": True, "stream_options": {"include_usage": True}}
+        chat = messages is not None
+        body = {"model": self.model, **({"messages": messages} if chat else {"prompt": prompt_token_ids}),
+                "max_tokens": max_tokens, "temperature": temperature, "ignore_eos": ignore_eos, "stream": True,
+                "stream_options": {"include_usage": True}, **self.extra}
         seen, reason = 0, None
-        async with self.http.stream("POST", "/v1/completions", json=body) as r:
+        async with self.http.stream("POST", "/v1/chat/completions" if chat else "/v1/completions", json=body) as r:
             if r.status_code != 200:
                 text = (await r.aread()).decode(errors="replace")[:500]
                 yield Event(rid, [], "", True, "error", f"HTTP {r.status_code}: {text}")
@@ -71,9 +77,10 @@ class OpenAIClient:
                     return
                 for choice in chunk.get("choices") or []:
                     reason = choice.get("finish_reason") or reason
-                    if choice.get("text"):
+                    text = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
+                    if text:
                         seen += 1
-                        yield Event(rid, [0], choice["text"])
+                        yield Event(rid, [0], text)
                 if chunk.get("usage"):
                     missing = max(0, int(chunk["usage"]["completion_tokens"]) - seen)
                     yield Event(rid, [0] * missing, "", True, reason, None, {"usage": chunk["usage"]})
