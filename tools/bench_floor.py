@@ -97,7 +97,9 @@ def main() -> int:
     dtype = DTYPES[resolve_dtype(cfg.model.dtype, "cpu")]
     bs, budget = cfg.scheduler.max_bs, cfg.scheduler.max_num_batched_tokens or 512
     rows = sorted({1, 8, bs, budget, 512})
-    methods: list[gemm.Method] = ["torch", *(["onednn"] if gemm.onednn_usable(torch.device("cpu"), dtype) else [])]
+    cpu = torch.device("cpu")
+    methods: list[gemm.Method] = ["torch", *(["onednn"] if gemm.onednn_usable(cpu, dtype) else []),
+                                  *(["stream"] if gemm.stream_usable(cpu, dtype) else [])]
     weights = load_stage_weights(info, range(info.n_layers), True, True, dtype, cfg.model.cache_dir)
     print(f"{info.n_layers} layers, dtype {dtype}, {torch.get_num_threads()} threads, GEMM methods {methods}", flush=True)
     rates = measure_gemms(weights, methods, rows, args.repeat)

@@ -15,13 +15,20 @@ Methods (`engine.gemm`):
 - `onednn`: the weight reordered once into oneDNN's blocked layout and multiplied by oneDNN's
   matmul (what torch.compile's CPU freezing emits). On this AVX2 host it ran the model's shapes
   1.1-1.3x faster than MKL for the layers and 1.7-3x for the 49,152-row LM head (BENCHMARKS.md).
-- `auto`: `onednn` where oneDNN runs the dtype on this CPU (float32 with any oneDNN build;
-  bfloat16 only on CPUs with native bfloat16, found by trying); `torch` elsewhere (CUDA, float16).
-A reordered weight is an opaque tensor: sharding (tensor parallelism) happens before `prepare`.
+- `stream`: `onednn`, and calls of at most STREAM_ROWS rows (decode at a small batch) by the CPU
+  extension's `linear_rows`, which streams the plain weight from memory once (float32, K a multiple of
+  8): oneDNN read a decode's weights at ~0.75x this kernel's rate here. The price: the plain weight
+  is kept beside the reordered one (twice the weights' memory).
+- `auto`: `stream` for float32 on a CPU where oneDNN and the extension run (except in deterministic
+  mode: a row's bits would change where a batch crosses STREAM_ROWS); else `onednn` where oneDNN runs
+  the dtype (float32 with any oneDNN build; bfloat16 only on CPUs with native bfloat16, found by
+  trying); `torch` elsewhere (CUDA, float16).
+A reordered weight is opaque: sharding (tensor parallelism) happens before `prepare`.
 """
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -29,8 +36,30 @@ import torch
 import torch.nn.functional as F
 
 Tensor = torch.Tensor
-Method = Literal["torch", "onednn"]
+Method = Literal["torch", "onednn", "stream"]
 ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
+STREAM_ROWS = 8   # the most rows linear_rows takes (its register tiles)
+
+
+@dataclass(frozen=True, slots=True)
+class Streamed:
+    """A weight for `stream`: oneDNN's layout for many rows, the plain [out, in] one for few."""
+
+    reordered: Tensor
+    plain: Tensor
+
+    shape = property(lambda self: self.plain.shape)
+    dtype = property(lambda self: self.plain.dtype)
+    device = property(lambda self: self.plain.device)
+
+    def numel(self) -> int:
+        return self.plain.numel()
+
+    def element_size(self) -> int:
+        return self.plain.element_size()
+
+
+Weight = Tensor | Streamed
 
 
 def onednn_usable(device: torch.device, dtype: torch.dtype) -> bool:
@@ -51,19 +80,40 @@ def _onednn_runs(dtype: torch.dtype) -> bool:
     return True
 
 
-def resolve_method(name: str, device: torch.device, dtype: torch.dtype) -> Method:
+def stream_usable(device: torch.device, dtype: torch.dtype) -> bool:
+    return dtype == torch.float32 and onednn_usable(device, dtype) and _stream_kernel() is not None
+
+
+@functools.cache
+def _stream_kernel() -> Callable[[Tensor, Tensor], Tensor] | None:
+    from kernels import cpu_kernels
+
+    ext = cpu_kernels.load()
+    return None if ext is None else ext.linear_rows
+
+
+def resolve_method(name: str, device: torch.device, dtype: torch.dtype, deterministic: bool = False) -> Method:
     if name == "auto":
-        return "onednn" if onednn_usable(device, dtype) else "torch"
+        if onednn_usable(device, dtype):
+            return "stream" if not deterministic and stream_usable(device, dtype) else "onednn"
+        return "torch"
     if name == "onednn" and not onednn_usable(device, dtype):
         raise ValueError(f"engine.gemm = onednn needs a CPU torch with oneDNN and float32/bfloat16, not {device} {dtype}")
-    if name not in ("torch", "onednn"):
-        raise ValueError(f"engine.gemm must be auto | torch | onednn, got {name!r}")
+    if name == "stream" and not stream_usable(device, dtype):
+        raise ValueError(f"engine.gemm = stream needs float32 on a CPU with oneDNN and the CPU kernels, not {device} {dtype}")
+    if name not in ("torch", "onednn", "stream"):
+        raise ValueError(f"engine.gemm must be auto | torch | onednn | stream, got {name!r}")
     return name  # type: ignore[return-value]
 
 
-def prepare(w: Tensor, method: Method) -> Tensor:
-    """The weight [out, in] in the layout `linear` reads for `method`."""
-    return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), None) if method == "onednn" else w
+def prepare(w: Tensor, method: Method) -> Weight:
+    """The weight [out, in] in the layout(s) `linear` reads for `method`."""
+    if method == "torch":
+        return w
+    reordered = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), None)
+    if method == "onednn" or w.shape[1] % 8:   # linear_rows takes K in whole vectors of 8
+        return reordered
+    return Streamed(reordered, w.contiguous())
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +124,7 @@ class Rows:
     pad: bool = True   # every call exactly n rows (the last tile zero-padded); False: at most n
 
 
-def linear(x: Tensor, w: Tensor, b: Tensor | None = None, rows: Rows = Rows()) -> Tensor:
+def linear(x: Tensor, w: Weight, b: Tensor | None = None, rows: Rows = Rows()) -> Tensor:
     """x [T, in] @ w.T (+ b) -> [T, out], whatever layout `prepare` gave w; cut into calls as `rows` says."""
     t = x.shape[0]
     if not rows.n or t == 0 or t == rows.n or (t < rows.n and not rows.pad):
@@ -84,7 +134,7 @@ def linear(x: Tensor, w: Tensor, b: Tensor | None = None, rows: Rows = Rows()) -
     return torch.cat([_linear(tile, w, b) for tile in x.split(rows.n)])[:t]
 
 
-def row_invariant(w: Tensor, b: Tensor | None, max_rows: int) -> bool:
+def row_invariant(w: Weight, b: Tensor | None, max_rows: int) -> bool:
     """Whether `linear` gives a row the same bits in a call of any 1..max_rows rows and at any place
     in it, found by trying: a library chooses its kernels by shape, dtype and machine, never by the
     values, so random rows stand for all."""
@@ -97,7 +147,12 @@ def row_invariant(w: Tensor, b: Tensor | None, max_rows: int) -> bool:
     return bool((same == same[:1]).all())
 
 
-def _linear(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+def _linear(x: Tensor, w: Weight, b: Tensor | None) -> Tensor:
+    if isinstance(w, Streamed):
+        if 0 < x.shape[0] <= STREAM_ROWS:
+            y = _stream_kernel()(x.contiguous(), w.plain)  # type: ignore[misc]
+            return y if b is None else y.add_(b)
+        w = w.reordered
     if not w.is_mkldnn:
         return F.linear(x, w, b)
     if x.shape[0] == 0:   # oneDNN refuses an empty batch

@@ -58,7 +58,7 @@ class ModelRunner:
                 setattr(weights, name, t.to(self.device))
         if weights.lm_head is not None and weights.embed is not None and self.info.tie_embeddings:
             weights.lm_head = weights.embed  # one copy of a tied head (a second one when the GEMM reorders it)
-        self.gemm = gemm.resolve_method(cfg.engine.gemm, self.device, self.dtype)
+        self.gemm = gemm.resolve_method(cfg.engine.gemm, self.device, self.dtype, cfg.engine.deterministic)
         for w in weights.layers:
             for k in MATRICES:
                 if k in w:
