@@ -6,7 +6,7 @@ import math
 import pytest
 
 from orca_mq.bench.scorecard import (CONTROL, aggregate, full_batch_capacity, judge, mean_lengths, round_order,
-                                     shape_cost_ratio, throughput_at, trace_spec)
+                                     server_of, shape_cost_ratio, throughput_at, trace_spec)
 from orca_mq.bench.trace import make_trace
 
 
@@ -92,3 +92,9 @@ def test_no_two_runs_of_a_server_share_a_prompt():
     assert [s.num_requests for s in specs] == [22, 80, 80] * 2
     heads = [tuple(r.prompt_token_ids[:16]) for s in specs for r in make_trace(s, range(100_000))]
     assert len(set(heads)) == len(heads)
+
+
+def test_a_label_names_its_servers_policy_and_a_variants_settings() -> None:
+    assert server_of("fastserve") == {"scheduler.policy": "fastserve"}
+    assert server_of(CONTROL) == {"scheduler.policy": "orca"}
+    assert server_of("fastserve-defer") == {"scheduler.policy": "fastserve", "fastserve.kv_policy": "defer"}

@@ -12,7 +12,8 @@ too, as `burst_req_s`); each load is a fraction of it, with `load x capacity x -
 (within --min/--max-requests). Every round draws a new trace per (shape, load) and runs it on every
 policy, the policies' order rotated each round; the request-level baseline runs the ORCA trace only
 (the paper compares it there). `orca-again` in --policies runs a second orca server in each round:
-its ratio to orca is the noise floor of every ratio. After each run the workers' record of
+its ratio to orca is the noise floor of every ratio; `fastserve-defer` (`-proactive`, `-reactive`) runs
+fastserve with that `fastserve.kv_policy` on a server of its own. After each run the workers' record of
 that run's iterations ([decodes, prompt tokens, compute ms]) is kept: each run reports its
 iterations, decodes and compute per iteration, and the cost of one batch composition under
 fastserve and under orca is compared at the end. `tools/simulate.py --scorecard FILE` replays the
@@ -42,18 +43,19 @@ if str(ROOT) not in sys.path:
 from orca_mq.bench.metrics import summarize  # noqa: E402
 from orca_mq.bench.replay import open_client, replay  # noqa: E402
 from orca_mq.bench.scorecard import (CONTROL, METRICS, TRACES, aggregate, composition, full_batch_capacity,  # noqa: E402
-                                     judge, mean_lengths, policy_of, round_order, shape_cost_ratio, trace_spec)
+                                     judge, mean_lengths, round_order, server_of, shape_cost_ratio, trace_spec)
 from orca_mq.bench.trace import TraceSpec, load_corpus, make_trace, spec_dict  # noqa: E402
 from orca_mq.config import load_config  # noqa: E402
 from orca_mq.server.process import ServerHandle, free_port, spawn  # noqa: E402
 
-LABEL = {"srpt": "srpt (oracle)", "request": "request-level", "orca": "orca", "fastserve": "fastserve", CONTROL: "orca again (A/A)"}
+LABEL = {"srpt": "srpt (oracle)", "request": "request-level", CONTROL: "orca again (A/A)"}   # else the label itself
 
 
 def start(label: str, sets: list[str], logs: Path) -> ServerHandle:
-    own = {"scheduler.policy": policy_of(label), "server.frontend_address": f"tcp://127.0.0.1:{free_port()}",
-           "server.http_address": "", "log.dir": str(logs / label), "log.level": "warning"}
-    return spawn(own | dict(s.split("=", 1) for s in sets), logs / f"{label}.launch.log")
+    own = {"server.frontend_address": f"tcp://127.0.0.1:{free_port()}", "server.http_address": "",
+           "log.dir": str(logs / label), "log.level": "warning"}
+    # --set for every server, then what the label is: its policy, a variant's settings
+    return spawn(own | dict(s.split("=", 1) for s in sets) | server_of(label), logs / f"{label}.launch.log")
 
 
 async def _settle(address: str, reset: bool, record: bool = False, timeout: float = 300.0) -> dict[str, Any]:
@@ -99,7 +101,7 @@ def plot(result: dict[str, Any], out: Path) -> list[Path]:
                 pts = sorted((float(lo), p[policy][metric]) for lo, p in loads.items()
                              if policy in p and p[policy].get(metric) is not None)
                 if pts:
-                    ax.plot(*zip(*pts), marker="o", ls="--" if policy == "srpt" else "-", label=LABEL[policy])
+                    ax.plot(*zip(*pts), marker="o", ls="--" if policy == "srpt" else "-", label=LABEL.get(policy, policy))
             ax.set(xlabel="load (x capacity)", title=title)
         axes[0].legend()
         fig.suptitle(f"{trace} trace: medians of {result['args']['rounds']} interleaved rounds")
@@ -113,7 +115,7 @@ def plot(result: dict[str, Any], out: Path) -> list[Path]:
             pts = sorted((p[policy]["throughput_tok_s"], p[policy]["norm_latency_p50_s"] * 1000) for p in agg["orca"].values()
                          if policy in p and p[policy].get("norm_latency_p50_s"))
             if pts:
-                ax.plot(*zip(*pts), marker="o", ls="--" if policy == "srpt" else "-", label=LABEL[policy])
+                ax.plot(*zip(*pts), marker="o", ls="--" if policy == "srpt" else "-", label=LABEL.get(policy, policy))
         ax.set(xlabel="throughput (tokens/s)", ylabel="median normalized latency (ms/token)", yscale="log",
                title="ORCA trace (ORCA Fig. 10)")
         ax.legend()
@@ -138,7 +140,7 @@ def table(result: dict[str, Any]) -> str:
                 def cell(k: str) -> str:
                     v, x = m.get(k), m.get(k + "/orca")
                     return "-" if v is None else f"{v:6.2f} ({x:4.2f}x)" if x is not None else f"{v:6.2f}"
-                lines.append(f"{load:>5} {LABEL[policy]:>16} {cell('jct_mean_s'):>14} {cell('jct_p99_s'):>14} "
+                lines.append(f"{load:>5} {LABEL.get(policy, policy):>16} {cell('jct_mean_s'):>14} {cell('jct_p99_s'):>14} "
                              f"{m['ttft_mean_s'] or 0:10.2f} {cell('itl_p50_s'):>14} {m['throughput_tok_s'] or 0:7.1f} "
                              f"{m['iterations'] or 0:5.0f} {m['decodes_mean'] or 0:6.1f} {cell('compute_ms_mean'):>14}")
     lines.append("\ntargets (issue 21)")

@@ -39,11 +39,16 @@ GAINS_NOTHING = 0.9       # the oracle's mean JCT at or above this fraction of o
 ORACLE_GAINS = 0.5        # at or below it: the oracle halves orca's mean JCT
 SHAPE_BUCKET = (4, 32)    # decodes, prompt tokens: iterations in one bucket have one batch composition
 CONTROL = "orca-again"    # a second orca server: its ratio to orca's is the noise floor of every ratio (A/A)
+# labels that run a policy with other settings, each on a server of its own
+VARIANTS: dict[str, tuple[str, dict[str, str]]] = {
+    CONTROL: ("orca", {}),
+    **{f"fastserve-{kv}": ("fastserve", {"fastserve.kv_policy": kv}) for kv in ("proactive", "defer", "reactive")}}
 
 
-def policy_of(label: str) -> str:
-    """The scheduler policy a scorecard label runs (the A/A control is orca on a server of its own)."""
-    return "orca" if label == CONTROL else label
+def server_of(label: str) -> dict[str, str]:
+    """The settings of the server a scorecard label runs on: its scheduler policy, and a variant's."""
+    policy, sets = VARIANTS.get(label, (label, {}))
+    return {"scheduler.policy": policy, **sets}
 
 
 def runs_trace(policy: str, trace: str) -> bool:
