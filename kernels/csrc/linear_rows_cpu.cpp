@@ -52,9 +52,10 @@ inline void tile(const float* x, const float* w, int64_t K, float* out, int64_t 
 }
 #endif
 
-// NR rows of w per tile: as many as the 16 vector registers hold beside MR rows of accumulators
+// NR rows of w per tile: as many as the 16 vector registers hold beside MR rows of accumulators (one
+// row of x is an FMA's memory operand). At one row, 8 streams of w read the weights 0.87x as long as 4.
 template <int MR>
-constexpr int nr() { return MR <= 2 ? 4 : MR <= 4 ? 3 : 1; }
+constexpr int nr() { return MR == 1 ? 8 : MR <= 2 ? 4 : MR <= 4 ? 3 : 1; }
 
 template <int MR>
 void rows(const float* x, const float* w, float* out, int64_t N, int64_t K) {
