@@ -2,13 +2,19 @@
 frames and badly typed fields are rejected with a ProtocolError (never another exception)."""
 from __future__ import annotations
 
+from typing import Any
+
 import msgpack
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from orca_mq.protocol.iteration import IterationPlan, IterationResult, SeqWork
 from orca_mq.sampling_params import SamplingParams
+from orca_mq.structured.params import StructuredOutputsParams
 from orca_mq.protocol import PROTOCOL_VERSION, ProtocolError, decode, encode, unpack
-from orca_mq.protocol.client_msgs import TO_CLIENT, TO_SERVER, Abort, Generate, Output, Ping, Pong, Stats, StatsReply
+from orca_mq.protocol.client_msgs import (TO_CLIENT, TO_SERVER, Abort, Final, Generate, Output, Outputs, Ping, Pong, Stats,
+                                          StatsReply)
 from orca_mq.protocol.common_msgs import Error
 from orca_mq.protocol.codec import channel
 from orca_mq.protocol.control_msgs import AbortAll, ClientGone, Drain, Drained, Fatal, Ready
@@ -24,8 +30,12 @@ MESSAGES = [
     Generate("r3", messages=[{"role": "user", "content": "hi"}], chat=True),
     Abort("r1"), Stats("q", record=True), Ping(5),
     Output("r1", [5], "x"), Output("r1", [], "", True, "error", "bad", {"ttft": 0.1}), StatsReply("q", {"a": [1]}),
+    Outputs(["r1", "r2", "r3"], [[5], [], [6, 7]], ["x", "", "yz"], [None, Final("abort", code="aborted"),
+                                                                     Final("length", None, {"ttft": 0.1})]),
     Pong(5), Error("nope"), Error("nope", "r1"),
-    AddRequest("#1", [1, 2], SamplingParams(max_tokens=3, temperature=0.5, seed=7, stop_token_ids=[2])), AbortRequest("r1"), TokenBatch(3, [("a", 5, None), ("b", None, "abort")]),
+    AddRequest("#1", [1, 2], SamplingParams(max_tokens=3, temperature=0.5, seed=7, stop_token_ids=[2])), AbortRequest("r1"),
+    AddRequest("#2", [1], SamplingParams(structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))),
+    TokenBatch(3, ["a", "c", "a"], [5, 6, 7], {"a": "length", "b": "abort"}, {"a": {"cached_tokens": 0}}),
     StatsQuery("q"), StatsResult("q", {}), ControlFrame(PLAN, 1.5),
     IterationDone(IterationResult(7, ["a", "b"], [10, 11]), 1.0, 2.0), WorkerStatsQuery("q", True), WorkerStats("q", 1, {}),
     Ready("frontend", 12), Drain(), Drained(), AbortAll("why"), Fatal("worker1 died"), ClientGone(b"\x00abcd"),
@@ -55,7 +65,7 @@ BAD_FRAMES = {
     "no version": msgpack.packb({"type": "ping", "nonce": 1}),
     "wrong version": msgpack.packb({"v": PROTOCOL_VERSION + 1, "type": "ping", "nonce": 1}),
     "unknown type": _raw(type="teleport"),
-    "type of another channel": encode(TokenBatch(1, [])),
+    "type of another channel": encode(TokenBatch(1, [], [])),
     "unknown field": _raw(type="generate", request_id="r", prompt="x", colour="red"),
     "missing field": _raw(type="abort"),
     "str for int": _raw(type="generate", request_id="r", prompt_token_ids=["1"]),
@@ -106,3 +116,60 @@ def test_add_request_carries_typed_params():
     """The frontend's parsed SamplingParams reach the scheduler as one (a nested dataclass), never a dict."""
     msg = decode(encode(AddRequest("#1", [1], SamplingParams(max_tokens=3, seed=9))), channel(AddRequest))
     assert isinstance(msg.params, SamplingParams) and msg.params.seed == 9 and msg.params.max_tokens == 3
+
+
+def test_columns_must_be_equally_long():
+    body = unpack(encode(Outputs(["r1", "r2"], [[1], [2]], ["a", "b"], [None, None])))
+    body["texts"] = ["a"]
+    with pytest.raises(ProtocolError, match="columns"):
+        decode(msgpack.packb(body), TO_CLIENT)
+    body = unpack(encode(TokenBatch(1, ["a", "b"], [1, 2])))
+    body["token_ids"] = [1, 2, 3]
+    with pytest.raises(ProtocolError, match="columns"):
+        decode(msgpack.packb(body), channel(TokenBatch))
+
+
+def test_columns_are_checked_by_type():
+    body = unpack(encode(Outputs(["r1"], [[1]], ["a"], [Final("stop")])))
+    for column, bad in [("request_ids", [1]), ("token_ids", [[True]]), ("texts", [b"a"]), ("finals", [["stop"]]),
+                        ("finals", [[None, None, None, None]])]:
+        with pytest.raises(ProtocolError, match=column):
+            decode(msgpack.packb({**body, column: bad}), TO_CLIENT)
+
+
+def test_an_older_peer_gets_frames_it_reads():
+    """encode(msg, v) writes v and leaves out what came after v; a type newer than the frame's version is refused."""
+    out = Output("r", [1], "x", True, "abort", code="aborted")
+    assert unpack(encode(out, 3))["v"] == 3 and "code" in unpack(encode(out, 3))
+    assert "code" not in unpack(encode(out, 1)) and decode(encode(out, 1), TO_CLIENT).code is None
+    assert "api_key" not in unpack(encode(Generate("r", prompt="x", api_key="k"), 2))
+    assert decode(encode(Error("e", "r", "overloaded"), 1), TO_CLIENT) == Error("e", "r")  # v1: code "internal"
+    with pytest.raises(ValueError):
+        encode(Outputs([], [], [], []), 3)
+    with pytest.raises(ProtocolError, match="version 4") as e:
+        decode(msgpack.packb({**unpack(encode(Outputs([], [], [], []))), "v": 3}), TO_CLIENT)
+    assert e.value.version == 3
+
+
+def test_errors_carry_the_frames_version():
+    with pytest.raises(ProtocolError) as e:
+        decode(msgpack.packb({"v": 2, "type": "generate", "request_id": "r", "colour": 1}), TO_SERVER)
+    assert e.value.version == 2 and e.value.request_id == "r"
+    with pytest.raises(ProtocolError) as e:
+        decode(msgpack.packb({"v": 9, "type": "ping", "nonce": 1}), TO_SERVER)
+    assert e.value.version is None
+
+
+ROW = st.tuples(st.text(max_size=8), st.lists(st.integers(0, 1 << 20), max_size=3), st.text(max_size=8),
+                st.none() | st.builds(Final, st.sampled_from(["stop", "length", "abort", "error"]), st.none() | st.text(max_size=8),
+                                      st.none() | st.dictionaries(st.text(max_size=4), st.integers(), max_size=2),
+                                      st.none() | st.text(max_size=8)))
+
+
+@settings(max_examples=200, deadline=None)
+@given(rows=st.lists(ROW, max_size=6), finals=st.dictionaries(st.text(max_size=8), st.text(max_size=6), max_size=3))
+def test_columnar_messages_round_trip(rows: list[tuple[Any, ...]], finals: dict[str, str]) -> None:
+    out = Outputs(*(list(col) for col in zip(*rows))) if rows else Outputs([], [], [], [])
+    assert decode(encode(out), TO_CLIENT) == out
+    batch = TokenBatch(3, [r[0] for r in rows], [len(r[1]) for r in rows], finals)
+    assert decode(encode(batch), channel(TokenBatch)) == batch

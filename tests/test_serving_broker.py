@@ -1,5 +1,6 @@
 """The broker process on its own (no model): routing, rejection of bad frames, vanished clients,
-and failing in-flight requests on `fatal`."""
+failing in-flight requests on `fatal`, finals settled inside per-iteration `outputs` frames, and
+replies in an older client's protocol version."""
 from __future__ import annotations
 
 import json
@@ -12,8 +13,8 @@ import pytest
 import zmq
 
 from orca_mq.config import Config
-from orca_mq.protocol import decode, encode
-from orca_mq.protocol.client_msgs import TO_CLIENT, Generate, Output, Ping, Pong
+from orca_mq.protocol import decode, encode, unpack
+from orca_mq.protocol.client_msgs import TO_CLIENT, Final, Generate, Output, Outputs, Ping, Pong, Stats, StatsReply
 from orca_mq.protocol.common_msgs import Error
 from orca_mq.protocol.codec import channel
 from orca_mq.protocol.control_msgs import ClientGone, Fatal
@@ -91,7 +92,7 @@ def test_routing_and_vanished_client(broker):
     assert decode(_recv(client)[0], TO_CLIENT) == Output("r1", [5], "x")
     client.close()
     time.sleep(0.3)  # the broker's ROUTER notices the TCP close
-    frontend.send_multipart([CLIENT, cid, encode(Output("r1", [6], "y"))])
+    frontend.send_multipart([CLIENT, cid, encode(Outputs(["r1"], [[6]], ["y"], [None]))])
     route, _, payload = _recv(frontend, 3)
     assert route == BROKER and decode(payload, channel(ClientGone)) == ClientGone(cid)
 
@@ -119,3 +120,46 @@ def test_fatal_fails_in_flight_requests_and_refuses_new_ones(broker):
     out = decode(_recv(client)[0], TO_CLIENT)
     assert out.request_id == "r2" and out.finish_reason == "error"
     assert not frontend.poll(100)
+
+
+def _tracked(client, frontend):
+    """The broker's count of requests without a final, from a stats reply passing through it."""
+    client.send(encode(Stats("q")))
+    _, cid, _ = _recv(frontend, 3)
+    frontend.send_multipart([CLIENT, cid, encode(StatsReply("q", {}))])
+    return decode(_recv(client)[0], TO_CLIENT).stats["broker"]["tracked_requests"]
+
+
+def test_finals_inside_batched_frames_settle_their_requests(broker):
+    cfg, ctx, frontend, launcher = broker
+    client = _client(ctx, cfg)
+    for rid in ("r1", "r2", "r3"):
+        client.send(encode(Generate(rid, prompt="hi")))
+        _, cid, _ = _recv(frontend, 3)
+    assert _tracked(client, frontend) == 3
+    batch = Outputs(["r1", "r2", "r3"], [[5], [6], []], ["a", "b", ""], [None, Final("length"), Final("abort", code="aborted")])
+    frontend.send_multipart([CLIENT, cid, encode(batch)])
+    assert decode(_recv(client)[0], TO_CLIENT) == batch
+    assert _tracked(client, frontend) == 1
+    launcher.send_multipart([BROKER, b"", encode(Fatal("worker0 died"))])
+    out = decode(_recv(client)[0], TO_CLIENT)  # only the one still in flight gets the error final
+    assert out.request_id == "r1" and out.finish_reason == "error" and out.code == "unavailable"
+    assert not client.poll(200)
+
+
+def test_an_older_client_is_answered_in_its_version(broker):
+    """A v3 client cannot read a v4 frame: the broker's own replies (pong, errors, the finals it
+    writes on `fatal`) are written in the version the client used."""
+    cfg, ctx, frontend, launcher = broker
+    client = _client(ctx, cfg)
+    client.send(encode(Ping(3), 3))
+    assert unpack(_recv(client)[0])["v"] == 3
+    client.send(encode(Generate("r1", prompt="hi"), 3))
+    _, _, payload = _recv(frontend, 3)
+    assert unpack(payload)["v"] == 3   # forwarded as written: the frontend answers in v3 too
+    client.send(encode(Generate("r1", prompt="hi"), 3))
+    reply = unpack(_recv(client)[0])
+    assert reply["v"] == 3 and reply["type"] == "error" and reply["code"] == "invalid_request"
+    launcher.send_multipart([BROKER, b"", encode(Fatal("worker0 died"))])
+    final = unpack(_recv(client)[0])
+    assert final["v"] == 3 and final["type"] == "output" and final["request_id"] == "r1" and final["finished"]

@@ -1,16 +1,23 @@
 """Client <-> server channel (the public socket at `server.frontend_address`).
 
 A client sends `generate` (it chooses the request_id, so it can abort before any reply; ids
-belong to their client: two clients may use the same one), `abort`, `stats` and `ping`; every request gets exactly one final `output` (finished=True,
-finish_reason "stop" | "length" | "abort" | "error"). `error` (orca_mq.protocol.common_msgs) answers a frame that could not be accepted at all;
-when it names a request_id that request is over. Error finals carry a stable `code`.
+belong to their client: two clients may use the same one), `abort`, `stats` and `ping`. Every request
+gets exactly one final: an `output` with finished=True, or a row of an `outputs` frame with a `Final`
+(finish_reason "stop" | "length" | "abort" | "error"). `error` (orca_mq.protocol.common_msgs) answers a
+frame that could not be accepted at all; when it names a request_id that request is over. Error finals
+carry a stable `code`.
+
+Streaming is per iteration (protocol v4): a client whose `generate` said v4 gets one `outputs` frame
+per iteration holding every one of its requests that the iteration moved. The server answers each
+frame in the version the client wrote it in, so an older client (v1-v3) gets per-request `output`
+frames, without the fields added after its version.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
-from orca_mq.protocol.codec import channel, message
+from orca_mq.protocol.codec import added, channel, message
 from orca_mq.protocol.common_msgs import Error
 
 
@@ -23,7 +30,7 @@ class Generate:
     messages: list[dict[str, Any]] | None = None    # chat messages; the frontend applies the template
     chat: bool = False
     sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams fields; unknown ones are rejected
-    api_key: str = ""       # protocol v3: one of server.api_key's keys, when the server has any
+    api_key: str = added(3, default="")   # one of server.api_key's keys, when the server has any
 
 
 @message("abort")
@@ -38,7 +45,7 @@ class Stats:
     query_id: str
     record: bool = False    # include the scheduler's iteration record and arrival order (tests)
     reset: bool = False     # restart the timing windows after answering (benchmarks)
-    api_key: str = ""       # protocol v3: as Generate's
+    api_key: str = added(3, default="")   # as Generate's
 
 
 @message("ping")
@@ -57,7 +64,29 @@ class Output:
     finish_reason: str | None = None
     error: str | None = None
     metrics: dict[str, Any] | None = None
-    code: str | None = None       # protocol v2: a common_msgs code on an "error" or "abort" final
+    code: str | None = added(2, default=None)   # a common_msgs code on an "error" or "abort" final
+
+
+@dataclass(slots=True)
+class Final:
+    """How a request ended, in a row of `outputs`: what a final `output` says beside its tokens."""
+
+    finish_reason: str                    # "stop" | "length" | "abort" | "error"
+    error: str | None = None
+    metrics: dict[str, Any] | None = None
+    code: str | None = None               # a common_msgs code on an "error" or "abort" final
+
+
+@message("outputs", since=4, columns=("request_ids", "token_ids", "texts", "finals"))
+@dataclass(slots=True)
+class Outputs:
+    """One iteration's news for one client, a row per request it moved: request_ids[i] got
+    token_ids[i] and texts[i], and ended with finals[i] unless that is None."""
+
+    request_ids: list[str]
+    token_ids: list[list[int]]
+    texts: list[str]
+    finals: list[Final | None]
 
 
 @message("stats_reply")
@@ -76,6 +105,7 @@ class Pong:
 
 
 TO_SERVER = channel(Generate, Abort, Stats, Ping)
-TO_CLIENT = channel(Output, StatsReply, Pong, Error)
+TO_CLIENT = channel(Output, Outputs, StatsReply, Pong, Error)
 
-__all__ = ["Abort", "Error", "Generate", "Output", "Ping", "Pong", "Stats", "StatsReply", "TO_CLIENT", "TO_SERVER"]
+__all__ = ["Abort", "Error", "Final", "Generate", "Output", "Outputs", "Ping", "Pong", "Stats", "StatsReply", "TO_CLIENT",
+           "TO_SERVER"]

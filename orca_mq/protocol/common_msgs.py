@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from orca_mq.protocol.codec import message
+from orca_mq.protocol.codec import added, message
 
 # the stable error codes (Error.code, and Output.code on a final that is neither "stop" nor "length")
 INVALID_REQUEST = "invalid_request"   # the request cannot be served as given; do not retry it unchanged
@@ -25,4 +25,4 @@ CODES = frozenset({INVALID_REQUEST, OVERLOADED, UNAVAILABLE, INTERNAL, PROTOCOL,
 class Error:
     error: str
     request_id: str | None = None
-    code: str = INTERNAL    # protocol v2; a v1 frame without it decodes as "internal"
+    code: str = added(2, default=INTERNAL)    # a v1 frame without it decodes as "internal"

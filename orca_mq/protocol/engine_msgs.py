@@ -28,13 +28,16 @@ class AbortRequest:
     request_id: str
 
 
-@message("tokens")
+@message("tokens", columns=("request_ids", "token_ids"))
 @dataclass(slots=True)
 class TokenBatch:
-    """Every TokenEvent of one scheduler step, in order: (request_id, token_id, finish_reason)."""
+    """One scheduler step's tokens, in columns and in order (request_ids[i] got token_ids[i]; a request
+    may have several), and the requests that ended after their tokens here."""
 
     iteration: int
-    events: list[tuple[str, int | None, str | None]]
+    request_ids: list[str]
+    token_ids: list[int]
+    finals: dict[str, str] = field(default_factory=dict)   # request id -> "stop" | "length" | "abort" | "error"
     metrics: dict[str, dict[str, Any]] = field(default_factory=dict)  # per finished request, from the policy
 
 

@@ -1,9 +1,9 @@
 """The frontend's state of one request: `Admission` while it is tokenized, then `ActiveRequest` once
-admitted: whose it is (client and the client's own id), its detokenizer, its tokens so far and the
-timestamps its final message reports."""
+admitted: whose it is (client, the client's own id and protocol version), its detokenizer (which
+holds its tokens so far) and the timestamps its final message reports."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from orca_mq.detokenizer import IncrementalDetokenizer
@@ -16,6 +16,7 @@ class Admission:
     client: bytes
     msg: Generate
     params: SamplingParams    # parsed and validated once, before tokenizing
+    version: int              # the protocol version of its `generate`: every reply is written in it
     aborted: bool = False     # an abort arrived while it was tokenized
 
 
@@ -26,12 +27,18 @@ class ActiveRequest:
     detok: IncrementalDetokenizer
     prompt_tokens: int
     arrival: float
+    version: int
     first_token: float | None = None
-    token_ids: list[int] = field(default_factory=list)
+
+    def step(self, new_ids: list[int], now: float) -> str:
+        """Take an iteration's new tokens (received at `now`); return their new text."""
+        if new_ids and self.first_token is None:
+            self.first_token = now
+        return self.detok.step(new_ids)
 
     def metrics(self, now: float) -> dict[str, Any]:
         """The final message's metrics, as it finishes at `now`."""
-        n, first = len(self.token_ids), self.first_token
+        n, first = len(self.detok.ids), self.first_token
         return {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": n,

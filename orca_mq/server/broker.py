@@ -6,8 +6,10 @@
 
 Both ROUTERs set ZMQ_ROUTER_MANDATORY: a send to a vanished client raises EHOSTUNREACH, and the
 broker tells the frontend (`client_gone`), which aborts that client's requests. The broker also
-remembers which requests each client still waits on, so that when a process dies (`fatal` from
-the launcher) it can give each of them an `error` final message itself.
+remembers which requests each client still waits on (settled by a final `output`, a final row of an
+`outputs` frame, or an `error` naming it), so that when a process dies (`fatal` from the launcher)
+it can give each of them an `error` final message itself. It answers every client frame in that
+frame's protocol version, so an older client reads its replies.
 
 Facing clients, it bounds what it holds: ZeroMQ drops a client sending a frame over
 `server.max_frame_bytes` before buffering it (ZMQ_MAXMSGSIZE); at most `server.max_waiting` +
@@ -32,8 +34,8 @@ import zmq.asyncio
 from orca_mq.auth import KeyCheck, curve_server
 from orca_mq.config import Config
 from orca_mq.logs import setup_logging
-from orca_mq.protocol import ProtocolError, decode, encode, unpack
-from orca_mq.protocol.client_msgs import TO_CLIENT, TO_SERVER, Generate, Output, Ping, Pong, Stats, StatsReply
+from orca_mq.protocol import PROTOCOL_VERSION, ProtocolError, encode, unpack
+from orca_mq.protocol.client_msgs import TO_CLIENT, TO_SERVER, Generate, Output, Outputs, Ping, Pong, Stats, StatsReply
 from orca_mq.protocol.codec import channel, from_dict
 from orca_mq.protocol.common_msgs import INVALID_REQUEST, OVERLOADED, PROTOCOL, UNAUTHORIZED, UNAVAILABLE, Error
 from orca_mq.sampling_params import InvalidRequest
@@ -43,6 +45,7 @@ from orca_mq.server.process import process_main
 from orca_mq.server.zmq_queue import BROKER, CLIENT, PEER, serve
 
 FRONTEND = b"frontend"
+OUTPUTS = channel(Outputs)
 _GONE_MEMORY = 4096   # vanished clients remembered, so the frontend hears of each once
 
 
@@ -76,6 +79,7 @@ class Broker:
         self.clients = _router(self.ctx, cfg.server.frontend_address, cfg.server.max_frame_bytes, cfg.server.curve_secret_key)
         self.backend = _router(self.ctx, cfg.server.backend_address)
         self.waiting: dict[bytes, set[str]] = {}   # client -> request ids without a final message
+        self.versions: dict[bytes, int] = {}       # client in `waiting` -> the protocol version it writes
         self.gone: dict[bytes, None] = {}
         self.fatal: str | None = None              # why the engine side is down (logged, never sent to clients)
         self.server_id = uuid.uuid4().hex[:12]
@@ -97,54 +101,58 @@ class Broker:
         while True:
             frames = await self.clients.recv_multipart()
             client, parts = frames[0], frames[1:]
+            version = PROTOCOL_VERSION   # of the replies: the frame's own, once it is known
             try:
                 if len(parts) != 1:
                     raise ProtocolError(f"expected one frame, got {len(parts)}")
-                msg = decode(parts[0], TO_SERVER)
+                body = unpack(parts[0])
+                version = body["v"]
+                msg = from_dict(body, TO_SERVER)
                 if isinstance(msg, Generate):
                     check_request_id(msg.request_id)
             except (ProtocolError, InvalidRequest) as e:
                 self.counters.rejected_frames += 1
                 self.log.warning("rejected client frame", client=client.hex(), error=str(e))
                 rid = e.request_id if isinstance(e, ProtocolError) else None
-                await self._to_client(client, encode(Error(str(e), rid, PROTOCOL)))
+                await self._reply(client, Error(str(e), rid, PROTOCOL), getattr(e, "version", None) or version)
                 continue
             except Exception:  # a codec bug must cost one frame, never the server
                 self.counters.rejected_frames += 1
                 self.log.exception("client frame failed to decode", client=client.hex())
-                await self._to_client(client, encode(Error("malformed frame", None, PROTOCOL)))
+                await self._reply(client, Error("malformed frame", None, PROTOCOL), version)
                 continue
             if isinstance(msg, Ping):
-                await self._to_client(client, encode(Pong(msg.nonce, self.server_id, self.restarts)))
+                await self._reply(client, Pong(msg.nonce, self.server_id, self.restarts), version)
                 continue
             if isinstance(msg, (Generate, Stats)):
                 if not self.keys.ok(msg.api_key):
-                    await self._unauthorized(client, msg)
+                    await self._unauthorized(client, msg, version)
                     continue
                 if msg.api_key:  # no further: the backend may cross hosts
-                    parts = [encode(dataclasses.replace(msg, api_key=""))]
+                    parts = [encode(dataclasses.replace(msg, api_key=""), version)]
             if isinstance(msg, Generate):
                 if self.fatal is not None:
-                    await self._to_client(client, encode(_failed(msg.request_id, UNAVAILABLE, UNAVAILABLE_TEXT)))
+                    await self._reply(client, _failed(msg.request_id, UNAVAILABLE, UNAVAILABLE_TEXT), version)
                     continue
                 if msg.request_id in self.waiting.get(client, ()):
-                    await self._to_client(client, encode(Error(f"request_id {msg.request_id!r} is already in flight",
-                                                               None, INVALID_REQUEST)))
+                    await self._reply(client, Error(f"request_id {msg.request_id!r} is already in flight", None,
+                                                    INVALID_REQUEST), version)
                     continue
                 if self.counters.tracked_requests >= self.capacity:
                     self.counters.overloaded += 1
-                    await self._to_client(client, encode(_failed(msg.request_id, OVERLOADED, OVERLOADED_TEXT)))
+                    await self._reply(client, _failed(msg.request_id, OVERLOADED, OVERLOADED_TEXT), version)
                     continue
                 self.waiting.setdefault(client, set()).add(msg.request_id)
+                self.versions[client] = version
                 self.counters.tracked_requests += 1
             try:
                 await self.backend.send_multipart([FRONTEND, CLIENT, client, parts[0]])
             except zmq.ZMQError:  # the frontend is not connected (still starting, or gone)
                 if isinstance(msg, Generate):
                     self._settle(client, msg.request_id)
-                    await self._to_client(client, encode(_failed(msg.request_id, UNAVAILABLE, UNAVAILABLE_TEXT)))
+                    await self._reply(client, _failed(msg.request_id, UNAVAILABLE, UNAVAILABLE_TEXT), version)
                 else:
-                    await self._to_client(client, encode(Error(UNAVAILABLE_TEXT, None, UNAVAILABLE)))
+                    await self._reply(client, Error(UNAVAILABLE_TEXT, None, UNAVAILABLE), version)
 
     async def _backend_loop(self) -> None:
         while True:
@@ -176,15 +184,21 @@ class Broker:
             raise ProtocolError(f"{body['type']!r} is not a client message")
         if self.fatal is not None:
             return  # every waiting request already got its final error
-        if body.get("finished") or body["type"] == Error.TYPE:  # type: ignore[attr-defined]
+        if body["type"] == Outputs.TYPE:  # type: ignore[attr-defined]
+            batch = from_dict(body, OUTPUTS)
+            for rid, final in zip(batch.request_ids, batch.finals):
+                if final is not None:
+                    self._settle(client, rid)
+        elif body.get("finished") or body["type"] == Error.TYPE:  # type: ignore[attr-defined]
             self._settle(client, body.get("request_id"))
-        if body["type"] == StatsReply.TYPE:  # type: ignore[attr-defined]
+        elif body["type"] == StatsReply.TYPE:  # type: ignore[attr-defined]
             reply = from_dict(body, channel(StatsReply))
-            payload = encode(StatsReply(reply.query_id, reply.stats | {"broker": self.stats()}))
+            payload = encode(StatsReply(reply.query_id, reply.stats | {"broker": self.stats()}), body["v"])
         if not await self._to_client(client, payload) and client not in self.gone:
             self.gone[client] = None
             if len(self.gone) > _GONE_MEMORY:
                 del self.gone[next(iter(self.gone))]
+            self.versions.pop(client, None)
             self.counters.tracked_requests -= len(self.waiting.pop(client, ()))
             self.counters.vanished_clients += 1
             self.log.info("client vanished", client=client.hex())
@@ -204,22 +218,26 @@ class Broker:
         self.log.error("failing every in-flight request", reason=msg.reason, requests=n)
         for client, rids in list(self.waiting.items()):
             for rid in rids:
-                await self._to_client(client, encode(_failed(rid, UNAVAILABLE, UNAVAILABLE_TEXT)))
+                await self._reply(client, _failed(rid, UNAVAILABLE, UNAVAILABLE_TEXT), self.versions[client])
         self.waiting.clear()
+        self.versions.clear()
         self.counters.tracked_requests = 0
 
-    async def _unauthorized(self, client: bytes, msg: Generate | Stats) -> None:
+    async def _unauthorized(self, client: bytes, msg: Generate | Stats, version: int) -> None:
         self.counters.unauthorized += 1
         self.log.warning("unauthorized", client=client.hex(), message=msg.TYPE, key_given=bool(msg.api_key))  # type: ignore[attr-defined]
         text = "unauthorized: this server needs an API key (api_key=...)" if not msg.api_key else "unauthorized: invalid API key"
         if isinstance(msg, Generate):
-            await self._to_client(client, encode(_failed(msg.request_id, UNAUTHORIZED, text)))
+            await self._reply(client, _failed(msg.request_id, UNAUTHORIZED, text), version)
         else:
-            await self._to_client(client, encode(Error(text, None, UNAUTHORIZED)))
+            await self._reply(client, Error(text, None, UNAUTHORIZED), version)
 
     def stats(self) -> dict[str, int]:
         self.counters.clients = len(self.waiting)
         return asdict(self.counters) | {"restarts": self.restarts}
+
+    async def _reply(self, client: bytes, msg: Any, version: int) -> bool:
+        return await self._to_client(client, encode(msg, version))
 
     async def _to_client(self, client: bytes, payload: bytes) -> bool:
         try:
@@ -235,6 +253,7 @@ class Broker:
             self.counters.tracked_requests -= 1
             if not pending:
                 del self.waiting[client]
+                del self.versions[client]
 
 
 UNAVAILABLE_TEXT = "server unavailable: restarting after a failure; retry shortly"

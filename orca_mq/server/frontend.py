@@ -1,5 +1,6 @@
 """The frontend: tokenizes and validates client requests, forwards them to the scheduler, and
-streams each request's tokens back, detokenized incrementally.
+streams each request's tokens back, detokenized incrementally: per iteration, one frame per client
+(orca_mq.server.outbox), every reply in the protocol version the client wrote its frame in.
 
 Every request gets exactly one final `output`: finished with "stop" | "length", "abort" (client
 abort or drain timeout) or "error" with a stable code (common_msgs: invalid request, failed on a
@@ -27,10 +28,10 @@ import zmq.asyncio
 from orca_mq.config import Config
 from orca_mq.detokenizer import IncrementalDetokenizer
 from orca_mq.logs import setup_logging
-from orca_mq.protocol import ProtocolError, decode
-from orca_mq.protocol.client_msgs import TO_SERVER, Abort, Generate, Output, Stats, StatsReply
+from orca_mq.protocol import ProtocolError, decode, unpack
+from orca_mq.protocol.client_msgs import TO_SERVER, Abort, Final, Generate, Output, Stats, StatsReply
 from orca_mq.protocol.common_msgs import ABORTED, INTERNAL, INVALID_REQUEST, OVERLOADED, UNAVAILABLE, Error
-from orca_mq.protocol.codec import channel
+from orca_mq.protocol.codec import channel, from_dict
 from orca_mq.protocol.control_msgs import AbortAll, ClientGone, Drain, Drained, Ready
 from orca_mq.protocol.engine_msgs import AbortRequest, AddRequest, StatsQuery, StatsResult, TokenBatch
 from orca_mq.sampling_params import InvalidRequest, SamplingParams
@@ -38,6 +39,7 @@ from orca_mq.tokenizer import load_tokenizer
 from orca_mq.validation import admit
 from orca_mq.engine.model_info import read_model_info
 from orca_mq.server.active_request import ActiveRequest, Admission
+from orca_mq.server.outbox import Outbox
 from orca_mq.server.prompts import Prompts
 from orca_mq.server.process import process_main
 from orca_mq.server.request_ids import RequestIds
@@ -70,7 +72,7 @@ class Frontend:
         self.ctx = zmq.asyncio.Context()
         self.link = BrokerLink(self.ctx, cfg.server.backend_address, "frontend")
         self.active: dict[str, ActiveRequest] = {}       # by internal id
-        self.stats_waiting: dict[str, tuple[bytes, str]] = {}  # our query id -> (client, its query id)
+        self.stats_waiting: dict[str, tuple[bytes, str, int]] = {}  # our query id -> (client, its query id, version)
         self.draining = False
 
     async def run(self) -> int:
@@ -90,17 +92,18 @@ class Frontend:
 
     async def _dispatch(self, env: Envelope) -> None:
         if env.route == CLIENT:
-            msg = decode(env.payload, TO_SERVER)
+            body = unpack(env.payload)
+            msg, version = from_dict(body, TO_SERVER), body["v"]
             if isinstance(msg, Generate):
-                await self._enqueue(env.source, msg)
+                await self._enqueue(env.source, msg, version)
             elif isinstance(msg, Abort):
                 await self._abort(self.ids.lookup(env.source, msg.request_id))
             elif isinstance(msg, Stats):
                 if len(self.stats_waiting) >= MAX_STATS_QUERIES:
-                    await self.link.to_client(env.source, Error("too many stats queries in flight", None, OVERLOADED))
+                    await self.link.to_client(env.source, Error("too many stats queries in flight", None, OVERLOADED), version)
                     return
                 qid = uuid.uuid4().hex
-                self.stats_waiting[qid] = (env.source, msg.query_id)
+                self.stats_waiting[qid] = (env.source, msg.query_id, version)
                 await self.link.to_peer("scheduler", StatsQuery(qid, msg.record, msg.reset))
             return
         msg = decode(env.payload, FROM_PROCESSES)
@@ -127,7 +130,7 @@ class Frontend:
         elif iid in self.active:
             await self.link.to_peer("scheduler", AbortRequest(iid))
 
-    async def _enqueue(self, client: bytes, msg: Generate) -> None:
+    async def _enqueue(self, client: bytes, msg: Generate, version: int) -> None:
         """The checks that need no tokenizer, on the event loop; the params parsed and validated here, once."""
         try:
             if self.draining:
@@ -137,9 +140,9 @@ class Frontend:
             params.validate(self.info.vocab_size)
             iid = self.ids.new(client, msg.request_id)
         except InvalidRequest as e:
-            await self._refuse(client, msg.request_id, e)
+            await self._refuse(client, msg.request_id, e, version)
             return
-        self.admitting[iid] = Admission(client, msg, params)
+        self.admitting[iid] = Admission(client, msg, params, version)
         task = asyncio.create_task(self._tokenize_and_admit(iid, msg, params))
         self.admissions.add(task)
         task.add_done_callback(self.admissions.discard)
@@ -159,18 +162,19 @@ class Frontend:
         try:
             if adm.aborted:
                 self.ids.release(iid)
-                await self.link.to_client(adm.client, Output(msg.request_id, [], "", True, "abort", code=ABORTED))
+                await self.link.to_client(adm.client, Output(msg.request_id, [], "", True, "abort", code=ABORTED), adm.version)
             elif failure is not None:
                 raise failure
             else:
                 await self._admit(iid, adm, prompt_ids)
         except InvalidRequest as e:
             self.ids.release(iid)
-            await self._refuse(adm.client, msg.request_id, e)
+            await self._refuse(adm.client, msg.request_id, e, adm.version)
         except Exception:  # e.g. a tokenizer failure: fail this request, keep serving the others
             self.ids.release(iid)
             self.log.exception("request failed before admission", request_id=iid)
-            await self.link.to_client(adm.client, Output(msg.request_id, [], "", True, "error", INTERNAL_TEXT, code=INTERNAL))
+            await self.link.to_client(adm.client, Output(msg.request_id, [], "", True, "error", INTERNAL_TEXT, code=INTERNAL),
+                                      adm.version)
         await self._maybe_drained()
 
     async def _admit(self, iid: str, adm: Admission, prompt_ids: list[int]) -> None:
@@ -178,42 +182,48 @@ class Frontend:
             raise _Unavailable("server is shutting down; not accepting new requests")
         params = admit(prompt_ids, adm.params, self.info, self.cfg)
         rid = adm.msg.request_id
-        self.active[iid] = ActiveRequest(adm.client, rid, IncrementalDetokenizer(self.tokenizer), len(prompt_ids), time.time())
+        self.active[iid] = ActiveRequest(adm.client, rid, IncrementalDetokenizer(self.tokenizer), len(prompt_ids), time.time(),
+                                         adm.version)
         self.log.info("request admitted", request_id=iid, client_request_id=rid, prompt_tokens=len(prompt_ids),
                       max_tokens=params.max_tokens)
         await self.link.to_peer("scheduler", AddRequest(iid, prompt_ids, params))
 
-    async def _refuse(self, client: bytes, rid: str, e: InvalidRequest) -> None:
+    async def _refuse(self, client: bytes, rid: str, e: InvalidRequest, version: int) -> None:
         self.log.info("request rejected", client_request_id=rid, error=str(e))
         code = UNAVAILABLE if isinstance(e, _Unavailable) else INVALID_REQUEST
-        await self.link.to_client(client, Output(rid, [], "", True, "error", str(e), code=code))
+        await self.link.to_client(client, Output(rid, [], "", True, "error", str(e), code=code), version)
 
     async def _on_tokens(self, batch: TokenBatch) -> None:
+        """One step's tokens: grouped by request, each request detokenized once, a frame per client."""
         now = time.time()
-        for iid, token_id, reason in batch.events:
+        new: dict[str, list[int]] = {}
+        for iid, token_id in zip(batch.request_ids, batch.token_ids):
+            if (ids := new.get(iid)) is None:
+                new[iid] = [token_id]
+            else:
+                ids.append(token_id)
+        for iid in batch.finals:
+            new.setdefault(iid, [])
+        out = Outbox()
+        for iid, ids in new.items():
             req = self.active.get(iid)
             if req is None:
                 continue  # its client vanished: the abort is already on its way
-            new = [] if token_id is None else [token_id]
-            if new:
-                req.token_ids.append(token_id)  # type: ignore[arg-type]
-                req.first_token = req.first_token or now
-            text = req.detok.step(new)
-            if reason is None:
-                await self.link.to_client(req.client, Output(req.request_id, new, text))
-                continue
-            text += req.detok.finish()
-            metrics = {**req.metrics(now), **({"scheduler": batch.metrics[iid]} if iid in batch.metrics else {})}
-            error = INTERNAL_TEXT if reason == "error" else None
-            await self.link.to_client(req.client, Output(req.request_id, new, text, True, reason, error, metrics,
-                                                         FINAL_CODES.get(reason)))
-            self._forget(iid)
-            self.log.info("request finished", request_id=iid, finish_reason=reason,
-                          completion_tokens=len(req.token_ids), iteration=batch.iteration)
+            text = req.step(ids, now)
+            final = None
+            if (reason := batch.finals.get(iid)) is not None:
+                text += req.detok.finish()
+                metrics = req.metrics(now) | ({"scheduler": batch.metrics[iid]} if iid in batch.metrics else {})
+                final = Final(reason, INTERNAL_TEXT if reason == "error" else None, metrics, FINAL_CODES.get(reason))
+                self._forget(iid)
+                self.log.info("request finished", request_id=iid, finish_reason=reason,
+                              completion_tokens=len(req.detok.ids), iteration=batch.iteration)
+            out.add(req, ids, text, final)
+        await out.send(self.link)
         await self._maybe_drained()
 
     async def _stats_reply(self, msg: StatsResult) -> None:
-        client, query_id = self.stats_waiting.pop(msg.query_id, (b"", ""))
+        client, query_id, version = self.stats_waiting.pop(msg.query_id, (b"", "", 0))
         if not client:
             return
         stats = msg.stats | {"frontend": {"active_requests": len(self.active), "admitting": len(self.admitting),
@@ -221,7 +231,7 @@ class Frontend:
         if "record" in stats:  # the asking client's own requests under its own ids
             stats["record"] = [[it, [self.ids.name(i, client) for i in iids]] for it, iids in stats["record"]]
             stats["arrival_order"] = [self.ids.name(i, client) for i in stats["arrival_order"]]
-        await self.link.to_client(client, StatsReply(query_id, stats))
+        await self.link.to_client(client, StatsReply(query_id, stats), version)
 
     async def _client_gone(self, client: bytes) -> None:
         iids = self.ids.of_client(client)

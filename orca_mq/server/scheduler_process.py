@@ -138,7 +138,7 @@ class SchedulerProcess:
 
     async def _refused(self, request_id: str) -> None:
         self.log.exception("request refused by the scheduler", request_id=request_id)
-        await self.link.to_peer("frontend", TokenBatch(-1, [(request_id, None, "error")]))
+        await self._emit(-1, [TokenEvent(request_id, None, "error")])
 
     def _vocabulary(self) -> Vocabulary:
         """The model's vocabulary for the grammars, built when the first constrained request comes."""
@@ -183,11 +183,24 @@ class SchedulerProcess:
         return bool(out.plans)
 
     async def _emit(self, iteration: int, events: list[TokenEvent]) -> None:
-        if events:
-            metrics = {e.request_id: m for e in events if e.finish_reason
-                       and (m := (self.sched.request_metrics(e.request_id) or {}) | (e.metrics or {}))}
-            self.telemetry.finished(metrics.values())
-            await self.link.to_peer("frontend", TokenBatch(iteration, [(e.request_id, e.token_id, e.finish_reason) for e in events], metrics))
+        """The step's events to the frontend as one TokenBatch: two flat columns of tokens (msgpack
+        packs them in C), the few finals with their metrics beside."""
+        if not events:
+            return
+        rids: list[str] = []
+        tokens: list[int] = []
+        finals: dict[str, str] = {}
+        metrics: dict[str, dict[str, Any]] = {}
+        for e in events:
+            if e.token_id is not None:
+                rids.append(e.request_id)
+                tokens.append(e.token_id)
+            if e.finish_reason:
+                finals[e.request_id] = e.finish_reason
+                if m := (self.sched.request_metrics(e.request_id) or {}) | (e.metrics or {}):
+                    metrics[e.request_id] = m
+        self.telemetry.finished(metrics.values())
+        await self.link.to_peer("frontend", TokenBatch(iteration, rids, tokens, finals, metrics))
 
     async def _start_stats(self, source: bytes, query: StatsQuery) -> None:
         qid = uuid.uuid4().hex

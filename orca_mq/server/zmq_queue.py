@@ -18,7 +18,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from orca_mq.protocol import ProtocolError, encode
+from orca_mq.protocol import PROTOCOL_VERSION, ProtocolError, encode
 from orca_mq.protocol.common_msgs import PROTOCOL, Error
 
 PEER = b"P"
@@ -68,16 +68,18 @@ class BrokerLink:
                 log.warning("rejected envelope", error=str(e))
 
     async def reject(self, env: Envelope, error: ProtocolError, log: Any) -> None:
-        """Log a frame that could not be accepted and answer its sender (the broker reports its own)."""
+        """Log a frame that could not be accepted and answer its sender (the broker reports its own), in
+        the frame's version where it had a supported one."""
         log.warning("rejected frame", route=env.route.decode(), source=env.source.hex(), error=str(error))
         if env.route != BROKER:
-            await self.send_raw(env.route, env.source, encode(Error(f"{self.identity}: {error}", error.request_id, PROTOCOL)))
+            await self.send_raw(env.route, env.source, encode(Error(f"{self.identity}: {error}", error.request_id, PROTOCOL),
+                                                              error.version or PROTOCOL_VERSION))
 
     async def to_peer(self, peer: str | bytes, msg: Any) -> None:
         await self.send_raw(PEER, peer if isinstance(peer, bytes) else peer.encode(), encode(msg))
 
-    async def to_client(self, client: bytes, msg: Any) -> None:
-        await self.send_raw(CLIENT, client, encode(msg))
+    async def to_client(self, client: bytes, msg: Any, version: int = PROTOCOL_VERSION) -> None:
+        await self.send_raw(CLIENT, client, encode(msg, version))
 
     async def to_broker(self, msg: Any) -> None:
         await self.send_raw(BROKER, b"", encode(msg))

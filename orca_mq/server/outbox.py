@@ -1,0 +1,45 @@
+"""One iteration's news for the clients, a frame per client: what the frontend streams.
+
+A client that wrote its request in protocol v4 or later gets one `outputs` frame per iteration with
+a row for each of its requests the iteration moved (one ZeroMQ send and one encode per client, not
+per token). An older client knows only `output`: it gets one per request, in its own version.
+"""
+from __future__ import annotations
+
+from orca_mq.protocol import encode
+from orca_mq.protocol.client_msgs import Final, Output, Outputs
+from orca_mq.server.active_request import ActiveRequest
+from orca_mq.server.zmq_queue import CLIENT, BrokerLink
+
+BATCHED_VERSION = 4   # the protocol version that added `outputs`
+
+
+def output(request_id: str, token_ids: list[int], text: str, final: Final | None) -> Output:
+    """A row of `outputs` as the `output` frame older clients read."""
+    if final is None:
+        return Output(request_id, token_ids, text)
+    return Output(request_id, token_ids, text, True, final.finish_reason, final.error, final.metrics, final.code)
+
+
+class Outbox:
+    def __init__(self) -> None:
+        self.batches: dict[bytes, Outputs] = {}                # v4 clients: their one frame
+        self.singles: list[tuple[bytes, int, Output]] = []     # older clients: (client, version, frame)
+
+    def add(self, req: ActiveRequest, token_ids: list[int], text: str, final: Final | None) -> None:
+        if req.version < BATCHED_VERSION:
+            self.singles.append((req.client, req.version, output(req.request_id, token_ids, text, final)))
+            return
+        batch = self.batches.get(req.client)
+        if batch is None:
+            batch = self.batches[req.client] = Outputs([], [], [], [])
+        batch.request_ids.append(req.request_id)
+        batch.token_ids.append(token_ids)
+        batch.texts.append(text)
+        batch.finals.append(final)
+
+    async def send(self, link: BrokerLink) -> None:
+        for client, batch in self.batches.items():
+            await link.send_raw(CLIENT, client, encode(batch))
+        for client, version, single in self.singles:
+            await link.send_raw(CLIENT, client, encode(single, version))
