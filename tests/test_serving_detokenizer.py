@@ -2,10 +2,16 @@
 broken (U+FFFD) multi-byte character, whatever the token boundaries."""
 from __future__ import annotations
 
+import random
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from orca_mq.detokenizer import IncrementalDetokenizer
 from orca_mq.tokenizer import load_tokenizer
+
+TOKENIZER = load_tokenizer("")
 
 TEXTS = [
     "Hello, wörld! naïve café — “quotes”",
@@ -17,7 +23,7 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return load_tokenizer("")
+    return TOKENIZER
 
 
 @pytest.mark.parametrize("text", TEXTS)
@@ -43,3 +49,38 @@ def test_special_tokens_are_skipped(tokenizer):
     detok = IncrementalDetokenizer(tokenizer)
     ids = tokenizer.encode("Done.") + [eos]
     assert "".join(detok.step([i]) for i in ids) + detok.finish() == "Done."
+
+
+TEXT = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=24)
+
+
+@st.composite
+def token_sequences(draw: st.DrawFn, vocab: int) -> list[int]:
+    """Tokens of random text (CJK, emoji, combining marks: characters split over byte-level tokens),
+    any token of the vocabulary (special ones, stray UTF-8 bytes), or both mixed."""
+    parts = draw(st.lists(st.one_of(TEXT.map(lambda t: ("text", t)),
+                                    st.lists(st.integers(0, vocab - 1), max_size=6).map(lambda ids: ("ids", ids))),
+                          min_size=1, max_size=4))
+    return [i for kind, p in parts for i in (TOKENIZER.encode(p) if kind == "text" else p)]
+
+
+@settings(max_examples=300, deadline=None)
+@given(seqs=st.lists(token_sequences(len(TOKENIZER)), min_size=1, max_size=4), seed=st.integers(0, 2**32))
+def test_batched_steps_join_to_the_full_decode(seqs: list[list[int]], seed: int) -> None:
+    """Requests stepped together, each iteration bringing 0-3 new tokens per request (the
+    frontend's batches): every request's pieces join to its full decode, and text that is valid
+    UTF-8 never streams a broken character."""
+    rng = random.Random(seed)
+    detoks = [IncrementalDetokenizer(TOKENIZER) for _ in seqs]
+    pieces: list[list[str]] = [[] for _ in seqs]
+    pos = [0] * len(seqs)
+    while any(p < len(s) for p, s in zip(pos, seqs)):
+        for i, (detok, seq) in enumerate(zip(detoks, seqs)):
+            k = rng.randint(0, 3)
+            pieces[i].append(detok.step(seq[pos[i]:pos[i] + k]))
+            pos[i] += k
+    for detok, seq, got in zip(detoks, seqs, pieces):
+        full = TOKENIZER.decode(seq, skip_special_tokens=True)
+        assert "".join(got) + detok.finish() == full
+        if "\ufffd" not in full:
+            assert not any("\ufffd" in p for p in got)
