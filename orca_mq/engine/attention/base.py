@@ -27,6 +27,7 @@ class BackendUnavailable(RuntimeError):
 class AttentionBackend(Protocol):
     name: ClassVar[str]
     devices: ClassVar[tuple[str, ...]]   # device types `auto` may pick it for
+    split_decode: ClassVar[bool]         # it reads the metadata's decode_* fields (one-token rows apart from prompts)
     ops: LayerOps   # the model's norms, rotary and activation on this backend's device (engine/layer_ops.py)
 
     @classmethod

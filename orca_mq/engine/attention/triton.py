@@ -19,6 +19,7 @@ Tensor = torch.Tensor
 class TritonAttention:
     name: ClassVar[str] = "triton"
     devices: ClassVar[tuple[str, ...]] = ("cuda",)
+    split_decode: ClassVar[bool] = False   # one ragged launch for every row
     ops: LayerOps   # the Triton rms_norm and rotary for the model's other ops
 
     @classmethod
