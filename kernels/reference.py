@@ -48,13 +48,11 @@ def write_kv_ref(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_ma
 
 
 def _gather_kv(cache: Tensor, block_table: Tensor, seq_len: int) -> Tensor:
-    """Contiguous ``[seq_len, n_kv_heads, head_dim]`` view-copy of one request's cache."""
+    """Contiguous ``[seq_len, n_kv_heads, head_dim]`` copy of one request's cache (one gather on the
+    cache's device: a per-position loop would synchronise with a GPU once per key)."""
     block_size = cache.shape[1]
-    rows = []
-    for pos in range(seq_len):
-        blk = int(block_table[pos // block_size])
-        rows.append(cache[blk, pos % block_size])
-    return torch.stack(rows, dim=0)
+    pos = torch.arange(seq_len, device=cache.device)
+    return cache[block_table[pos // block_size].long(), pos % block_size]
 
 
 def ragged_paged_attention_ref(
@@ -92,8 +90,8 @@ def ragged_paged_attention_ref(
         v = v.repeat_interleave(group, dim=1)
         qb = q[q0:q1].float()  # [L, H, d]
         scores = torch.einsum("lhd,shd->hls", qb, k) * scale  # [H, L, S]
-        q_pos = torch.arange(ctx, seq_len).view(-1, 1)
-        k_pos = torch.arange(seq_len).view(1, -1)
+        q_pos = torch.arange(ctx, seq_len, device=q.device).view(-1, 1)  # the scores' device (CUDA in the bench)
+        k_pos = torch.arange(seq_len, device=q.device).view(1, -1)
         scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[q0:q1] = torch.einsum("hls,shd->lhd", probs, v).to(q.dtype)
