@@ -27,6 +27,7 @@ __all__ = [
     "rms_norm_ref",
     "fused_add_rms_norm_ref",
     "rotary_ref",
+    "rotary_write_kv_ref",
 ]
 
 
@@ -141,3 +142,25 @@ def rotary_ref(
     q_out = q32 * cos + _rotate_half(q32) * sin
     k_out = k32 * cos + _rotate_half(k32) * sin
     return q_out.to(q.dtype), k_out.to(k.dtype)
+
+
+def rotary_write_kv_ref(
+    qkv: Tensor, positions: Tensor, cos_cache: Tensor, sin_cache: Tensor, slot_mapping: Tensor,
+    k_cache: Tensor, v_cache: Tensor, n_heads: int, n_kv_heads: int,
+) -> Tensor:
+    """``rotary_ref`` then ``write_kv_ref`` on a fused QKV output ``[T, (n_heads + 2 n_kv_heads) d]``.
+
+    IN PLACE: the Q and K heads of ``qkv`` are rotated where they lie (V is untouched), the
+    rotated K and the V of every token with a slot >= 0 go into the caches. Returns the rotated
+    Q, a ``[T, n_heads, d]`` view of ``qkv``.
+    """
+    t, d = qkv.shape[0], k_cache.shape[-1]
+    q = qkv[:, : n_heads * d].view(t, n_heads, d)
+    k = qkv[:, n_heads * d: (n_heads + n_kv_heads) * d].view(t, n_kv_heads, d)
+    v = qkv[:, (n_heads + n_kv_heads) * d:].view(t, n_kv_heads, d)
+    q_rot, k_rot = rotary_ref(q, k, positions, cos_cache, sin_cache)
+    q.copy_(q_rot)
+    k.copy_(k_rot)
+    write_kv_ref(k, v, k_cache, v_cache, slot_mapping)
+    return q
+
