@@ -19,6 +19,7 @@ Grouped-query attention: query head h reads kv head h // (n_heads // n_kv_heads)
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "fused_add_rms_norm_ref",
     "rotary_ref",
     "rotary_write_kv_ref",
+    "silu_mul_ref",
 ]
 
 
@@ -164,3 +166,9 @@ def rotary_write_kv_ref(
     write_kv_ref(k, v, k_cache, v_cache, slot_mapping)
     return q
 
+
+def silu_mul_ref(gate_up: Tensor) -> Tensor:
+    """``[T, 2n] = [gate | up] -> silu(gate) * up [T, n]`` as torch (and HF's LlamaMLP) computes it:
+    silu rounded to the dtype before the product."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up

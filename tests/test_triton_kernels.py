@@ -48,6 +48,7 @@ from kernels.reference import (  # noqa: E402  (plain torch; never imports trito
     rms_norm_ref,
     rotary_ref,
     rotary_write_kv_ref,
+    silu_mul_ref,
     write_kv_ref,
 )
 
@@ -279,6 +280,9 @@ def test_kernel_ref_write_kv_and_norms_and_rotary():
     assert torch.equal(kc.view(-1, kvh, d)[slots[keep]], k_rot[keep])
     assert torch.equal(vc.view(-1, kvh, d)[slots[keep]], qkv.view(T, -1, d)[keep, H + kvh:])
 
+    # silu_mul_ref vs x * sigmoid(x) * up
+    gu = torch.randn(5, 2 * 48, generator=gen)
+    assert rel_err(silu_mul_ref(gu), gu[:, :48] * torch.sigmoid(gu[:, :48]) * gu[:, 48:]) <= 1e-6
 
 
 # ---------------------------------------------------------------------------
@@ -439,6 +443,18 @@ def _check_rotary_write_kv(gen, n_heads, n_kv_heads, d, T, dtype=torch.float32, 
         f"exact vs rotary+write_kv={exact} padding/other slots untouched={slots_ok} q is a view={view_ok}"
 
 
+def _check_silu_mul(gen, T, n, dtype):
+    import kernels
+
+    x = torch.randn(T, 2 * n, generator=gen) * 3
+    x[:1, :3] = torch.tensor([-200.0, 0.0, 200.0])  # saturating gates stay finite
+    x = x.to(dtype)
+    out = kernels.silu_mul(x)
+    err = rel_err(out, silu_mul_ref(x)) if T else 0.0
+    tol = FP32_TOL if dtype == torch.float32 else 2e-3
+    return out.shape == (T, n) and out.dtype == dtype and err <= tol, err, f"T={T} n={n} {dtype}"
+
+
 def _child_checks():
     checks = {}
     for name, kw in ATTN_CASES:
@@ -458,6 +474,9 @@ def _child_checks():
     checks["rotary_write_kv_T1"] = lambda g: _check_rotary_write_kv(g, 9, 3, 64, T=1)
     checks["rotary_write_kv_T0"] = lambda g: _check_rotary_write_kv(g, 4, 2, 32, T=0)
     checks["rotary_write_kv_gqa9x3_d64_fp16"] = lambda g: _check_rotary_write_kv(g, 9, 3, 64, T=4, dtype=torch.float16)
+    checks["silu_mul_1536_fp32"] = lambda g: _check_silu_mul(g, 3, 1536, torch.float32)
+    checks["silu_mul_100_fp16"] = lambda g: _check_silu_mul(g, 2, 100, torch.float16)
+    checks["silu_mul_T0"] = lambda g: _check_silu_mul(g, 0, 64, torch.float32)
     return checks
 
 

@@ -63,8 +63,8 @@ def scenarios(interpret: bool):
 
 def model_shape(interpret: bool):
     if interpret:
-        return dict(hidden=48, n_heads=9, n_kv_heads=3, head_dim=16)
-    return dict(hidden=576, n_heads=9, n_kv_heads=3, head_dim=64)  # embedded model
+        return dict(hidden=48, n_heads=9, n_kv_heads=3, head_dim=16, intermediate=40)
+    return dict(hidden=576, n_heads=9, n_kv_heads=3, head_dim=64, intermediate=1536)  # embedded model
 
 
 def build(reqs, shape, block_size, dtype, device, gen):
@@ -97,6 +97,7 @@ def build(reqs, shape, block_size, dtype, device, gen):
     q, k, v = rnd(T, H, d), rnd(T, KVH, d), rnd(T, KVH, d)
     return dict(
         T=T, q=q, k=k, v=v, qkv=torch.cat([q, k, v], dim=1).view(T, -1),  # the fused QKV projection's output
+        gate_up=rnd(T, 2 * shape["intermediate"]),
         k_cache=rnd(num_blocks, block_size, KVH, d), v_cache=rnd(num_blocks, block_size, KVH, d),
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
         block_tables=bt.to(device), cu_q_lens=cu.to(device),
@@ -182,6 +183,7 @@ def cases(t, kernels):
         ("rotary_write_kv", rope_kv(kernels.rotary_write_kv), rope_kv(kernels.rotary_write_kv_ref)),
         ("rotary_write_kv_vs_2_kernels",  # today's two launches: equal bits expected, in every dtype
          rope_kv(kernels.rotary_write_kv), rope_kv(functools.partial(rotary_then_write_kv, kernels))),
+        ("silu_mul", lambda: kernels.silu_mul(t["gate_up"]), lambda: kernels.silu_mul_ref(t["gate_up"])),
     ]
 
 
