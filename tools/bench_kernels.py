@@ -54,6 +54,7 @@ def scenarios(interpret: bool):
             ("mixed_2prefill_3decode", [(0, 9), (5, 7)] + [(14, 1)] * 3),
         ]
     return [
+        ("decode_b1_kv2048", [(2047, 1)]),  # 3 programs walk 32 KV chunks each: does split-KV pay?
         ("decode_b64_kv256", [(255, 1)] * 64),
         ("prefill_512", [(0, 512)]),
         ("prefill_4x128", [(0, 128)] * 4),
