@@ -22,6 +22,7 @@ class TorchAttention:
     name: ClassVar[str] = "torch"
     devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
     split_decode: ClassVar[bool] = True   # one-token rows batched apart from prompts (metadata's decode_* fields)
+    fused_rotary_kv: ClassVar[bool] = False
     ops: LayerOps = TorchOps()
     __slots__ = ()
 
