@@ -92,8 +92,8 @@ def ragged_paged_attention_ref(
         v = v.repeat_interleave(group, dim=1)
         qb = q[q0:q1].float()  # [L, H, d]
         scores = torch.einsum("lhd,shd->hls", qb, k) * scale  # [H, L, S]
-        q_pos = torch.arange(ctx, seq_len).view(-1, 1)
-        k_pos = torch.arange(seq_len).view(1, -1)
+        q_pos = torch.arange(ctx, seq_len, device=q.device).view(-1, 1)
+        k_pos = torch.arange(seq_len, device=q.device).view(1, -1)
         scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[q0:q1] = torch.einsum("hls,shd->lhd", probs, v).to(q.dtype)
