@@ -32,9 +32,9 @@ class Section:
 
 # the run's order: cheap and model-free first (beside the models build), the headline figures before
 # the re-confirmations; budgets sum past the deadline, which cuts whatever comes last
-SECTIONS = (Section("env", 20, 60, False), Section("refusal", 30, 60, False), Section("kernels", 45, 90, False),
-            Section("exactness", 50, 120), Section("iteration", 75, 150), Section("offline", 45, 120),
-            Section("served", 90, 240), Section("determinism", 35, 120), Section("fastserve", 40, 120))
+SECTIONS = (Section("env", 15, 60, False), Section("refusal", 25, 60, False), Section("kernels", 40, 90, False),
+            Section("exactness", 60, 120), Section("iteration", 80, 150), Section("offline", 50, 120),
+            Section("served", 90, 240), Section("determinism", 45, 120), Section("fastserve", 45, 120))
 MODELS = Section("models", 75, 120, False)
 DEADLINE_S, SMALL_DEADLINE_S = 345.0, 900.0   # the device call allows 6 minutes
 TABLE_COLUMNS = ("section", "figure", "value", "target", "met")
