@@ -7,6 +7,7 @@ beside the first sections, which need none.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -94,8 +95,14 @@ class Child:
         name = self.section.name
         try:
             rc = self.proc.wait(max(timeout, 0.1))
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
+        except subprocess.TimeoutExpired:   # SIGTERM first: the section kills the server it started
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
             rc = None
         self.reader.join(5)

@@ -8,7 +8,9 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import os
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -24,6 +26,8 @@ from orca_mq.bench.gpu_carry import FOLDER, ROOT
 from orca_mq.config import Config
 
 GRAPHS = "engine.cuda_graphs"       # auto | on | off, where the engine has it (issue 32)
+# what a section started in sessions of their own (a server): stopped when the run kills it at its budget
+CLEANUP: list[Callable[[], None]] = []
 
 
 @dataclass(frozen=True)
@@ -255,6 +259,7 @@ def exactness(ctx: Ctx) -> None:
             err = (ours - exp).abs().max().item()
             top1 = (ours.argmax(-1) == exp.argmax(-1)).float().mean().item()
             ctx.emit(f"fp32 logits vs transformers, {backend} attention: max abs", err, target="<= 1e-4", met=err <= 1e-4,
+                     shown=f"{err:.2g} (top-1 agrees {top1:.0%})",
                      how=f"one mixed iteration ({shape}) vs transformers fp32 on {ctx.device}", top1_agree=top1,
                      logit_scale=exp.abs().max().item())
             del r
@@ -407,6 +412,7 @@ def served(ctx: Ctx) -> None:
             "log.dir": ctx.work / "served_logs"}
     t = time.perf_counter()
     server = spawn(sets, ctx.work / "served.launch.log", ready_timeout=240)
+    CLEANUP.append(lambda: os.killpg(server.proc.pid, signal.SIGKILL))
     ctx.emit(detail="server ready", s=time.perf_counter() - t, sets=sets)
     try:
         runs = {}
@@ -509,7 +515,15 @@ SECTIONS: dict[str, Callable[[Ctx], None]] = {f.__name__: f for f in (
     models, env, kernels, refusal, exactness, iteration, offline, served, determinism, fastserve)}
 
 
+def _on_sigterm(signum: int, _frame: object) -> None:
+    for fn in CLEANUP:
+        with contextlib.suppress(OSError):
+            fn()
+    os._exit(128 + signum)
+
+
 def main() -> int:
+    signal.signal(signal.SIGTERM, _on_sigterm)
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("section", choices=SECTIONS)
     ap.add_argument("--work", type=Path, required=True)
