@@ -494,14 +494,14 @@ def fastserve(ctx: Ctx) -> None:
         llm = ctx.llm("smol", dtype="float32", max_bs=64, n_slots=slots, host_slots=sz.host_slots, policy=policy,
                       deterministic=True, preempt_margin=0.0)
         if policy == "fastserve":   # count the blocks its plans move: identical tokens prove nothing without them
-            execute = llm.runner.execute
+            launch = llm.runner.launch
 
             def counted(plan: Any, *a: Any) -> Any:
                 moved["out"] += len(plan.swap_out)
                 moved["in"] += len(plan.swap_in)
-                return execute(plan, *a)
+                return launch(plan, *a)
 
-            llm.runner.execute = counted
+            llm.runner.launch = counted
         res[policy] = [o.token_ids for o in llm.generate(prompts, sps)]
         del llm
     same = sum(a == b for a, b in zip(res["orca"], res["fastserve"]))
