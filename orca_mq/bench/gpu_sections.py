@@ -304,6 +304,12 @@ def iteration(ctx: Ctx) -> None:
                                        scheduler__max_num_batched_tokens=max(sz.prefills))
     if not runners:
         raise RuntimeError("no engine runner could be built")
+    if (on := runners.get("on")) is not None:
+        g = on.graphs
+        ctx.emit("cuda graphs captured (buckets, MiB, s)", len(g.graphs) if g else 0, target=">= 1" if ctx.cuda else None,
+                 met=bool(g and g.graphs) if ctx.cuda else None,
+                 shown=f"{len(g.graphs)} of {len(g.sizes)} up to {g.sizes[-1]}, {g.memory / 2**20:.0f} MiB, {g.capture_s:.1f} s"
+                 if g else f"none: {on.graph_error or 'not on this device'}", how="ModelRunner.graphs after start")
     info = next(iter(runners.values())).info
     yard = ProbeModel(info, torch.device(ctx.device), getattr(torch, dtype))
     how = f"ModelRunner.execute (forward + sampling), median of {sz.repeat}, {dtype}, synchronized"

@@ -53,6 +53,8 @@ class DecodeGraphs:
         self.fill_dst, self.fill_src = whole["fill_dst"], whole["fill_src"]
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor]] = {}
         self.memory = 0           # bytes the captures took on the device
+        self.capture_s = 0.0
+        self.error = ""           # why capture failed (the stage runs eagerly)
 
     def bucket(self, rows: int) -> int | None:
         if rows > self.sizes[-1]:
@@ -92,11 +94,13 @@ class DecodeGraphs:
             torch.cuda.synchronize(self.device)
         except Exception as e:  # noqa: BLE001 - any capture failure: run eagerly, say so once
             self.graphs.clear()
-            log.warning("cuda graphs off, decode iterations run eagerly: %s: %s", type(e).__name__, str(e)[:300])
+            self.error = f"{type(e).__name__}: {str(e)[:300]}"
+            log.warning("cuda graphs off, decode iterations run eagerly: %s", self.error)
             return False
         self.memory = torch.cuda.memory_reserved(self.device) - before
+        self.capture_s = time.perf_counter() - started
         log.info("cuda graphs: %d buckets up to %d captured in %.1f s, %.0f MiB", len(self.sizes), self.sizes[-1],
-                 time.perf_counter() - started, self.memory / 2**20)
+                 self.capture_s, self.memory / 2**20)
         return True
 
     def run(self, step: HostStep, bucket: int, prev_tokens: Tensor | None) -> Tensor:

@@ -96,6 +96,7 @@ class ModelRunner:
                                  self.info.max_model_len(cfg), self.deterministic, attention.split_decode)
         self.stager = Stager(self.device, scratch_block=self.pool.device_blocks)
         self._prev: tuple[int, Tensor] | None = None   # the last iteration sampled here: (number, its tokens on the device)
+        self.graph_error = ""   # why the CUDA graphs asked for could not be captured (the stage runs eagerly)
         self.graphs = self._graphs(cfg, layers)
 
     @staticmethod
@@ -233,7 +234,8 @@ class ModelRunner:
         width = -(-self.geometry.max_len // self.block_size)
         graphs = DecodeGraphs(lambda ids, meta: self.model.forward(ids, meta, self.kv), max_bs, width,
                               self.geometry.split_decode, self.stager, self.block_size, self.device)
-        return graphs if graphs.capture() else None
+        self.graph_error = "" if graphs.capture() else graphs.error
+        return None if self.graph_error else graphs
 
 
 @dataclass(slots=True)
