@@ -1,6 +1,7 @@
 """Selective-batching kernels: Triton versions and their plain-torch references.
 
     from kernels import write_kv, ragged_paged_attention, rms_norm, fused_add_rms_norm, rotary
+    from kernels import rotary_write_kv, silu_mul
     from kernels import write_kv_ref, ragged_paged_attention_ref, rms_norm_ref, ...
 
 The reference functions (``kernels.reference``) are imported eagerly and never
@@ -10,7 +11,9 @@ access, so ``import kernels`` does not import triton: that matters because
 effect if it is set before triton is first imported. On CPU without the
 interpreter use the ``*_ref`` functions (or the engine's own torch path).
 
-``rotary`` is out of place (returns new tensors); ``write_kv`` is in place.
+``rotary`` and ``silu_mul`` are out of place (return new tensors); ``write_kv`` is in place, and so is
+``rotary_write_kv`` (rotary and the KV write in one launch: rotates the Q and K heads of the fused QKV
+output where they lie, returns Q as a view of it).
 The engine reaches them through its ``triton`` attention backend
 (orca_mq/engine/attention/triton.py).
 """
@@ -26,6 +29,8 @@ from .reference import (
     ragged_paged_attention_ref,
     rms_norm_ref,
     rotary_ref,
+    rotary_write_kv_ref,
+    silu_mul_ref,
     write_kv_ref,
 )
 
@@ -35,6 +40,8 @@ _TRITON_FUNCS = {
     "rms_norm": ".norm_rope_kernel",
     "fused_add_rms_norm": ".norm_rope_kernel",
     "rotary": ".norm_rope_kernel",
+    "rotary_write_kv": ".rotary_kv_kernel",
+    "silu_mul": ".activation_kernel",
 }
 
 __all__ = [
@@ -43,11 +50,15 @@ __all__ = [
     "rms_norm",
     "fused_add_rms_norm",
     "rotary",
+    "rotary_write_kv",
+    "silu_mul",
     "write_kv_ref",
     "ragged_paged_attention_ref",
     "rms_norm_ref",
     "fused_add_rms_norm_ref",
     "rotary_ref",
+    "rotary_write_kv_ref",
+    "silu_mul_ref",
     "triton_usable",
 ]
 

@@ -94,23 +94,47 @@ def fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) 
 
 
 @triton.jit
+def _rope_tables(cos_ptr, sin_ptr, pos, stride_cos, stride_sin, half, BLOCK_HALF: tl.constexpr):
+    """Both halves of position ``pos``'s cos and sin rows, in fp32."""
+    offs_d = tl.arange(0, BLOCK_HALF)
+    dm = offs_d < half
+    c = cos_ptr + pos * stride_cos + offs_d
+    s = sin_ptr + pos * stride_sin + offs_d
+    cos1 = tl.load(c, mask=dm, other=0.0).to(tl.float32)
+    cos2 = tl.load(c + half, mask=dm, other=0.0).to(tl.float32)
+    sin1 = tl.load(s, mask=dm, other=0.0).to(tl.float32)
+    sin2 = tl.load(s + half, mask=dm, other=0.0).to(tl.float32)
+    return cos1, cos2, sin1, sin2
+
+
+@triton.jit
+def _half_heads(stride_h, n_h, half, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """Offsets of the first half of every head ``[BLOCK_H, BLOCK_HALF]`` (the second is ``+ half``) and their mask."""
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_HALF)
+    return offs_h[:, None] * stride_h + offs_d[None, :], (offs_h[:, None] < n_h) & (offs_d[None, :] < half)
+
+
+@triton.jit
+def _rope(x_ptr, p, mask, half, cos1, cos2, sin1, sin2):
+    """The rotated halves ``(o1, o2)`` (fp32) of the heads at ``x_ptr + p``: ``out = x*cos + rotate_half(x)*sin``,
+    ``rotate_half(x) = cat(-x2, x1)``. Every rotary kernel goes through here, so they round alike."""
+    x1 = tl.load(x_ptr + p, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + p + half, mask=mask, other=0.0).to(tl.float32)
+    return x1 * cos1[None, :] - x2 * sin1[None, :], x2 * cos2[None, :] + x1 * sin2[None, :]
+
+
+@triton.jit
 def _rope_rows(
     x_ptr, o_ptr, stride_h, stride_oh, n_h, half,
     cos1, cos2, sin1, sin2,
     BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
 ):
-    offs_h = tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, BLOCK_HALF)
-    mask = (offs_h[:, None] < n_h) & (offs_d[None, :] < half)
-    p1 = offs_h[:, None] * stride_h + offs_d[None, :]
-    po1 = offs_h[:, None] * stride_oh + offs_d[None, :]
-    x1 = tl.load(x_ptr + p1, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(x_ptr + p1 + half, mask=mask, other=0.0).to(tl.float32)
-    # out = x*cos + rotate_half(x)*sin, rotate_half(x) = cat(-x2, x1)
-    o1 = x1 * cos1[None, :] - x2 * sin1[None, :]
-    o2 = x2 * cos2[None, :] + x1 * sin2[None, :]
-    tl.store(o_ptr + po1, o1.to(o_ptr.dtype.element_ty), mask=mask)
-    tl.store(o_ptr + po1 + half, o2.to(o_ptr.dtype.element_ty), mask=mask)
+    p, mask = _half_heads(stride_h, n_h, half, BLOCK_H, BLOCK_HALF)
+    po, _ = _half_heads(stride_oh, n_h, half, BLOCK_H, BLOCK_HALF)
+    o1, o2 = _rope(x_ptr, p, mask, half, cos1, cos2, sin1, sin2)
+    tl.store(o_ptr + po, o1.to(o_ptr.dtype.element_ty), mask=mask)
+    tl.store(o_ptr + po + half, o2.to(o_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -124,12 +148,7 @@ def _rotary_kernel(
 ):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
-    offs_d = tl.arange(0, BLOCK_HALF)
-    dm = offs_d < half
-    cos1 = tl.load(cos_ptr + pos * stride_cos + offs_d, mask=dm, other=0.0).to(tl.float32)
-    cos2 = tl.load(cos_ptr + pos * stride_cos + half + offs_d, mask=dm, other=0.0).to(tl.float32)
-    sin1 = tl.load(sin_ptr + pos * stride_sin + offs_d, mask=dm, other=0.0).to(tl.float32)
-    sin2 = tl.load(sin_ptr + pos * stride_sin + half + offs_d, mask=dm, other=0.0).to(tl.float32)
+    cos1, cos2, sin1, sin2 = _rope_tables(cos_ptr, sin_ptr, pos, stride_cos, stride_sin, half, BLOCK_HALF)
     _rope_rows(q_ptr + t * stride_qt, qo_ptr + t * stride_qot, stride_qh, stride_qoh, n_heads, half,
                cos1, cos2, sin1, sin2, BLOCK_HQ, BLOCK_HALF)
     _rope_rows(k_ptr + t * stride_kt, ko_ptr + t * stride_kot, stride_kh, stride_koh, n_kv_heads, half,

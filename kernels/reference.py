@@ -19,6 +19,7 @@ Grouped-query attention: query head h reads kv head h // (n_heads // n_kv_heads)
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = [
@@ -27,6 +28,8 @@ __all__ = [
     "rms_norm_ref",
     "fused_add_rms_norm_ref",
     "rotary_ref",
+    "rotary_write_kv_ref",
+    "silu_mul_ref",
 ]
 
 
@@ -48,13 +51,11 @@ def write_kv_ref(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_ma
 
 
 def _gather_kv(cache: Tensor, block_table: Tensor, seq_len: int) -> Tensor:
-    """Contiguous ``[seq_len, n_kv_heads, head_dim]`` view-copy of one request's cache."""
+    """Contiguous ``[seq_len, n_kv_heads, head_dim]`` copy of one request's cache (one gather on the
+    cache's device: a per-position loop would synchronise with a GPU once per key)."""
     block_size = cache.shape[1]
-    rows = []
-    for pos in range(seq_len):
-        blk = int(block_table[pos // block_size])
-        rows.append(cache[blk, pos % block_size])
-    return torch.stack(rows, dim=0)
+    pos = torch.arange(seq_len, device=cache.device)
+    return cache[block_table[pos // block_size].long(), pos % block_size]
 
 
 def ragged_paged_attention_ref(
@@ -92,8 +93,8 @@ def ragged_paged_attention_ref(
         v = v.repeat_interleave(group, dim=1)
         qb = q[q0:q1].float()  # [L, H, d]
         scores = torch.einsum("lhd,shd->hls", qb, k) * scale  # [H, L, S]
-        q_pos = torch.arange(ctx, seq_len).view(-1, 1)
-        k_pos = torch.arange(seq_len).view(1, -1)
+        q_pos = torch.arange(ctx, seq_len, device=q.device).view(-1, 1)  # the scores' device (CUDA in the bench)
+        k_pos = torch.arange(seq_len, device=q.device).view(1, -1)
         scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[q0:q1] = torch.einsum("hls,shd->lhd", probs, v).to(q.dtype)
@@ -143,3 +144,31 @@ def rotary_ref(
     q_out = q32 * cos + _rotate_half(q32) * sin
     k_out = k32 * cos + _rotate_half(k32) * sin
     return q_out.to(q.dtype), k_out.to(k.dtype)
+
+
+def rotary_write_kv_ref(
+    qkv: Tensor, positions: Tensor, cos_cache: Tensor, sin_cache: Tensor, slot_mapping: Tensor,
+    k_cache: Tensor, v_cache: Tensor, n_heads: int, n_kv_heads: int,
+) -> Tensor:
+    """``rotary_ref`` then ``write_kv_ref`` on a fused QKV output ``[T, (n_heads + 2 n_kv_heads) d]``.
+
+    IN PLACE: the Q and K heads of ``qkv`` are rotated where they lie (V is untouched), the
+    rotated K and the V of every token with a slot >= 0 go into the caches. Returns the rotated
+    Q, a ``[T, n_heads, d]`` view of ``qkv``.
+    """
+    t, d = qkv.shape[0], k_cache.shape[-1]
+    q = qkv[:, : n_heads * d].view(t, n_heads, d)
+    k = qkv[:, n_heads * d: (n_heads + n_kv_heads) * d].view(t, n_kv_heads, d)
+    v = qkv[:, (n_heads + n_kv_heads) * d:].view(t, n_kv_heads, d)
+    q_rot, k_rot = rotary_ref(q, k, positions, cos_cache, sin_cache)
+    q.copy_(q_rot)
+    k.copy_(k_rot)
+    write_kv_ref(k, v, k_cache, v_cache, slot_mapping)
+    return q
+
+
+def silu_mul_ref(gate_up: Tensor) -> Tensor:
+    """``[T, 2n] = [gate | up] -> silu(gate) * up [T, n]`` as torch (and HF's LlamaMLP) computes it:
+    silu rounded to the dtype before the product."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up

@@ -22,6 +22,7 @@ Policy = Literal["orca", "request", "fastserve", "srpt"]
 KVPolicy = Literal["proactive", "defer", "reactive"]
 LogLevel = Literal["debug", "info", "warning", "error"]
 JsonWhitespace = Literal["compact", "flexible"]
+Switch = Literal["auto", "on", "off"]
 
 
 @dataclass(slots=True)
@@ -46,6 +47,8 @@ class EngineConfig:
     prefix_caching: bool = True
     deterministic: bool = False
     deterministic_rows: int = 16
+    cuda_graphs: Switch = "auto"
+    cuda_graph_max_bs: int = 0
 
 
 @dataclass(slots=True)
@@ -53,6 +56,7 @@ class SchedulerConfig:
     policy: Policy = "orca"
     max_bs: int = 32
     max_num_batched_tokens: int = 256
+    async_scheduling: Switch = "auto"
 
 
 @dataclass(slots=True)
@@ -218,6 +222,11 @@ def check(cfg: Config) -> None:
     """Checks across keys or inside a string, once per load: a mistake is a one-line ValueError."""
     if cfg.engine.deterministic_rows < 1:
         raise ValueError(f"engine.deterministic_rows must be >= 1, got {cfg.engine.deterministic_rows}")
+    if cfg.engine.cuda_graph_max_bs < 0:
+        raise ValueError(f"engine.cuda_graph_max_bs must be >= 0 (0: scheduler.max_bs), got {cfg.engine.cuda_graph_max_bs}")
+    if cfg.scheduler.async_scheduling == "on" and cfg.engine.n_workers * cfg.engine.tp_size != 1:
+        raise ValueError("scheduler.async_scheduling = on needs one worker (engine.n_workers = engine.tp_size = 1): "
+                         "the next iteration's tokens are read where the last one sampled them")
     for key in cfg.server.api_keys():
         if len(key) > MAX_API_KEY_CHARS or not re.fullmatch(r"[!-~]+", key):
             raise ValueError(f"server.api_key: each key (comma-separated) must be 1 to {MAX_API_KEY_CHARS} "

@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any, Sequence
 
 from orca_mq.config import load_config
 from orca_mq.outputs import RequestOutput
-from orca_mq.engine.model_runner import ModelRunner
+from orca_mq.engine.model_runner import Launched, ModelRunner
 from orca_mq.protocol.iteration import IterationResult
 from orca_mq.sampling_params import InvalidRequest, SamplingParams
 from orca_mq.sched import make_scheduler
@@ -73,12 +74,16 @@ class LLM:
         return self.generate(prompts, params)
 
     def run_until_done(self) -> None:
-        """The scheduler's iteration loop (`Scheduler.step`), offline: each plan runs here, in order."""
+        """The scheduler's iteration loop (`Scheduler.step`), offline: each plan is launched here, in
+        order, and collected oldest first; with async scheduling the next one is launched before the
+        last is collected, so the device computes while the host plans."""
         results: list[IterationResult] = []
+        launched: deque[Launched] = deque()
         while True:
             out = self.scheduler.step(time.monotonic(), results)
-            results = [self.runner.execute(plan) for plan in out.plans]  # type: ignore[misc]
-            if not results:
+            launched.extend(self.runner.launch(plan) for plan in out.plans)
+            if not launched:
                 if self.scheduler.has_work():
                     raise RuntimeError("scheduler has requests but cannot schedule any (KV pool too small?)")
                 return
+            results = [self.runner.collect(launched.popleft())]  # type: ignore[list-item]

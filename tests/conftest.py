@@ -7,23 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from orca_mq.bench.random_models import save_random_model
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-
-def _save_tiny(path: Path, config, near_ties: bool = False) -> Path:
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).float().eval()
-    with torch.no_grad():  # random init is near-zero for some params; widen so bugs change logits
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.02)
-        if near_ties:  # token 2i+1's LM-head row = token 2i's within 1e-6: greedy picks between them by rounding
-            w = model.lm_head.weight
-            n = w.shape[0] // 2 * 2
-            w[1:n:2] = w[0:n:2] * (1 + 1e-6 * torch.randn_like(w[0:n:2]))
-    model.save_pretrained(path, safe_serialization=True)
-    return path
 
 
 @pytest.fixture(scope="session")
@@ -34,7 +20,7 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                       rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
                       bos_token_id=1, eos_token_id=2)
-    return _save_tiny(tmp_path_factory.mktemp("tiny_llama"), cfg)
+    return save_random_model(tmp_path_factory.mktemp("tiny_llama"), cfg)
 
 
 @pytest.fixture(scope="session")
@@ -43,7 +29,7 @@ def tiny_gpt2_dir(tmp_path_factory) -> Path:
 
     cfg = GPT2Config(vocab_size=512, n_embd=64, n_layer=3, n_head=4, n_positions=512,
                      bos_token_id=1, eos_token_id=2)
-    return _save_tiny(tmp_path_factory.mktemp("tiny_gpt2"), cfg)
+    return save_random_model(tmp_path_factory.mktemp("tiny_gpt2"), cfg)
 
 
 @pytest.fixture(scope="session")
@@ -73,7 +59,7 @@ def _served_model(path: Path, near_ties: bool) -> Path:
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5,
                       tie_word_embeddings=not near_ties, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-    _save_tiny(path, cfg, near_ties)
+    save_random_model(path, cfg, near_ties)
     tok.save_pretrained(path)
     return path
 

@@ -36,5 +36,5 @@ def test_triton_is_never_auto_on_the_cpu(monkeypatch):
 def test_auto_dtype_follows_native_bf16(monkeypatch, flags, expected):
     monkeypatch.setattr(dtype_mod, "cpu_flags", lambda: frozenset(flags))
     assert resolve_dtype("auto", "cpu") == expected
-    assert resolve_dtype("auto", "cuda") == "float32"
+    assert resolve_dtype("auto", "cuda") == "bfloat16"
     assert resolve_dtype("float16", "cpu") == "float16"   # an explicit dtype is kept

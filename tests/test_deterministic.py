@@ -23,7 +23,7 @@ from orca_mq.client import AsyncClient
 from orca_mq.config import load_config
 from orca_mq.engine import gemm
 from orca_mq.engine.model_runner import ModelRunner
-from orca_mq.engine.sampler import sample
+from orca_mq.engine.sampler import sample_seqs
 from orca_mq.protocol.iteration import IterationPlan, SeqWork
 from orca_mq.tokenizer import load_tokenizer
 from serving_harness import start_server
@@ -80,7 +80,7 @@ def _life(runner: ModelRunner, prompt: list[int], chunks: list[int], steps: int,
         rng.shuffle(batch)
         out = runner.forward(IterationPlan(i, batch))
         rows = [s for s in batch if s.sample]
-        drawn, failed = sample(out, rows)
+        drawn, failed = sample_seqs(out, rows)
         assert not failed
         if target.sample:
             b = rows.index(target)

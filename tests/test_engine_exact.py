@@ -7,6 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from orca_mq.bench.plans import mixed_iteration_logits
 from orca_mq.kv.block_manager import BlockManager
 from orca_mq.config import load_config
 from orca_mq.protocol.iteration import IterationPlan, SeqWork
@@ -21,26 +22,6 @@ def _runner(model_dir, block_size: int = 8, n_slots: int = 2048, backend: str = 
     return ModelRunner(cfg)
 
 
-def _mixed_iteration_logits(runner: ModelRunner, prefills: list[list[int]], decodes: list[list[int]],
-                            rng: random.Random) -> torch.Tensor:
-    """Run every decode request's prefix first (filling its KV), then ONE iteration mixing the full
-    prefills with each decode request's last token at its own position. Returns that iteration's logits."""
-    bm = BlockManager(runner.pool)
-    rng.shuffle(bm.device.free)  # block tables scattered over the pool
-    warm = []
-    for i, seq in enumerate(decodes):
-        table = bm.ensure(f"d{i}", len(seq))
-        warm.append(SeqWork(f"d{i}", seq[:-1], 0, list(table)))
-    runner.forward(IterationPlan(0, warm))
-    mixed = [SeqWork(f"d{i}", [seq[-1]], len(seq) - 1, list(bm.table(f"d{i}"))) for i, seq in enumerate(decodes)]
-    mixed += [SeqWork(f"p{i}", seq, 0, list(bm.ensure(f"p{i}", len(seq)))) for i, seq in enumerate(prefills)]
-    rng.shuffle(mixed)
-    logits = runner.forward(IterationPlan(1, mixed))
-    order = {s.request_id: b for b, s in enumerate(mixed)}
-    names = [f"p{i}" for i in range(len(prefills))] + [f"d{i}" for i in range(len(decodes))]
-    return logits[[order[n] for n in names]]
-
-
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_mixed_batch_matches_transformers(arch, backend, tiny_llama_dir, tiny_gpt2_dir):
@@ -52,7 +33,7 @@ def test_mixed_batch_matches_transformers(arch, backend, tiny_llama_dir, tiny_gp
     vocab = runner.info.vocab_size
     prefills = [[rng.randrange(vocab) for _ in range(n)] for n in (1, 7, 33, 70)]
     decodes = [[rng.randrange(vocab) for _ in range(n)] for n in (2, 9, 16, 17, 100)]
-    ours = _mixed_iteration_logits(runner, prefills, decodes, rng)
+    ours = mixed_iteration_logits(runner, prefills, decodes, rng)
     with torch.no_grad():
         expected = torch.stack([ref(torch.tensor([seq])).logits[0, -1] for seq in prefills + decodes])
     assert ours.shape == expected.shape
@@ -66,7 +47,7 @@ def test_block_size_does_not_change_logits(backend, tiny_llama_dir):
     results = []
     for bs in (1, 8, 16):
         runner = _runner(tiny_llama_dir, block_size=bs, backend=backend)
-        results.append(_mixed_iteration_logits(runner, seqs[:1], seqs[1:], random.Random(bs)))
+        results.append(mixed_iteration_logits(runner, seqs[:1], seqs[1:], random.Random(bs)))
     assert torch.allclose(results[0], results[1], atol=1e-5) and torch.allclose(results[0], results[2], atol=1e-5)
 
 
@@ -79,7 +60,7 @@ def test_bfloat16_decode_kernel_matches_the_torch_path(tiny_llama_dir):
     for backend, dtype in (("cpu", "bfloat16"), ("torch", "bfloat16"), ("cpu", "float32")):
         runner = _runner(tiny_llama_dir, backend=backend, dtype=dtype)
         assert runner.model.attention_backend == backend and runner.dtype == getattr(torch, dtype)
-        out[backend, dtype] = _mixed_iteration_logits(runner, seqs[:2], seqs[2:], random.Random(5)).float()
+        out[backend, dtype] = mixed_iteration_logits(runner, seqs[:2], seqs[2:], random.Random(5)).float()
     scale = out["cpu", "float32"].abs().max().item()
     assert (out["cpu", "bfloat16"] - out["torch", "bfloat16"]).abs().max().item() <= 2 ** -5 * scale   # a few bf16 ulps
     assert (out["cpu", "bfloat16"] - out["cpu", "float32"]).abs().max().item() <= 2 ** -4 * scale

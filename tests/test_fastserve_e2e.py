@@ -15,7 +15,7 @@ from serving_harness import start_server
 from orca_mq import LLM, SamplingParams
 from orca_mq.client import AsyncClient
 from orca_mq.sched.fastserve import FastServeScheduler
-from orca_mq.protocol.iteration import IterationPlan, SeqWork
+from orca_mq.protocol.iteration import IterationPlan, PackedPlan, SeqWork, pack
 from orca_mq.kv.cache import HostKV, KVCache
 from orca_mq.kv.swapper import KVSwapper
 
@@ -126,8 +126,8 @@ def test_swap_thread_matches_inline_copies(monkeypatch):
     inline = KVSwapper(ref, 10, depth=1, threaded=False)
     swapper = KVSwapper(kv, 10, depth=1)
 
-    def plan(i: int, blocks: list[int], out: list[tuple[int, int]], into: list[tuple[int, int]]) -> IterationPlan:
-        return IterationPlan(i, [SeqWork("r", [1], 0, blocks)], swap_out=out, swap_in=into)
+    def plan(i: int, blocks: list[int], out: list[tuple[int, int]], into: list[tuple[int, int]]) -> PackedPlan:
+        return pack(IterationPlan(i, [SeqWork("r", [1], 0, blocks)], swap_out=out, swap_in=into))
 
     plans = [
         plan(1, [0], [(1, 0), (2, 1)], []),          # offload two blocks
@@ -140,7 +140,7 @@ def test_swap_thread_matches_inline_copies(monkeypatch):
     for p in plans:
         swapper.wait(p)
         inline.wait(p)
-        for b in p.seqs[0].block_table:
+        for b in p.block_ids():
             assert torch.equal(kv.k[:, b], ref.k[:, b]) and torch.equal(kv.v[:, b], ref.v[:, b])
         swapper.computed(p)
     swapper.close()
@@ -152,8 +152,8 @@ def test_copies_wait_for_the_compute_that_wrote_their_blocks():
     early plan 2's frame arrives."""
     kv = KVCache.allocate(2, 4, 4, 1, 8, torch.float32, torch.device("cpu"))
     swapper = KVSwapper(kv, 4, depth=1)
-    p1 = IterationPlan(1, [SeqWork("a", [1], 0, [1])])
-    p2 = IterationPlan(2, [SeqWork("b", [1], 0, [2])], swap_out=[(1, 3)])
+    p1 = pack(IterationPlan(1, [SeqWork("a", [1], 0, [1])]))
+    p2 = pack(IterationPlan(2, [SeqWork("b", [1], 0, [2])], swap_out=[(1, 3)]))
     swapper.submit(p1)
     swapper.submit(p2)              # its copies are queued while plan 1 has not computed yet
     swapper.wait(p1)
@@ -163,6 +163,6 @@ def test_copies_wait_for_the_compute_that_wrote_their_blocks():
     swapper.computed(p1)            # ...and is done
     swapper.wait(p2)
     swapper.computed(p2)
-    swapper.wait(IterationPlan(3, []))   # a plan without copies waits for all earlier ones
+    swapper.wait(pack(IterationPlan(3, [])))   # a plan without copies waits for all earlier ones
     assert (swapper.host.k[3] == 7.0).all() and (swapper.host.v[3] == 7.0).all()
     swapper.close()

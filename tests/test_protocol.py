@@ -2,6 +2,7 @@
 frames and badly typed fields are rejected with a ProtocolError (never another exception)."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import msgpack
@@ -9,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orca_mq.protocol.iteration import IterationPlan, IterationResult, SeqWork
+from orca_mq.protocol.iteration import IterationPlan, IterationResult, SeqWork, pack
 from orca_mq.sampling_params import SamplingParams
 from orca_mq.structured.params import StructuredOutputsParams
 from orca_mq.protocol import PROTOCOL_VERSION, ProtocolError, decode, encode, unpack
@@ -36,7 +37,7 @@ MESSAGES = [
     AddRequest("#1", [1, 2], SamplingParams(max_tokens=3, temperature=0.5, seed=7, stop_token_ids=[2])), AbortRequest("r1"),
     AddRequest("#2", [1], SamplingParams(structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))),
     TokenBatch(3, ["a", "c", "a"], [5, 6, 7], {"a": "length", "b": "abort"}, {"a": {"cached_tokens": 0}}),
-    StatsQuery("q"), StatsResult("q", {}), ControlFrame(PLAN, 1.5),
+    StatsQuery("q"), StatsResult("q", {}), ControlFrame(pack(PLAN), 1.5),
     IterationDone(IterationResult(7, ["a", "b"], [10, 11]), 1.0, 2.0), WorkerStatsQuery("q", True), WorkerStats("q", 1, {}),
     Ready("frontend", 12), Drain(), Drained(), AbortAll("why"), Fatal("worker1 died"), ClientGone(b"\x00abcd"),
 ]
@@ -48,9 +49,23 @@ def test_round_trip(msg):
 
 
 def test_plan_keeps_its_types():
-    plan = decode(encode(ControlFrame(PLAN, 0.0)), channel(ControlFrame)).plan
-    assert isinstance(plan.seqs[1], SeqWork) and plan.seqs[1].seed == 1234 and plan.num_tokens == 4
+    plan = decode(encode(ControlFrame(pack(PLAN), 0.0)), channel(ControlFrame)).plan
+    a = plan.arrays()
+    assert plan.request_ids == ["a", "b"] and a.seeds.tolist() == [-1, 1234] and plan.num_tokens == 4
+    assert a.tables.tolist() == [0, 3, 4, 5] and a.token_ids.tolist() == [1, 2, 3, 9] and a.top_k.tolist() == [0, 40]
     assert plan.swap_out == [(1, 100)] and isinstance(plan.swap_out[0], tuple)
+
+
+@pytest.mark.parametrize("column,value,why", [
+    ("q_lens", b"\x01\x00\x00\x00", "rows"), ("token_ids", b"\x01\x00\x00", "whole number"),
+    ("tables", b"", "add up"), ("prev_rows", b"\x00\x00\x00\x00" * 2, "follow no earlier"),
+    ("mask_rows", b"\x05\x00\x00\x00", "masks"),
+])
+def test_plan_columns_are_checked(column, value, why):
+    """A frame's columns must agree with each other before the engine reads them (values are the engine's to check)."""
+    plan = dataclasses.replace(pack(PLAN), **{column: value})
+    with pytest.raises(ValueError, match=why):
+        decode(encode(ControlFrame(plan, 0.0)), channel(ControlFrame)).plan.arrays()
 
 
 def _raw(**body):
@@ -90,11 +105,11 @@ def test_error_names_the_request_when_it_can():
 
 
 def test_nested_plan_is_checked():
-    body = unpack(encode(ControlFrame(PLAN, 0.0)))
-    body["plan"][1][0][2] = "zero"  # start_pos of the first seq
+    body = unpack(encode(ControlFrame(pack(PLAN), 0.0)))
+    body["plan"][3] = "zero"  # the start_pos column
     with pytest.raises(ProtocolError, match="start_pos"):
         decode(msgpack.packb(body), channel(ControlFrame))
-    body["plan"][1][0] = body["plan"][1][0][:3]  # a seq with fields missing
+    body["plan"] = body["plan"][:3]  # a plan with fields missing
     with pytest.raises(ProtocolError):
         decode(msgpack.packb(body), channel(ControlFrame))
 
@@ -162,7 +177,7 @@ def test_errors_carry_the_frames_version():
 
 ROW = st.tuples(st.text(max_size=8), st.lists(st.integers(0, 1 << 20), max_size=3), st.text(max_size=8),
                 st.none() | st.builds(Final, st.sampled_from(["stop", "length", "abort", "error"]), st.none() | st.text(max_size=8),
-                                      st.none() | st.dictionaries(st.text(max_size=4), st.integers(), max_size=2),
+                                      st.none() | st.dictionaries(st.text(max_size=4), st.integers(-(1 << 63), (1 << 63) - 1), max_size=2),
                                       st.none() | st.text(max_size=8)))
 
 

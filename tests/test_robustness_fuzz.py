@@ -11,15 +11,16 @@ import dataclasses
 import math
 
 import msgpack
+import numpy as np
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from orca_mq.engine.sampler import sample
+from orca_mq.engine.sampler import SamplingRows, failed_rows, sample
 from orca_mq.protocol import ProtocolError, decode, encode
 from orca_mq.protocol import client_msgs, control_msgs, engine_msgs
 from orca_mq.protocol.codec import _REGISTRY, channel
-from orca_mq.protocol.iteration import IterationPlan, SeqWork
+from orca_mq.protocol.iteration import IterationPlan, SeqWork, pack
 from orca_mq.sampling_params import InvalidRequest, SamplingParams
 
 CHANNELS = [
@@ -88,10 +89,13 @@ def test_what_validation_accepts_the_sampler_runs(data: dict[str, object], seed:
         return  # rejected: InvalidRequest and nothing else
     seq = SeqWork("r", [1], seq_len - 1, [0], params.temperature, params.top_k, params.top_p, params.seed)
     plan = IterationPlan(1, [seq, SeqWork("other", [2], 0, [1], 0.8, 40, 0.9, 7)])
-    wire = decode(encode(engine_msgs.ControlFrame(plan, 0.0)), channel(engine_msgs.ControlFrame)).plan
-    assert wire.seqs[0] == seq  # it travels to the worker unchanged
+    wire = decode(encode(engine_msgs.ControlFrame(pack(plan), 0.0)), channel(engine_msgs.ControlFrame)).plan
+    rows = SamplingRows.of(wire.arrays())   # it travels to the worker unchanged, as float32 / int32 / int64
+    assert (rows.temperature[0], rows.top_k[0], rows.top_p[0], rows.seeds[0]) == (
+        np.float32(seq.temperature), seq.top_k, np.float32(seq.top_p), -1 if seq.seed is None else seq.seed)
     logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(seed)) * 5
-    tokens, failed = sample(logits, wire.seqs)
+    drawn = sample(logits, rows)
+    tokens, failed = drawn.tokens.tolist(), failed_rows(drawn.ok.tolist(), drawn.failed)
     assert failed == [] and all(0 <= t < VOCAB for t in tokens)
     if params.top_k > 0:
         assert tokens[0] in logits[0].topk(min(params.top_k, VOCAB)).indices.tolist()

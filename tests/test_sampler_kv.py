@@ -13,7 +13,7 @@ from orca_mq.sched.request import Request
 
 
 def sample(logits: torch.Tensor, seqs: list[SeqWork]) -> list[int]:
-    tokens, failed = sampler.sample(logits, seqs)
+    tokens, failed = sampler.sample_seqs(logits, seqs)
     assert failed == []
     return tokens
 
@@ -92,7 +92,7 @@ def test_bad_rows_fail_alone():
     logits[1, 5] = float("nan")
     seqs = [seq(temperature=0.0), seq(temperature=0.0), seq(temperature=1.0, seed=1, allowed_token_bitmask=bitmask(64, [])),
             seq(temperature=0.0, allowed_token_bitmask=b"\x01")]   # NaN logits, nothing allowed, a malformed mask
-    tokens, failed = sampler.sample(logits, seqs)
+    tokens, failed = sampler.sample_seqs(logits, seqs)
     assert failed == [1, 2, 3] and tokens[0] == logits[0].argmax().item()
 
 

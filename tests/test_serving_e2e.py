@@ -1,4 +1,5 @@
-"""End to end on the embedded model, with 1 and 2 workers: the served greedy tokens equal the
+"""End to end on the embedded model, with 1 and 2 workers and with one worker scheduling ahead
+(async scheduling, the graph path's buffers): the served greedy tokens equal the
 offline engine's, requests join mid-run and leave early, the scheduler's record is
 iteration-level FCFS, and no KV slot is left in use."""
 from __future__ import annotations
@@ -37,9 +38,14 @@ def reference():
     return {"tokens": [o.token_ids for o in outs], "texts": [o.text for o in outs], "chat": chat, "tokenizer": llm.tokenizer}
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["1worker", "2workers"])
+# "ahead": one worker with async scheduling and the graph path's padded buffers (on the CPU: no capture)
+AHEAD = {"scheduler.async_scheduling": "on", "engine.cuda_graphs": "on"}
+
+
+@pytest.fixture(scope="module", params=[1, 2, "ahead"], ids=["1worker", "2workers", "1worker-ahead"])
 def server(request, tmp_path_factory, reference):
-    srv = start_server(tmp_path_factory.mktemp(f"srv{request.param}"), n_workers=request.param, **SERVER)
+    workers, extra = (1, AHEAD) if request.param == "ahead" else (request.param, {})
+    srv = start_server(tmp_path_factory.mktemp(f"srv{request.param}"), n_workers=workers, **SERVER, **extra)
     yield srv
     assert srv.stop() == 0, srv.stderr()[-3000:]
 

@@ -47,6 +47,8 @@ from kernels.reference import (  # noqa: E402  (plain torch; never imports trito
     ragged_paged_attention_ref,
     rms_norm_ref,
     rotary_ref,
+    rotary_write_kv_ref,
+    silu_mul_ref,
     write_kv_ref,
 )
 
@@ -267,6 +269,21 @@ def test_kernel_ref_write_kv_and_norms_and_rotary():
 
     assert rel_err(q_rot, crot(q)) <= 1e-5 and rel_err(k_rot, crot(k)) <= 1e-5, f"seed {SEED}"
 
+    # rotary_write_kv_ref: in place on the fused QKV, the rotated K and the V in their slots
+    qkv = torch.cat([q, k, torch.randn(T, kvh, d, generator=gen)], dim=1).view(T, -1)
+    kc, vc = torch.zeros(2, T, kvh, d), torch.zeros(2, T, kvh, d)
+    slots = torch.randperm(2 * T, generator=gen)[:T]
+    slots[0] = -1
+    q_out = rotary_write_kv_ref(qkv, pos, cos, sin, slots, kc, vc, H, kvh)
+    keep = slots >= 0
+    assert q_out.data_ptr() == qkv.data_ptr() and torch.equal(q_out, q_rot)
+    assert torch.equal(kc.view(-1, kvh, d)[slots[keep]], k_rot[keep])
+    assert torch.equal(vc.view(-1, kvh, d)[slots[keep]], qkv.view(T, -1, d)[keep, H + kvh:])
+
+    # silu_mul_ref vs x * sigmoid(x) * up
+    gu = torch.randn(5, 2 * 48, generator=gen)
+    assert rel_err(silu_mul_ref(gu), gu[:, :48] * torch.sigmoid(gu[:, :48]) * gu[:, 48:]) <= 1e-6
+
 
 # ---------------------------------------------------------------------------
 # Child process (TRITON_INTERPRET=1): the Triton kernels against the refs
@@ -374,6 +391,70 @@ def _check_rotary(gen, n_heads, n_kv_heads, d):
     return untouched and err <= FP32_TOL, err, f"inputs untouched={untouched}"
 
 
+def _check_rotary_write_kv(gen, n_heads, n_kv_heads, d, T, dtype=torch.float32, pad=0):
+    """The fused kernel vs rotary then write_kv (bit-exact: same arithmetic and roundings) and vs the
+    reference; slots of padding tokens (slot -1) and every other slot keep their NaN poison.
+    ``pad``: extra columns after each row (a row-strided qkv)."""
+    import kernels
+
+    nb, bs, max_pos = 3, 8, 64
+    cos, sin, _ = rope_cache(max_pos, d, dtype=dtype)
+    width = (n_heads + 2 * n_kv_heads) * d
+    qkv = torch.randn(T, width + pad, generator=gen).to(dtype)[:, :width]
+    pos = torch.randint(0, max_pos, (T,), generator=gen)
+    slots = torch.randperm(nb * bs, generator=gen)[:T]
+    slots[1::3] = -1  # padding tokens
+    cache = torch.full((nb, bs, n_kv_heads, d), float("nan"), dtype=dtype)
+
+    def run(fn):
+        x, kc, vc = qkv.clone(), cache.clone(), cache.clone()
+        return fn(x, kc, vc), x, kc, vc
+
+    q_f, x_f, kc_f, vc_f = run(lambda x, kc, vc: kernels.rotary_write_kv(
+        x, pos, cos, sin, slots.to(torch.int32), kc, vc, n_heads, n_kv_heads))
+    _, x_r, kc_r, vc_r = run(lambda x, kc, vc: rotary_write_kv_ref(
+        x, pos, cos, sin, slots, kc, vc, n_heads, n_kv_heads))
+
+    def two_kernels(x, kc, vc):
+        def heads(a, b):
+            return x[:, a * d:b * d].view(T, b - a, d)
+
+        q_in, k_in = heads(0, n_heads), heads(n_heads, n_heads + n_kv_heads)
+        q, k = kernels.rotary(q_in, k_in, pos, cos, sin)
+        kernels.write_kv(k, heads(n_heads + n_kv_heads, n_heads + 2 * n_kv_heads), kc, vc, slots)
+        q_in.copy_(q)
+        k_in.copy_(k)
+
+    _, x_2, kc_2, vc_2 = run(two_kernels)
+
+    def same(a, b):  # bit-exact, NaN where NaN
+        return torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)) and torch.equal(a.isnan(), b.isnan())
+
+    exact = all(map(same, (x_f, kc_f, vc_f), (x_2, kc_2, vc_2)))
+    written = ~kc_f.isnan().flatten(2).all(-1).view(-1)
+    expect = torch.zeros(nb * bs, dtype=torch.bool)
+    expect[slots[slots >= 0]] = True
+    slots_ok = torch.equal(written, expect) and torch.equal(~vc_f.isnan().flatten(2).all(-1).view(-1), expect)
+    view_ok = q_f.shape == (T, n_heads, d) and (T == 0 or q_f.data_ptr() == x_f.data_ptr())
+    err = max(rel_err(x_f, x_r), rel_err(kc_f.nan_to_num(0.0), kc_r.nan_to_num(0.0)),
+              rel_err(vc_f.nan_to_num(0.0), vc_r.nan_to_num(0.0))) if T else 0.0
+    tol = FP32_TOL if dtype == torch.float32 else 2e-3
+    return exact and slots_ok and view_ok and err <= tol, err, \
+        f"exact vs rotary+write_kv={exact} padding/other slots untouched={slots_ok} q is a view={view_ok}"
+
+
+def _check_silu_mul(gen, T, n, dtype):
+    import kernels
+
+    x = torch.randn(T, 2 * n, generator=gen) * 3
+    x[:1, :3] = torch.tensor([-200.0, 0.0, 200.0])  # saturating gates stay finite
+    x = x.to(dtype)
+    out = kernels.silu_mul(x)
+    err = rel_err(out, silu_mul_ref(x)) if T else 0.0
+    tol = FP32_TOL if dtype == torch.float32 else 2e-3
+    return out.shape == (T, n) and out.dtype == dtype and err <= tol, err, f"T={T} n={n} {dtype}"
+
+
 def _child_checks():
     checks = {}
     for name, kw in ATTN_CASES:
@@ -388,6 +469,14 @@ def _child_checks():
     checks["rotary_gqa9x3_d16"] = lambda g: _check_rotary(g, 9, 3, 16)
     checks["rotary_mha4_d64"] = lambda g: _check_rotary(g, 4, 4, 64)
     checks["rotary_gqa9x3_d64"] = lambda g: _check_rotary(g, 9, 3, 64)
+    checks["rotary_write_kv_gqa9x3_d64"] = lambda g: _check_rotary_write_kv(g, 9, 3, 64, T=7)
+    checks["rotary_write_kv_gqa4x2_d32_strided"] = lambda g: _check_rotary_write_kv(g, 4, 2, 32, T=5, pad=8)
+    checks["rotary_write_kv_T1"] = lambda g: _check_rotary_write_kv(g, 9, 3, 64, T=1)
+    checks["rotary_write_kv_T0"] = lambda g: _check_rotary_write_kv(g, 4, 2, 32, T=0)
+    checks["rotary_write_kv_gqa9x3_d64_fp16"] = lambda g: _check_rotary_write_kv(g, 9, 3, 64, T=4, dtype=torch.float16)
+    checks["silu_mul_1536_fp32"] = lambda g: _check_silu_mul(g, 3, 1536, torch.float32)
+    checks["silu_mul_100_fp16"] = lambda g: _check_silu_mul(g, 2, 100, torch.float16)
+    checks["silu_mul_T0"] = lambda g: _check_silu_mul(g, 0, 64, torch.float32)
     return checks
 
 

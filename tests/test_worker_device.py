@@ -65,3 +65,42 @@ def test_the_compute_and_swap_threads_use_the_worker_device(bound: dict[str, tor
     swapper = KVSwapper(kv, 4, depth=1)   # type: ignore[arg-type]
     swapper.close()
     assert bound["kv-swap"] == device
+
+
+@pytest.mark.parametrize(("sets", "gpus", "refused"), [
+    ({"engine.device": "cuda", "engine.n_workers": 2}, 1, True),                      # the GPU run's NCCL death
+    ({"engine.device": "auto", "engine.n_workers": 2}, 1, True),
+    ({"engine.device": "cuda", "engine.n_workers": 2, "engine.tp_size": 2}, 3, True),
+    ({"engine.device": "cuda", "engine.n_workers": 1}, 0, True),
+    ({"engine.device": "cuda", "engine.n_workers": 2}, 2, False),
+    ({"engine.device": "cuda", "engine.n_workers": 4, "server.nnodes": 2}, 2, False),  # 2 per node
+    ({"engine.device": "auto", "engine.n_workers": 2}, 0, False),                     # auto without CUDA: the CPU
+    ({"engine.device": "cpu", "engine.n_workers": 4}, 1, False),
+])
+def test_more_workers_than_gpus_on_a_node_is_refused_at_start(sets: dict, gpus: int, refused: bool) -> None:
+    from orca_mq.server.nodes import check_gpus
+
+    cfg = load_config(overrides=sets)
+    if refused:
+        with pytest.raises(ValueError, match=f"{gpus} CUDA device"):
+            check_gpus(cfg, lambda: gpus)
+    else:
+        check_gpus(cfg, lambda: gpus)
+
+
+def test_the_launcher_refuses_in_one_line_before_starting_anything(tmp_path) -> None:
+    """This machine has no GPU: two CUDA workers are refused by the launcher's start-up check, exit 1."""
+    import subprocess
+    import sys
+    import time
+
+    from orca_mq.server.process import ROOT, free_port
+
+    t = time.monotonic()
+    out = subprocess.run([sys.executable, str(ROOT / "tools" / "launch.py"), "--port", str(free_port()),
+                          "--set", "engine.device=cuda", "--set", "engine.n_workers=2", "--set", "server.http_address=",
+                          "--set", f"log.dir={tmp_path}"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == 1, out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr, out.stderr
+    assert "orca-mq: workers: 2 workers on this node" in out.stderr and "0 CUDA device(s)" in out.stderr
+    assert out.stdout == "" and time.monotonic() - t < 30   # refused at once: no ready line, no model loaded

@@ -18,15 +18,16 @@ import math
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from orca_mq.config import load_config  # noqa: E402
-from orca_mq.engine.attention import build_metadata  # noqa: E402
+from orca_mq.engine.step_inputs import build, metadata  # noqa: E402
 from orca_mq.engine.model_runner import ModelRunner  # noqa: E402
-from orca_mq.protocol.iteration import IterationPlan, SeqWork  # noqa: E402
+from orca_mq.protocol.iteration import IterationPlan, SeqWork, pack  # noqa: E402
 from orca_mq.tokenizer import load_tokenizer  # noqa: E402
 from tools.bench_engine import weight_bytes  # noqa: E402
 
@@ -53,9 +54,11 @@ TEXT = (  # public domain: the opening of Jane Austen's Pride and Prejudice (181
 def all_logits(runner: ModelRunner, tokens: list[int]) -> torch.Tensor:
     """Logits [T, vocab] of every position of one prefill (the LM head on every row, not just the last)."""
     plan = IterationPlan(0, [SeqWork("x", tokens, 0, list(range(-(-len(tokens) // runner.block_size))))])
-    meta = build_metadata(plan, runner.block_size, runner.device)
-    meta.logit_rows = torch.arange(len(tokens))
-    return runner.model.forward(torch.tensor(tokens), meta, runner.kv).float()
+    step = build(pack(plan).arrays(), runner.geometry)
+    step.fields["logit_rows"] = np.arange(len(tokens))
+    lay = step.layout()
+    dev = metadata(step, lay, runner.stager.stage(step, lay))
+    return runner.model.forward(dev.token_ids, dev.meta, runner.kv).float()
 
 
 def greedy(runner: ModelRunner, prompt: list[int], n: int) -> list[int]:

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from orca_mq.bench.timing import interleaved_medians, median_time  # noqa: E402
 from orca_mq.config import load_config  # noqa: E402
-from orca_mq.protocol.iteration import IterationPlan, SeqWork  # noqa: E402
+from orca_mq.bench.plans import plan_for  # noqa: E402,F401  (tools import it from here)
 from orca_mq.engine.model_runner import ModelRunner  # noqa: E402
 from orca_mq.engine.model_info import ModelInfo  # noqa: E402
 
@@ -57,18 +57,6 @@ def iteration_flops(info: ModelInfo, reqs: list[tuple[int, int]]) -> float:
     tokens = sum(q for q, _ in reqs)
     attn = sum(4 * info.n_layers * info.n_heads * d * sum(ctx + j + 1 for j in range(q)) for q, ctx in reqs)
     return per_token * tokens + attn + 2 * h * info.vocab_size * len(reqs)
-
-
-def plan_for(reqs: list[tuple[int, int]], block_size: int) -> IterationPlan:
-    """The measured plan. Its cached context is left as the pool's zeros: what attention reads costs
-    the same whatever the values, and computing 64 x 255 tokens of real context took minutes on a
-    loaded machine."""
-    seqs, next_block = [], 0
-    for r, (q, ctx) in enumerate(reqs):
-        n = -(-(ctx + q) // block_size)
-        seqs.append(SeqWork(f"r{r}", [7 + (r % 50)] * q, ctx, list(range(next_block, next_block + n))))
-        next_block += n
-    return IterationPlan(1, seqs)
 
 
 def weight_bytes(runner: ModelRunner) -> int:

@@ -4,7 +4,8 @@
 On a CUDA device (the real use):
     python tools/bench_kernels.py --out bench_kernels.json [--dtype float16|bfloat16|float32]
 times every kernel and its ``*_ref`` (plus the attention kernel against a
-fairer per-request SDPA loop) with ``triton.testing.do_bench`` (median
+fairer per-request SDPA loop, and ``rotary_write_kv`` against the rotary and
+write_kv launches it fuses: rel_err 0 expected there) with ``triton.testing.do_bench`` (median
 ms) on shapes of the embedded model (hidden 576, 9 query / 3 KV heads,
 head_dim 64, block_size 16), checks the outputs against the refs (max|a-b| /
 max|b|), prints a table and writes JSON.
@@ -17,6 +18,7 @@ check (correctness + wall time; interpreter times mean nothing).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -52,6 +54,7 @@ def scenarios(interpret: bool):
             ("mixed_2prefill_3decode", [(0, 9), (5, 7)] + [(14, 1)] * 3),
         ]
     return [
+        ("decode_b1_kv2048", [(2047, 1)]),  # 3 programs walk 32 KV chunks each: does split-KV pay?
         ("decode_b64_kv256", [(255, 1)] * 64),
         ("prefill_512", [(0, 512)]),
         ("prefill_4x128", [(0, 128)] * 4),
@@ -61,8 +64,8 @@ def scenarios(interpret: bool):
 
 def model_shape(interpret: bool):
     if interpret:
-        return dict(hidden=48, n_heads=9, n_kv_heads=3, head_dim=16)
-    return dict(hidden=576, n_heads=9, n_kv_heads=3, head_dim=64)  # embedded model
+        return dict(hidden=48, n_heads=9, n_kv_heads=3, head_dim=16, intermediate=40)
+    return dict(hidden=576, n_heads=9, n_kv_heads=3, head_dim=64, intermediate=1536)  # embedded model
 
 
 def build(reqs, shape, block_size, dtype, device, gen):
@@ -92,8 +95,10 @@ def build(reqs, shape, block_size, dtype, device, gen):
     def rnd(*s):
         return torch.randn(*s, generator=gen).to(dtype).to(device)
 
+    q, k, v = rnd(T, H, d), rnd(T, KVH, d), rnd(T, KVH, d)
     return dict(
-        T=T, q=rnd(T, H, d), k=rnd(T, KVH, d), v=rnd(T, KVH, d),
+        T=T, q=q, k=k, v=v, qkv=torch.cat([q, k, v], dim=1).view(T, -1),  # the fused QKV projection's output
+        gate_up=rnd(T, 2 * shape["intermediate"]),
         k_cache=rnd(num_blocks, block_size, KVH, d), v_cache=rnd(num_blocks, block_size, KVH, d),
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
         block_tables=bt.to(device), cu_q_lens=cu.to(device),
@@ -134,8 +139,26 @@ def sdpa_attention(q, k_cache, v_cache, block_tables, cu_q_lens, seq_lens, scale
     return out
 
 
+def rotary_then_write_kv(kernels, qkv, positions, cos, sin, slots, k_cache, v_cache, n_heads, n_kv_heads):
+    """What ``rotary_write_kv`` fuses: the rotary and KV-write kernels on the fused QKV's slices."""
+    t, d = qkv.shape[0], k_cache.shape[-1]
+    q, k = kernels.rotary(qkv[:, :n_heads * d].view(t, n_heads, d),
+                          qkv[:, n_heads * d:(n_heads + n_kv_heads) * d].view(t, n_kv_heads, d), positions, cos, sin)
+    kernels.write_kv(k, qkv[:, (n_heads + n_kv_heads) * d:].view(t, n_kv_heads, d), k_cache, v_cache, slots)
+
+
+BASELINES = {"attention_vs_sdpa_loop": "sdpa_loop", "rotary_write_kv_vs_2_kernels": "rotary+write_kv"}
+
+
 def cases(t, kernels):
     """(kernel name, triton fn, baseline fn) for one scenario's tensors ``t``."""
+    heads = (t["q"].shape[1], t["k"].shape[1])
+
+    def rope_kv(fn):
+        """``fn`` (a rotary_write_kv: in place) on its own copy of the QKV and the caches; returns the K cache."""
+        qkv, kc, vc = t["qkv"].clone(), t["k_cache"].clone(), t["v_cache"].clone()
+        return lambda: (fn(qkv, t["positions"], t["cos"], t["sin"], t["slot_mapping"], kc, vc, *heads), kc)[1]
+
     kc, vc = t["k_cache"].clone(), t["v_cache"].clone()
     kc_ref, vc_ref = t["k_cache"].clone(), t["v_cache"].clone()
     attn_args = (t["block_tables"], t["cu_q_lens"], t["seq_lens"], t["scale"])
@@ -158,6 +181,10 @@ def cases(t, kernels):
         ("rotary",
          lambda: kernels.rotary(t["q"], t["k"], t["positions"], t["cos"], t["sin"])[0],
          lambda: kernels.rotary_ref(t["q"], t["k"], t["positions"], t["cos"], t["sin"])[0]),
+        ("rotary_write_kv", rope_kv(kernels.rotary_write_kv), rope_kv(kernels.rotary_write_kv_ref)),
+        ("rotary_write_kv_vs_2_kernels",  # today's two launches: equal bits expected, in every dtype
+         rope_kv(kernels.rotary_write_kv), rope_kv(functools.partial(rotary_then_write_kv, kernels))),
+        ("silu_mul", lambda: kernels.silu_mul(t["gate_up"]), lambda: kernels.silu_mul_ref(t["gate_up"])),
     ]
 
 
@@ -201,15 +228,15 @@ def main(argv=None) -> int:
             skip_ref = name == "ragged_paged_attention" and args.skip_ref_attention
             ref_ms = float("nan") if skip_ref else timed(ref)
             rows.append(dict(scenario=scen, kernel=name, tokens=t["T"], requests=len(reqs),
-                             baseline="sdpa_loop" if name == "attention_vs_sdpa_loop" else "ref",
+                             baseline=BASELINES.get(name, "ref"),
                              triton_ms=tri_ms, ref_ms=ref_ms,
                              speedup=ref_ms / tri_ms if tri_ms > 0 else float("nan"), rel_err=err))
 
-    hdr = f"{'scenario':36s} {'kernel':24s} {'T':>5s} {'triton ms':>10s} {'base ms':>10s} {'speedup':>8s} {'rel_err':>9s}"
+    hdr = f"{'scenario':36s} {'kernel':28s} {'T':>5s} {'triton ms':>10s} {'base ms':>10s} {'speedup':>8s} {'rel_err':>9s}"
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
-        print(f"{r['scenario']:36s} {r['kernel']:24s} {r['tokens']:5d} {r['triton_ms']:10.4f} "
+        print(f"{r['scenario']:36s} {r['kernel']:28s} {r['tokens']:5d} {r['triton_ms']:10.4f} "
               f"{r['ref_ms']:10.4f} {r['speedup']:8.1f} {r['rel_err']:9.2e}")
     meta = dict(
         device="cpu (TRITON_INTERPRET=1, times meaningless)" if args.interpret else torch.cuda.get_device_name(),

@@ -47,7 +47,7 @@ from orca_mq.engine.model_runner import ModelRunner  # noqa: E402
 from orca_mq.protocol import decode, encode  # noqa: E402
 from orca_mq.protocol.codec import channel  # noqa: E402
 from orca_mq.protocol.engine_msgs import ControlFrame  # noqa: E402
-from orca_mq.protocol.iteration import IterationPlan, SeqWork  # noqa: E402
+from orca_mq.protocol.iteration import IterationPlan, SeqWork, pack  # noqa: E402
 from orca_mq.structured.bitmask import fill_masks  # noqa: E402
 from orca_mq.structured.compiler import Compiler  # noqa: E402
 from orca_mq.structured.grammar import Grammar, Vocabulary  # noqa: E402
@@ -242,12 +242,12 @@ def engine_iteration(vocab: Vocabulary, batches: list[int], repeat: int) -> dict
             walk(g, random.Random(i).randrange(60), random.Random(i))
 
         def free() -> None:
-            runner.execute(decode(encode(ControlFrame(plan, 0.0)), frames).plan)
+            runner.execute(decode(encode(ControlFrame(pack(plan), 0.0)), frames).plan)
 
         def constrained() -> None:
             seqs = [SeqWork(s.request_id, s.token_ids, s.start_pos, s.block_table, s.temperature, seed=s.seed) for s in plan.seqs]
             fill_masks(seqs, grammars)   # type: ignore[arg-type]
-            runner.execute(decode(encode(ControlFrame(IterationPlan(plan.iteration, seqs), 0.0)), frames).plan)
+            runner.execute(decode(encode(ControlFrame(pack(IterationPlan(plan.iteration, seqs)), 0.0)), frames).plan)
 
         t_free, t_constrained = interleaved_medians([free, constrained], repeat)
         out[str(batch)] = {"free_ms": round(t_free * 1e3, 2), "constrained_ms": round(t_constrained * 1e3, 2),

@@ -89,7 +89,7 @@ class Controller:
                 self.log.warning("rejected control frame", error=str(e))
                 await self.link.to_peer("scheduler", Error(f"{self.name}: {e}", code=PROTOCOL))
                 continue
-            self.log.debug("iteration received", iteration=msg.plan.iteration, batch=len(msg.plan.seqs))
+            self.log.debug("iteration received", iteration=msg.plan.iteration, batch=len(msg.plan.request_ids))
             self.runner.prepare(msg.plan)  # FastServe: start its KV copies now, beside earlier computations
             self.executor.submit(msg.plan, msg.t_sent)
 

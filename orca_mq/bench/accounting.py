@@ -2,7 +2,8 @@
 
 Every GEMM goes through the model's `linear` (engine.gemm.linear with its row cut), attention through the backend's `write_kv` / `attend`,
 norms (with the residual adds they carry), rotary and the MLP's activation through the backend's layer
-ops (`engine/layer_ops.py`), sampling through `sample`, the plan's tensors through `build_metadata`. A
+ops (`engine/layer_ops.py`), sampling through `sample`, the plan's tensors through `pack`, `build`, the stager and `metadata`
+(orca_mq/engine/step_inputs.py). A
 `Ledger` wraps each seam of one runner with a timer (on the CPU every op is synchronous, so a call's
 wall time is its cost) and adds it to its category; what no seam covers (views, the embedding, the
 Python between ops) is the iteration's time without the timers minus the categories.
@@ -65,7 +66,9 @@ def instrument(runner: ModelRunner) -> Iterator[Ledger]:
 
     patches = [(m, "linear", ledger.timer(gemm_kind, m.linear)),   # a bound partial: patching the module misses it
                (model_runner, "sample", ledger.timer(CATEGORIES[6], model_runner.sample)),
-               (model_runner, "build_metadata", ledger.timer(CATEGORIES[7], model_runner.build_metadata)),
+               *((obj, name, ledger.timer(CATEGORIES[7], getattr(obj, name)))   # columns, host arrays, the copy, views
+                 for obj, name in ((model_runner, "pack"), (model_runner, "build"), (runner.stager, "stage"),
+                                   (model_runner, "metadata"))),
                (m, "attention", _Timed(m.attention, ledger, {"write_kv": CATEGORIES[2], "attend": CATEGORIES[2]})),
                (m, "ops", _Timed(m.ops, ledger, {"rms_norm": CATEGORIES[3], "add_rms_norm": CATEGORIES[3],
                                                  "rotary": CATEGORIES[4], "silu_mul": CATEGORIES[5]}))]

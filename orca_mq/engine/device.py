@@ -28,6 +28,11 @@ def resolve_device(name: str, local_index: int = 0) -> torch.device:
     return torch.device(name)
 
 
+def uses_cuda(name: str) -> bool:
+    """Whether `engine.device` (auto | cpu | cuda) computes on CUDA here."""
+    return name == "cuda" or (name == "auto" and torch.cuda.is_available())
+
+
 def worker_device(cfg: "Config", stage: int, tp_rank: int) -> torch.device:
     """A worker's device: one GPU per worker of its node, in placement order (stage-major ranks)."""
     from orca_mq.server.nodes import placement

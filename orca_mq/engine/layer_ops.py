@@ -1,7 +1,7 @@
 """A Llama layer's elementwise ops (RMSNorm with the residual add, rotary, the MLP's SiLU-gate) in
 three implementations behind one interface; the attention backend brings the one for its device:
 `TorchOps` (any device; torch's own ops), `CpuOps` (kernels/csrc/layer_ops_cpu.cpp: one pass per op,
-float32 or bfloat16), `TritonOps` (CUDA: kernels/norm_rope_kernel.py).
+float32 or bfloat16), `TritonOps` (CUDA: kernels/norm_rope_kernel.py, kernels/activation_kernel.py).
 
 On the CPU each torch op is a dispatch and a pass over memory: a norm is 7 of them, rotary 9, the
 activation 3, and at decode, a few rows, their Python and dispatch outweigh their arithmetic.
@@ -94,7 +94,7 @@ class CpuOps(TorchOps):
 
 
 class TritonOps(TorchOps):
-    """CUDA: the Triton norm and rotary kernels (kernels/norm_rope_kernel.py)."""
+    """CUDA: the Triton norm, rotary and activation kernels, one launch each."""
 
     __slots__ = ("kernels",)
 
@@ -111,3 +111,6 @@ class TritonOps(TorchOps):
     def rotary(self, qkv: Tensor, positions: Tensor, cos: Tensor, sin: Tensor, n_heads: int,
                n_kv_heads: int) -> tuple[Tensor, Tensor]:
         return self.kernels.rotary(*_split_qk(qkv, n_heads, n_kv_heads, cos.shape[-1]), positions, cos, sin)
+
+    def silu_mul(self, gate_up: Tensor) -> Tensor:
+        return self.kernels.silu_mul(gate_up)   # torch's two ops were two launches and a [T, n] temporary

@@ -74,26 +74,29 @@ class StageModel:
         h = self.tp.embed(tokens, self.w.embed)
         return h + F.embedding(meta.positions, self.w.pos_embed) if self.w.pos_embed is not None else h
 
-    def _attention(self, qkv: Tensor, q: Tensor, k: Tensor, w: dict[str, Tensor], meta: AttentionMetadata,
+    def _attention(self, q: Tensor, k: Tensor, v: Tensor, w: dict[str, Tensor], meta: AttentionMetadata,
                    k_cache: Tensor, v_cache: Tensor) -> Tensor:
-        """The new K/V into the cache, each request over its own KV, the output projection (summed over TP ranks)."""
-        t, d = qkv.shape[0], self.info.head_dim
-        v = qkv[:, -self.split[2]:].view(t, -1, d)
-        self.attention.write_kv(k, v, k_cache, v_cache, meta)
-        o = self.attention.attend(q, k, v, k_cache, v_cache, meta, self.scale).reshape(t, -1)
-        return self.tp.reduce(self.linear(o, w["o"], w.get("o_b")))  # row-parallel: partial sums per rank
+        """Each request over its own KV (this iteration's already written), the output projection (summed over TP ranks)."""
+        o = self.attention.attend(q, k, v, k_cache, v_cache, meta, self.scale).reshape(q.shape[0], -1)
+        return self.tp.reduce(self.linear(o, w["o"], w.get("o_b")))
 
     def _llama_layer(self, h: Tensor, delta: Tensor | None, w: dict[str, Tensor], meta: AttentionMetadata,
                      k_cache: Tensor, v_cache: Tensor) -> tuple[Tensor, Tensor]:
         """(h, delta) in, (h + attention, MLP output) out: each residual add rides in the next norm."""
-        eps = self.info.norm_eps
+        eps, t, d = self.info.norm_eps, h.shape[0], self.info.head_dim
         if delta is None:
             x = self.ops.rms_norm(h, w["attn_norm"], eps)
         else:
             h, x = self.ops.add_rms_norm(h, delta, w["attn_norm"], eps)
         qkv = self.linear(x, w["qkv"])
-        q, k = self.ops.rotary(qkv, meta.positions, self.cos, self.sin, self.n_heads, self.tp.n_kv_heads)
-        h, x = self.ops.add_rms_norm(h, self._attention(qkv, q, k, w, meta, k_cache, v_cache), w["ffn_norm"], eps)
+        v = qkv[:, -self.split[2]:].view(t, -1, d)
+        if self.attention.fused_rotary_kv:   # rotary and the KV write in one launch
+            q = self.attention.rotary_write_kv(qkv, meta, k_cache, v_cache, self.cos, self.sin, self.n_heads)
+            k = qkv[:, self.split[0]: self.split[0] + self.split[1]].view(t, -1, d)
+        else:
+            q, k = self.ops.rotary(qkv, meta.positions, self.cos, self.sin, self.n_heads, self.tp.n_kv_heads)
+            self.attention.write_kv(k, v, k_cache, v_cache, meta)
+        h, x = self.ops.add_rms_norm(h, self._attention(q, k, v, w, meta, k_cache, v_cache), w["ffn_norm"], eps)
         return h, self.tp.reduce(self.linear(self.ops.silu_mul(self.linear(x, w["gate_up"])), w["down"]))
 
     def _gpt2_layer(self, h: Tensor, delta: Tensor | None, w: dict[str, Tensor], meta: AttentionMetadata,
@@ -103,7 +106,9 @@ class StageModel:
         eps, t, d = self.info.norm_eps, h.shape[0], self.info.head_dim
         qkv = self.linear(F.layer_norm(h, (h.shape[-1],), w["ln1_w"], w["ln1_b"], eps), w["qkv"], w.get("qkv_b"))
         q, k = qkv[:, : self.split[0]].view(t, -1, d), qkv[:, self.split[0]: -self.split[2]].view(t, -1, d)
-        h = h + self._attention(qkv, q, k, w, meta, k_cache, v_cache)
+        v = qkv[:, -self.split[2]:].view(t, -1, d)
+        self.attention.write_kv(k, v, k_cache, v_cache, meta)
+        h = h + self._attention(q, k, v, w, meta, k_cache, v_cache)
         x = F.layer_norm(h, (h.shape[-1],), w["ln2_w"], w["ln2_b"], eps)
         return h, self.tp.reduce(self.linear(F.gelu(self.linear(x, w["fc"], w["fc_b"]), approximate="tanh"),
                                              w["proj"], w.get("proj_b")))

@@ -1,22 +1,33 @@
-"""Executes one iteration plan on one pipeline stage: its layers, its KV pool, and (last stage) sampling."""
+"""Executes one iteration plan on one pipeline stage: its layers, its KV pool, and (last stage) sampling.
+
+An iteration is launched (inputs staged in one copy, the forward replayed from a CUDA graph or run
+eagerly, tokens sampled on the device and their copy back started) and later collected (the tokens
+read): between the two the host may launch the next plan, whose placeholders read these tokens on
+the device (async scheduling).
+"""
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from orca_mq.engine import gemm
-from orca_mq.engine.attention import build_metadata, resolve
+from orca_mq.engine.attention import resolve
 from orca_mq.engine.device import resolve_device, use_device
 from orca_mq.engine.dtype import native_bf16_flags, resolve_dtype
-from orca_mq.protocol.iteration import IterationPlan, IterationResult
+from orca_mq.engine.graphs import DecodeGraphs, fill
+from orca_mq.engine.staging import Stager
+from orca_mq.engine.step_inputs import Geometry, build, metadata
+from orca_mq.protocol.iteration import IterationPlan, IterationResult, PackedPlan, PlanArrays, pack
 from orca_mq.kv.cache import KVCache
 from orca_mq.kv.pool import PoolSize
 from orca_mq.kv.swapper import KVSwapper
 from orca_mq.engine.model import StageModel
 from orca_mq.engine.parallel import TensorParallel, TPGroup
-from orca_mq.engine.sampler import sample
+from orca_mq.engine.sampler import Sampled, SamplingRows, failed_rows, sample
 from orca_mq.engine.threads import use_threads
 from orca_mq.engine.model_info import ModelInfo, read_model_info
 from orca_mq.engine.weights import MATRICES, StageWeights, load_stage_weights
@@ -75,11 +86,18 @@ class ModelRunner:
         self.rows = self._gemm_rows(cfg, weights) if self.deterministic else gemm.Rows()
         self.model = StageModel(self.info, weights, layers, self.info.max_model_len(cfg), self.device, attention,
                                 self.tp, self.rows)
-        self.kv = KVCache.allocate(len(layers), self.pool.device_blocks, self.block_size,
+        # one block past the pool's: the scratch block padding rows write to
+        self.kv = KVCache.allocate(len(layers), self.pool.device_blocks + 1, self.block_size,
                                    self.tp.n_kv_heads, self.info.head_dim, self.dtype, self.device)
         # FastServe's copies: a worker starts its copy thread (start_swap_thread); offline, an inline
         # swapper (and its host pool) is made at the first plan that swaps
         self.swapper: KVSwapper | None = None
+        self.geometry = Geometry(self.block_size, self.pool.device_blocks, self.info.vocab_size,
+                                 self.info.max_model_len(cfg), self.deterministic, attention.split_decode)
+        self.stager = Stager(self.device, scratch_block=self.pool.device_blocks)
+        self._prev: tuple[int, Tensor] | None = None   # the last iteration sampled here: (number, its tokens on the device)
+        self.graph_error = ""   # why the CUDA graphs asked for could not be captured (the stage runs eagerly)
+        self.graphs = self._graphs(cfg, layers)
 
     @staticmethod
     def _gemm_rows(cfg: "Config", weights: StageWeights) -> gemm.Rows:
@@ -108,32 +126,59 @@ class ModelRunner:
     def hidden_size(self) -> int:
         return self.info.hidden_size
 
-    def execute(self, plan: IterationPlan, hidden_in: Tensor | None = None) -> Tensor | IterationResult | None:
+    def execute(self, plan: IterationPlan | PackedPlan, hidden_in: Tensor | None = None) -> Tensor | IterationResult | None:
         """Stage 0 takes the plan's tokens, later stages the previous stage's hidden states.
         Returns hidden states [T, hidden] to pass on, or on the last stage the sampled tokens
         (tensor-parallel rank 0 only: the other ranks hold the same logits and return None)."""
-        swapper = self.swap(plan)
+        return self.collect(self.launch(plan, hidden_in))
+
+    def launch(self, plan: IterationPlan | PackedPlan, hidden_in: Tensor | None = None) -> Launched:
+        """Issue the iteration's work; on CUDA nothing here waits for the device on a greedy
+        iteration, so the next plan can be launched behind it before this one is collected."""
+        packed = plan if isinstance(plan, PackedPlan) else pack(plan)
+        a = packed.arrays()
+        swapper = self.swap(packed)
         try:
-            out = self.forward(plan, hidden_in)
+            out, unfilled = self._forward(a, hidden_in)
         finally:
             if swapper is not None:
-                swapper.computed(plan)
-        if not self.last:
-            return out
-        if self.tp.where.rank != 0:
-            return None
-        seqs = [s for s in plan.seqs if s.sample]   # logits' rows, in plan order
-        tokens, failed = sample(out, seqs) if seqs else ([], [])
-        drawn = iter(tokens)
-        return IterationResult(plan.iteration, [s.request_id for s in plan.seqs],
-                               [next(drawn) if s.sample else -1 for s in plan.seqs], [seqs[b].request_id for b in failed])
+                swapper.computed(packed)
+        if not self.last or self.tp.where.rank != 0:
+            return Launched(a, out if not self.last else None)
+        rows = SamplingRows.of(a)
+        drawn = sample(out, rows) if len(rows) else Sampled(out.new_zeros(0, dtype=torch.int64), out.new_zeros(0, dtype=torch.bool), [])
+        self._prev = (packed.iteration, drawn.tokens)
+        back = torch.stack((drawn.tokens, drawn.ok.long()))
+        event = None
+        if back.is_cuda:
+            host = torch.empty(back.shape, dtype=back.dtype, pin_memory=True)   # the caching host allocator's
+            back = host.copy_(back, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        return Launched(a, back, event, drawn.failed, unfilled)
 
-    def prepare(self, plan: IterationPlan) -> None:
+    def collect(self, launched: Launched) -> Tensor | IterationResult | None:
+        """The launched iteration's hidden states or tokens (waits for the device)."""
+        a, out = launched.arrays, launched.out
+        if not self.last or out is None:
+            return out
+        if launched.event is not None:
+            launched.event.synchronize()
+        tokens, ok = out.tolist() if out.numel() else ([], [])
+        rids = a.plan.request_ids
+        sampling = np.flatnonzero(a.sample).tolist()
+        ids = [-1] * len(rids)
+        for k, r in enumerate(sampling):
+            ids[r] = tokens[k]
+        failed = sorted({sampling[k] for k in failed_rows(ok, launched.failed)} | set(launched.unfilled))
+        return IterationResult(a.plan.iteration, list(rids), ids, [rids[r] for r in failed])
+
+    def prepare(self, plan: PackedPlan) -> None:
         """Start the plan's KV copies ahead of its compute (the controller calls it on frame arrival)."""
         if self.swapper is not None:
             self.swapper.submit(plan)
 
-    def swap(self, plan: IterationPlan) -> KVSwapper | None:
+    def swap(self, plan: PackedPlan) -> KVSwapper | None:
         """FastServe offload (swap_out) then upload (swap_in), landed before this iteration reads the KV."""
         if self.swapper is None and (plan.swap_out or plan.swap_in):
             self.swapper = KVSwapper(self.kv, self.pool.host_blocks, depth=1, threaded=False)
@@ -141,13 +186,64 @@ class ModelRunner:
             self.swapper.wait(plan)
         return self.swapper
 
-    def forward(self, plan: IterationPlan, hidden_in: Tensor | None = None) -> Tensor:
+    def forward(self, plan: IterationPlan | PackedPlan, hidden_in: Tensor | None = None) -> Tensor:
         """Hidden states [T, hidden], or on the last stage logits [S, vocab] of each sampling request's last token."""
-        meta = build_metadata(plan, self.block_size, self.device, token_rows=self.deterministic)
+        out, _ = self._forward((plan if isinstance(plan, PackedPlan) else pack(plan)).arrays(), hidden_in)
+        return out.clone() if self.graphs is not None and self.graphs.graphs else out
+
+    @torch.inference_mode()
+    def _forward(self, a: PlanArrays, hidden_in: Tensor | None) -> tuple[Tensor, list[int]]:
+        """The stage's output, and the rows whose token could not be filled (the iteration they follow
+        is not the last one this stage sampled: they fail, the others run)."""
+        step = build(a, self.geometry)
+        prev, unfilled = self._filler(a)
+        if unfilled:
+            step.fields["fill_dst"] = step.fields["fill_src"] = np.zeros(0, np.int64)
+        if self.first and self.graphs is not None and (bucket := self.graphs.fits(step)) is not None:
+            return self.graphs.run(step, bucket, prev)[: len(step.fields["logit_rows"])], unfilled
+        lay = step.layout()
+        dev = metadata(step, lay, self.stager.stage(step, lay))
+        fill(dev.token_ids, dev.fill_dst, dev.fill_src, prev)
         if self.first:
-            inputs = torch.tensor([t for s in plan.seqs for t in s.token_ids], dtype=torch.int64, device=self.device)
+            inputs = dev.token_ids
         elif hidden_in is None:
             raise ValueError(f"stage {self.stage} needs the previous stage's hidden states")
         else:
             inputs = hidden_in
-        return self.model.forward(inputs, meta, self.kv)
+        return self.model.forward(inputs, dev.meta, self.kv), unfilled
+
+    def _filler(self, a: PlanArrays) -> tuple[Tensor | None, list[int]]:
+        """The sampled tokens the plan's placeholders read, or the rows that cannot be filled."""
+        rows = np.flatnonzero(a.prev_rows >= 0)
+        if not len(rows):
+            return None, []
+        if self._prev is not None and self._prev[0] == a.plan.follows and int(a.prev_rows.max()) < len(self._prev[1]):
+            return self._prev[1], []
+        return None, rows.tolist()
+
+    def _graphs(self, cfg: "Config", layers: range) -> DecodeGraphs | None:
+        """CUDA graphs where the whole model runs here (first and last stage, one TP rank)."""
+        mode = cfg.engine.cuda_graphs
+        if mode == "off" or (mode == "auto" and self.device.type != "cuda"):
+            return None
+        if not (self.first and self.last and self.tp.where.size == 1):
+            if mode == "on":
+                log.info("cuda graphs: off on a stage of a pipeline or tensor-parallel group (eager)")
+            return None
+        max_bs = cfg.engine.cuda_graph_max_bs or cfg.scheduler.max_bs
+        width = -(-self.geometry.max_len // self.block_size)
+        graphs = DecodeGraphs(lambda ids, meta: self.model.forward(ids, meta, self.kv), max_bs, width,
+                              self.geometry.split_decode, self.stager, self.block_size, self.device)
+        self.graph_error = "" if graphs.capture() else graphs.error
+        return None if self.graph_error else graphs
+
+
+@dataclass(slots=True)
+class Launched:
+    """An iteration issued to the device, not yet collected."""
+
+    arrays: PlanArrays
+    out: Tensor | None                 # hidden states; on the last stage [2, S] tokens and ok flags (host)
+    event: "torch.cuda.Event | None" = None
+    failed: list[int] = field(default_factory=list)     # sampling rows whose sampling raised
+    unfilled: list[int] = field(default_factory=list)   # plan rows whose token could not be filled

@@ -1,10 +1,14 @@
-"""Token sampling on the last stage: one batched step for every row of an iteration.
+"""Token sampling on the last stage: one batched step for every row of an iteration, on the device.
 
 A row (one request) is greedy or sampled (temperature, top-k, top-p), and may carry an allowed-token
 bitmask (a structured output's grammar state, computed by the scheduler): a masked token is never
 chosen. Sampling is inverse-CDF with one uniform per row. A seeded request's uniform is a hash of
 (seed, position), so its tokens depend only on its own logits: never on the batch, on preemption
 or on which process samples. An unseeded row draws its uniform from this process's generator.
+
+The tokens stay on the device (the next iteration may read them there: async scheduling), with a
+flag per row; the caller copies both back in one copy. An iteration of greedy rows never waits for
+the device here; one with sampled rows does (their candidate sets and checks).
 
 One request's failure stays its own: a row whose logits are not finite (a fault upstream, or a
 failed stage that sent NaN on), whose mask is malformed or allows no token, or whose sampling
@@ -13,11 +17,12 @@ raises is reported as failed, and the other rows keep their tokens.
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from orca_mq.protocol.iteration import SeqWork, mask_bytes
+from orca_mq.protocol.iteration import IterationPlan, PlanArrays, SeqWork, mask_bytes, pack
 
 Tensor = torch.Tensor
 _MASK64 = (1 << 64) - 1
@@ -25,23 +30,70 @@ _unseeded = random.Random()  # seeded from the OS
 CANDIDATES = 256             # top-k / top-p first look at each row's 256 most likely tokens
 
 
-def sample(logits: Tensor, seqs: list[SeqWork]) -> tuple[list[int], list[int]]:
-    """logits [B, vocab] (row b belongs to seqs[b]) -> (one token id per request, failed rows)."""
+@dataclass(slots=True)
+class SamplingRows:
+    """The sampling parameters of an iteration's rows that sample, in logit-row order."""
+
+    temperature: np.ndarray   # float32
+    top_k: np.ndarray         # int32
+    top_p: np.ndarray         # float32
+    seeds: np.ndarray         # int64, -1: unseeded
+    seq_lens: np.ndarray      # int64, the position a row's uniform is drawn for
+    masks: dict[int, bytes]   # row -> allowed-token bitmask
+
+    @classmethod
+    def of(cls, a: PlanArrays) -> "SamplingRows":
+        rows = np.flatnonzero(a.sample)
+        index = {int(r): i for i, r in enumerate(rows)}
+        masks = {index[int(r)]: m for r, m in zip(a.mask_rows, a.plan.masks) if int(r) in index}
+        seq_lens = a.start_pos.astype(np.int64) + a.q_lens
+        return cls(a.temperature[rows], a.top_k[rows], a.top_p[rows], a.seeds[rows], seq_lens[rows], masks)
+
+    def __len__(self) -> int:
+        return len(self.temperature)
+
+
+@dataclass(slots=True)
+class Sampled:
+    tokens: Tensor      # [S] int64 on the logits' device
+    ok: Tensor          # [S] bool: finite logits and a usable mask
+    failed: list[int]   # rows whose sampling raised
+
+
+def sample(logits: Tensor, rows: SamplingRows) -> Sampled:
+    """logits [S, vocab], row b belonging to rows[b]."""
     ok = torch.isfinite(logits.amax(dim=-1)) & torch.isfinite(logits.amin(dim=-1))   # NaN propagates
-    logits, usable = _apply_masks(logits.float(), seqs)
-    ok = (ok & usable).tolist()
-    failed = [b for b, good in enumerate(ok) if not good]
+    logits = logits.float()
+    if rows.masks:
+        logits, usable = _apply_masks(logits, rows.masks)
+        ok &= usable
     tokens = logits.argmax(dim=-1)
-    rows = [b for b, s in enumerate(seqs) if ok[b] and not (s.temperature == 0 or s.top_k == 1)]
-    try:
-        _sample_rows(logits, seqs, rows, tokens)
-    except Exception:  # a vectorized step failed: redo row by row to find whose parameters it was
-        for b in rows:
-            try:
-                _sample_rows(logits, seqs, [b], tokens)
-            except Exception:
-                failed.append(b)
-    return tokens.tolist(), sorted(failed)
+    failed: list[int] = []
+    drawn = np.flatnonzero((rows.temperature != 0) & (rows.top_k != 1))
+    if len(drawn):
+        good = ok.tolist()
+        group = [int(b) for b in drawn if good[b]]
+        try:
+            _sample_rows(logits, rows, group, tokens)
+        except Exception:  # a vectorized step failed: redo row by row to find whose parameters it was
+            for b in group:
+                try:
+                    _sample_rows(logits, rows, [b], tokens)
+                except Exception:
+                    failed.append(b)
+    return Sampled(tokens, ok, failed)
+
+
+def failed_rows(ok: list[bool], raised: list[int]) -> list[int]:
+    """Rows that end with an error: not `ok` on the device, or whose sampling raised."""
+    return sorted(set(raised) | {b for b, good in enumerate(ok) if not good})
+
+
+def sample_seqs(logits: Tensor, seqs: list[SeqWork]) -> tuple[list[int], list[int]]:
+    """The step for rows given as SeqWork, synchronously: (a token per row, failed rows). For engines
+    that make their own logits (the schedulers' test engines)."""
+    drawn = sample(logits, SamplingRows.of(pack(IterationPlan(0, seqs)).arrays()))
+    return drawn.tokens.tolist(), failed_rows(drawn.ok.tolist(), drawn.failed)
 
 
 def uniform(seed: int, position: int) -> float:
@@ -52,46 +104,41 @@ def uniform(seed: int, position: int) -> float:
     return (((z ^ (z >> 31)) >> 11) + 0.5) / (1 << 53)
 
 
-def _apply_masks(logits: Tensor, seqs: list[SeqWork]) -> tuple[Tensor, Tensor]:
-    """-inf where a row's bitmask forbids a token; and which rows are usable (a well-formed mask
-    that allows at least one token, or none). The bits are unpacked on the host (numpy: a
-    little-endian word's bits are its bytes' bits, least significant first) into one allowed map,
-    free rows all allowed, applied in one `where`: a few torch ops whatever the batch, not a
-    few per row (each costs a thread-team barrier on a busy CPU)."""
-    if all(s.allowed_token_bitmask is None for s in seqs):
-        return logits, torch.ones(len(seqs), dtype=torch.bool, device=logits.device)
-    vocab = logits.shape[-1]
+def _apply_masks(logits: Tensor, masks: dict[int, bytes]) -> tuple[Tensor, Tensor]:
+    """-inf where a row's bitmask forbids a token; and which rows are usable (a well-formed mask that
+    allows at least one token, or none). The packed words go to the device in one copy and are
+    unpacked there (a little-endian word's bits are its bytes' bits, least significant first)."""
+    n, vocab = logits.shape
     size = mask_bytes(vocab)
-    packed = np.full((len(seqs), size), 0xFF, dtype=np.uint8)
-    for b, s in enumerate(seqs):
-        m = s.allowed_token_bitmask
-        if m is not None:
-            packed[b] = np.frombuffer(m, dtype=np.uint8) if len(m) == size else 0  # malformed: allows nothing
-    allowed = np.unpackbits(packed, axis=1, bitorder="little")[:, :vocab].view(np.bool_)
-    usable = torch.from_numpy(allowed.any(axis=1)).to(logits.device)
-    return torch.where(torch.from_numpy(allowed).to(logits.device), logits, float("-inf")), usable
+    packed = np.full((n, size), 0xFF, dtype=np.uint8)
+    for b, m in masks.items():
+        packed[b] = np.frombuffer(m, dtype=np.uint8) if len(m) == size else 0  # malformed: allows nothing
+    bits = torch.from_numpy(packed).to(logits.device, non_blocking=True)
+    shifts = torch.arange(8, device=logits.device, dtype=torch.uint8)
+    allowed = ((bits[:, :, None] >> shifts) & 1).bool().view(n, size * 8)[:, :vocab]
+    return torch.where(allowed, logits, float("-inf")), allowed.any(dim=-1)
 
 
-def _sample_rows(logits: Tensor, seqs: list[SeqWork], rows: list[int], tokens: Tensor) -> None:
+def _sample_rows(logits: Tensor, rows: SamplingRows, group_rows: list[int], tokens: Tensor) -> None:
     """Rows without top-k / top-p sample over the vocabulary in token order; the others over their
     kept candidates, most likely first."""
-    plain = [b for b in rows if seqs[b].top_k <= 0 and seqs[b].top_p >= 1.0]
-    filtered = [b for b in rows if b not in plain]
+    plain = [b for b in group_rows if rows.top_k[b] <= 0 and rows.top_p[b] >= 1.0]
+    filtered = [b for b in group_rows if b not in plain]
     for group in (plain, filtered):
         if not group:
             continue
         dev = logits.device
         idx = torch.tensor(group, device=dev)
-        temps = torch.tensor([seqs[b].temperature for b in group], device=dev, dtype=torch.float32)
+        temps = torch.from_numpy(rows.temperature[group]).to(dev)
         probs = (logits.index_select(0, idx) / temps[:, None]).softmax(dim=-1)
         ids = None
         if group is filtered:
-            probs, ids = _candidates(probs, [seqs[b].top_k for b in group], [seqs[b].top_p for b in group])
+            probs, ids = _candidates(probs, rows.top_k[group].tolist(), rows.top_p[group])
         cum = probs.cumsum(dim=-1)
         total = cum[:, -1:]
         if not bool((total > 0).all()):   # NaN or nothing left: the per-row retry names the row
             raise FloatingPointError("no token has a positive probability")
-        u = torch.tensor([uniform(s.seed, s.seq_len) if (s := seqs[b]).seed is not None
+        u = torch.tensor([uniform(int(rows.seeds[b]), int(rows.seq_lens[b])) if rows.seeds[b] >= 0
                           else (_unseeded.getrandbits(53) + 0.5) / (1 << 53) for b in group], device=dev)
         # the first token whose cumulative probability exceeds u * total (< total): adding a token of
         # probability 0 leaves the sum unchanged, so such a token is never chosen
@@ -100,13 +147,13 @@ def _sample_rows(logits: Tensor, seqs: list[SeqWork], rows: list[int], tokens: T
         tokens[idx] = chosen.squeeze(1) if ids is None else ids.gather(1, chosen).squeeze(1)
 
 
-def _candidates(probs: Tensor, top_k: list[int], top_p: list[float]) -> tuple[Tensor, Tensor]:
+def _candidates(probs: Tensor, top_k: list[int], top_p: np.ndarray) -> tuple[Tensor, Tensor]:
     """Each row's kept tokens under top-k / top-p, most likely first (0 for the dropped), and their
     ids. They come from a partial top-k of CANDIDATES, widened only while a row's nucleus reaches past
     them: a whole-vocabulary sort costs 75 ms at 32 x 49,152 on 2 cores, the top 256 about 4 ms."""
     vocab = probs.shape[-1]
     k = torch.tensor([min(k, vocab) if k > 0 else vocab for k in top_k], device=probs.device)
-    p = torch.tensor(top_p, device=probs.device, dtype=probs.dtype)
+    p = torch.from_numpy(top_p).to(probs.device, probs.dtype)
     width = min(vocab, max(CANDIDATES, *top_k))
     while True:
         kept, ids = probs.topk(width, dim=-1)

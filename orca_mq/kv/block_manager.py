@@ -130,12 +130,11 @@ class BlockManager:
 
     def ensure(self, request_id: str, n_tokens: int) -> list[int]:
         """Grow its device block table to hold n_tokens tokens; returns the table."""
-        table = self.device.tables.get(request_id, [])
+        table = self.device.tables.setdefault(request_id, [])
         missing = self.blocks_for(n_tokens) - len(table)
-        if missing > self.num_free_blocks:
-            raise KVAllocationError(f"request {request_id}: needs {missing} more KV blocks, {self.num_free_blocks} free")
-        self.device.tables[request_id] = table
         if missing > 0:
+            if missing > self.num_free_blocks:
+                raise KVAllocationError(f"request {request_id}: needs {missing} more KV blocks, {self.num_free_blocks} free")
             table.extend(self._take(missing))
             self._grew(request_id, missing)
         return table

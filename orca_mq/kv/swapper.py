@@ -37,7 +37,7 @@ import torch
 from orca_mq.engine.device import use_device
 from orca_mq.engine.threads import use_threads
 from orca_mq.kv.cache import HostKV, KVCache
-from orca_mq.protocol.iteration import IterationPlan
+from orca_mq.protocol.iteration import PackedPlan
 
 
 class KVSwapFailed(RuntimeError):
@@ -57,7 +57,7 @@ class KVSwapper:
         self.depth = depth          # plans in flight at most: the one `depth` back has come back
         self.threaded = threaded
         self.stream = torch.cuda.Stream(kv.k.device) if threaded and kv.k.is_cuda else None
-        self._items: queue.SimpleQueue[tuple[int, IterationPlan] | None] = queue.SimpleQueue()
+        self._items: queue.SimpleQueue[tuple[int, PackedPlan] | None] = queue.SimpleQueue()
         self._cond = threading.Condition()
         self._barriers: dict[int, _Barrier] = {}
         self._plans = 0         # plans submitted (this stage's plan numbers: submit order = compute order)
@@ -75,7 +75,7 @@ class KVSwapper:
             self._thread.start()
             self._threads_set.wait()   # its use_threads(1) is done: the compute thread may now set its own last
 
-    def submit(self, plan: IterationPlan) -> None:
+    def submit(self, plan: PackedPlan) -> None:
         """Queue the plan's copies (idempotent). A plan without copies only waits for earlier ones."""
         if not self.threaded:
             return
@@ -90,7 +90,7 @@ class KVSwapper:
             else:
                 self._barriers[plan.iteration] = _Barrier(self._queued, False)
 
-    def wait(self, plan: IterationPlan) -> None:
+    def wait(self, plan: PackedPlan) -> None:
         """Block the compute thread until the copies this plan reads have landed (inline: copy them)."""
         if not self.threaded:
             self._copy(plan, set())
@@ -108,7 +108,7 @@ class KVSwapper:
         if event is not None:
             torch.cuda.current_stream(self.kv.k.device).wait_event(event)
 
-    def computed(self, plan: IterationPlan) -> None:
+    def computed(self, plan: PackedPlan) -> None:
         """The compute thread issued the plan's compute (or gave up on it): later copies may follow it."""
         if not self.threaded:
             return
@@ -142,7 +142,7 @@ class KVSwapper:
                 if not self._after_compute(n - self.depth):
                     return
                 with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
-                    used = {b for s in plan.seqs for b in s.block_table}   # device blocks the compute touches
+                    used = plan.block_ids()   # device blocks the compute touches
                     self._copy(plan, used, critical=True)
                     self._landed_part(item, critical=True)
                     self._copy(plan, used, critical=False)
@@ -167,7 +167,7 @@ class KVSwapper:
             self.stream.wait_event(event)
         return True
 
-    def _copy(self, plan: IterationPlan, used: set[int], critical: bool | None = None) -> None:
+    def _copy(self, plan: PackedPlan, used: set[int], critical: bool | None = None) -> None:
         """Offloads, then uploads: those of blocks the plan's compute touches (critical), the others, or all (None)."""
         def part(pairs: list[tuple[int, int]], device_side: int) -> list[tuple[int, int]]:
             return pairs if critical is None else [p for p in pairs if (p[device_side] in used) == critical]

@@ -1,7 +1,7 @@
 """Internal channel: frontend <-> scheduler <-> workers.
 
-The control frame carries an `IterationPlan` (orca_mq.protocol.iteration) as-is; the last worker answers
-with the `IterationResult`. Timestamps are `time.time()` of the sending process (one host), used
+The control frame carries an iteration plan in columns (`PackedPlan`, orca_mq.protocol.iteration); the
+last worker answers with the `IterationResult`. Timestamps are `time.time()` of the sending process (one host), used
 only for the overhead statistics.
 """
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from orca_mq.protocol.iteration import IterationPlan, IterationResult
+from orca_mq.protocol.iteration import IterationResult, PackedPlan
 from orca_mq.sampling_params import SamplingParams
 from orca_mq.protocol.codec import message
 
@@ -59,7 +59,7 @@ class StatsResult:
 @message("plan")
 @dataclass(slots=True)
 class ControlFrame:
-    plan: IterationPlan
+    plan: PackedPlan
     t_sent: float
 
 

@@ -2,12 +2,21 @@
 
 The scheduler decides everything (which requests, which KV blocks, which swaps); every
 pipeline stage applies the same plan to its own layers, so stages never disagree.
+
+The scheduler builds an `IterationPlan` of `SeqWork` rows; on the wire, and inside the engine, it
+travels as a `PackedPlan`: the same rows in columns (little-endian arrays as bytes), so a worker
+reads an iteration of 512 requests with a few `frombuffer` calls instead of building 512 objects,
+and derives every per-token input with array arithmetic (orca_mq/engine/step_inputs.py).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import chain
+
+import numpy as np
 
 MASK_WORD_BITS = 32   # an allowed-token bitmask is little-endian 32-bit words: bit i of word j allows token 32 j + i
+NO_ROW = -1           # SeqWork.prev_row: its first token is given, not taken from the previous iteration
 
 
 def mask_bytes(vocab_size: int) -> int:
@@ -29,6 +38,9 @@ class SeqWork:
     seed: int | None = None
     allowed_token_bitmask: bytes | None = None  # structured outputs: the grammar's allowed tokens, mask_bytes(vocab) long (engine/sampler.py)
     sample: bool = True           # False: a prompt chunk with more of the prompt to come: no logits, no token
+    # async scheduling: token_ids[0] is the token the previous iteration (IterationPlan.follows) samples
+    # for its sampling row `prev_row` (planned before that token came back); token_ids[0] is -1 then
+    prev_row: int = NO_ROW
 
     @property
     def seq_len(self) -> int:
@@ -42,10 +54,117 @@ class IterationPlan:
     # KV block copies every stage applies before computing this iteration (FastServe):
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device_block, host_block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)   # (host_block, device_block)
+    follows: int = 0              # the iteration whose sampled tokens fill rows with a prev_row (0: none)
 
     @property
     def num_tokens(self) -> int:
         return sum(len(s.token_ids) for s in self.seqs)
+
+
+I32, I64, F32, U8 = np.dtype("<i4"), np.dtype("<i8"), np.dtype("<f4"), np.dtype("u1")
+
+
+@dataclass(slots=True)
+class PackedPlan:
+    """An IterationPlan in columns (S rows, T new tokens): the control frame's payload."""
+
+    iteration: int
+    request_ids: list[str]
+    q_lens: bytes          # int32 [S] new tokens of each row
+    start_pos: bytes       # int32 [S]
+    token_ids: bytes       # int32 [T]
+    prev_rows: bytes       # int32 [S] SeqWork.prev_row
+    table_lens: bytes      # int32 [S]
+    tables: bytes          # int32 [sum table_lens] the rows' block tables, concatenated
+    sample: bytes          # uint8 [S]
+    temperature: bytes     # float32 [S]
+    top_k: bytes           # int32 [S]
+    top_p: bytes           # float32 [S]
+    seeds: bytes           # int64 [S] (-1: unseeded)
+    mask_rows: bytes       # int32 [M] rows with an allowed-token bitmask
+    masks: list[bytes]     # their bitmasks
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    follows: int = 0
+
+    def arrays(self) -> "PlanArrays":
+        """The columns as arrays, checked for consistent sizes (ValueError otherwise); the engine checks
+        their values against the model and the pool."""
+        def col(data: bytes, dtype: np.dtype, name: str) -> np.ndarray:
+            if len(data) % dtype.itemsize:
+                raise ValueError(f"plan column {name}: {len(data)} bytes is not a whole number of {dtype}")
+            return np.frombuffer(data, dtype)
+
+        s = len(self.request_ids)
+        a = PlanArrays(self, *(col(getattr(self, n), d, n) for n, d in _COLUMNS))
+        for name, dtype in _COLUMNS:
+            if name not in ("token_ids", "tables", "mask_rows") and len(getattr(a, name)) != s:
+                raise ValueError(f"plan column {name} has {len(getattr(a, name))} rows, the plan {s}")
+        if (a.q_lens < 1).any() or (a.start_pos < 0).any() or (a.table_lens < 0).any():
+            raise ValueError("plan rows need q_len >= 1, start_pos >= 0 and table_lens >= 0")
+        if int(a.q_lens.sum()) != len(a.token_ids) or int(a.table_lens.sum()) != len(a.tables):
+            raise ValueError("plan token or block-table columns do not add up to the rows' lengths")
+        if len(a.mask_rows) != len(self.masks) or ((a.mask_rows < 0) | (a.mask_rows >= s)).any():
+            raise ValueError("plan masks do not match their rows")
+        if ((a.prev_rows < NO_ROW) | ((a.prev_rows >= 0) & (self.follows <= 0))).any():
+            raise ValueError("plan rows follow no earlier iteration")
+        return a
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids) // I32.itemsize
+
+    def block_ids(self) -> set[int]:
+        """The device blocks the iteration's rows read or write."""
+        return set(np.frombuffer(self.tables[: len(self.tables) // 4 * 4], I32).tolist())
+
+
+_COLUMNS = (("q_lens", I32), ("start_pos", I32), ("token_ids", I32), ("prev_rows", I32), ("table_lens", I32),
+            ("tables", I32), ("sample", U8), ("temperature", F32), ("top_k", I32), ("top_p", F32), ("seeds", I64),
+            ("mask_rows", I32))
+
+
+@dataclass(slots=True)
+class PlanArrays:
+    """A PackedPlan's columns as read-only arrays (views of its bytes)."""
+
+    plan: PackedPlan
+    q_lens: np.ndarray
+    start_pos: np.ndarray
+    token_ids: np.ndarray
+    prev_rows: np.ndarray
+    table_lens: np.ndarray
+    tables: np.ndarray
+    sample: np.ndarray
+    temperature: np.ndarray
+    top_k: np.ndarray
+    top_p: np.ndarray
+    seeds: np.ndarray
+    mask_rows: np.ndarray
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.q_lens)
+
+
+def pack(plan: IterationPlan) -> PackedPlan:
+    """The plan in columns: one pass per column, no per-row objects on the other side."""
+    seqs = plan.seqs
+
+    def col(values: list[int] | list[float] | chain[int], dtype: np.dtype) -> bytes:
+        return np.fromiter(values, dtype, -1).tobytes() if isinstance(values, chain) else np.array(values, dtype).tobytes()
+
+    masked = [(i, s.allowed_token_bitmask) for i, s in enumerate(seqs) if s.allowed_token_bitmask is not None]
+    return PackedPlan(
+        plan.iteration, [s.request_id for s in seqs],
+        col([len(s.token_ids) for s in seqs], I32), col([s.start_pos for s in seqs], I32),
+        col(chain.from_iterable(s.token_ids for s in seqs), I32), col([s.prev_row for s in seqs], I32),
+        col([len(s.block_table) for s in seqs], I32), col(chain.from_iterable(s.block_table for s in seqs), I32),
+        col([s.sample for s in seqs], U8), col([s.temperature for s in seqs], F32), col([s.top_k for s in seqs], I32),
+        col([s.top_p for s in seqs], F32), col([-1 if s.seed is None else s.seed for s in seqs], I64),
+        col([i for i, _ in masked], I32), [m for _, m in masked],  # type: ignore[misc]
+        list(plan.swap_out), list(plan.swap_in), plan.follows,
+    )
 
 
 @dataclass(slots=True)

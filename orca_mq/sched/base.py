@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from orca_mq.protocol.iteration import IterationPlan, IterationResult, SeqWork
+from orca_mq.protocol.iteration import NO_ROW, IterationPlan, IterationResult, SeqWork
 from orca_mq.engine.dtype import resolve_dtype
 from orca_mq.kv.block_manager import BlockManager
 from orca_mq.kv.pool import PoolSize
@@ -44,11 +44,28 @@ class StepOutput:
     events: list[TokenEvent] = field(default_factory=list)     # tokens and finals to stream, in order
 
 
+def async_scheduling(cfg: "Config", policy: type["Scheduler"]) -> bool:
+    """`scheduler.async_scheduling`: auto = on where the engine runs on CUDA in one worker (on the CPU
+    the engine, not the host, is the bottleneck) and the policy can plan ahead."""
+    mode = cfg.scheduler.async_scheduling
+    if mode == "on" and not policy.plans_ahead:
+        raise ValueError(f"scheduler.async_scheduling = on: policy {cfg.scheduler.policy} cannot plan an iteration "
+                         "before the last one's tokens return (it reorders or swaps after each); use auto or off")
+    if mode == "off" or not policy.plans_ahead or cfg.engine.n_workers * cfg.engine.tp_size != 1:
+        return False
+    if mode == "on":
+        return True
+    from orca_mq.engine.device import uses_cuda
+
+    return uses_cuda(cfg.engine.device)
+
+
 class Scheduler:
     """What every policy shares: the pool, KV blocks, iterations in flight, finishing."""
 
     swaps_kv: ClassVar[bool] = False       # plans carry KV offloads/uploads: workers copy them on their own thread
     needs_profile: ClassVar[bool] = False  # it times this engine's iterations (`profiler()`) before serving
+    plans_ahead: ClassVar[bool] = False    # its batches may be planned before the last tokens return (async scheduling)
 
     def __init__(self, cfg: "Config", info: "ModelInfo") -> None:
         self.max_bs = cfg.scheduler.max_bs
@@ -70,6 +87,9 @@ class Scheduler:
         self.profiled = not self.needs_profile
         if self.max_bs < 1 or self.n_workers < 1 or self.token_budget < 0:
             raise ValueError("max_bs and n_workers must be >= 1, max_num_batched_tokens >= 0")
+        # async scheduling: one iteration more in flight, planned while the one before computes
+        self.ahead = async_scheduling(cfg, type(self))
+        self.depth = self.n_workers + self.ahead
 
     # ------------------------------------------------------------ the iteration loop
 
@@ -87,7 +107,7 @@ class Scheduler:
                 out.events.extend(self.process_result(result, now))
         if not self.profiled and self.probes is None:
             self.probes = self.profiler()
-        while len(self.in_flight) < self.n_workers:
+        while len(self.in_flight) < (self.n_workers if self.probes is not None else self.depth):
             plan = self.probes.next_plan(now) if self.probes is not None else self.schedule(now)
             if plan is None:
                 break
@@ -150,18 +170,27 @@ class Scheduler:
             return None
         self.admitted(batch, now)
         seqs = []
+        follows = 0
         for req in batch:
-            tokens, start = req.next_tokens(req.chunk or None)
-            if req.phase is Phase.INITIATION:
-                req.n_prompt_fed = start + len(tokens)
+            prev = NO_ROW
+            if req.running:   # planned before its last token came back: the engine puts that token here
+                tokens, start, prev, follows = [-1], req.num_tokens, req.sample_row, self.iteration
+            else:
+                tokens, start = req.next_tokens(req.chunk or None)
+                if req.phase is Phase.INITIATION:
+                    req.n_prompt_fed = start + len(tokens)
             table = self.block_manager.ensure(req.request_id, start + len(tokens))
             p = req.params
             seqs.append(SeqWork(req.request_id, tokens, start, list(table), p.temperature, p.top_k, p.top_p, p.seed,
-                                sample=not req.prompt_pending))
-            req.running = True
+                                sample=not req.prompt_pending, prev_row=prev))
+            req.in_flight += 1
         fill_masks(seqs, [None if r.prompt_pending else r.grammar for r in batch])  # only rows that sample
         self.iteration += 1
-        plan = IterationPlan(self.iteration, seqs)
+        row = 0
+        for req, s in zip(batch, seqs):
+            req.planned, req.sample_row = self.iteration, row if s.sample else NO_ROW
+            row += s.sample
+        plan = IterationPlan(self.iteration, seqs, follows=follows)
         self.in_flight[plan.iteration] = batch
         self.record.append((plan.iteration, [r.request_id for r in batch]))
         return plan
@@ -193,7 +222,7 @@ class Scheduler:
         events = []
         failed = set(result.failed)
         for req, token in zip(batch, result.token_ids):
-            req.running = False
+            req.in_flight -= 1
             if req.phase is Phase.FINISHED:  # the request-level baseline's inactive request: compute wasted
                 continue
             req.n_iterations += 1
@@ -260,6 +289,14 @@ class Scheduler:
         and max_tokens) exceeds the device pool would wait forever for its reservation."""
         if self.block_manager.blocks_for(req.max_total_tokens) > self.block_manager.num_blocks:
             raise ValueError(f"request {req.request_id}: {req.max_total_tokens} tokens exceed the device KV pool")
+
+    def selectable(self, req: Request) -> bool:
+        """Idle, or running and plannable ahead: in the last iteration planned (whose tokens the engine
+        keeps), decoding freely (no prompt left, no grammar that needs its token first), and that
+        token not its last by length (a stop token found late costs one row of a wasted iteration)."""
+        return not req.running or (
+            self.ahead and req.in_flight == 1 and req.planned == self.iteration and req.phase is Phase.INCREMENT
+            and req.grammar is None and not req.aborted and len(req.output_token_ids) + 2 <= req.params.max_tokens)
 
     def enter(self, req: Request) -> None:
         """A request joined the pool (FastServe: its skip-join)."""

@@ -13,6 +13,8 @@ class OrcaScheduler(Scheduler):
     """ORCA Algorithm 1: iteration-level FCFS, reserving the KV blocks of max_tokens at a request's
     first schedule (`n_rsrv`, kept in blocks by the block manager)."""
 
+    plans_ahead = True
+
     def select(self, now: float) -> list[Request]:
         return self.reserve_in_order(self.pool.values(), strict=True)   # arrival order
 
@@ -23,7 +25,7 @@ class OrcaScheduler(Scheduler):
         bm = self.block_manager
         batch: list[Request] = []
         for req in order:
-            if req.running:
+            if not self.selectable(req):
                 continue
             if len(batch) == self.max_bs:
                 break

@@ -54,7 +54,7 @@ class Request:
     arrival: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     phase: Phase = Phase.INITIATION
-    running: bool = False          # part of an iteration in flight
+    in_flight: int = 0             # iterations in flight it is part of (2: async scheduling planned its next)
     aborted: bool = False          # abort asked while running: finish when its iteration returns
     n_iterations: int = 0
     n_prompt_fed: int = 0          # prompt tokens given to the engine so far (all of them after one ORCA initiation)
@@ -70,6 +70,13 @@ class Request:
     waits: Waits = field(default_factory=Waits)
     swaps: SwapCounts = field(default_factory=SwapCounts)
     grammar: "Grammar | None" = None   # structured outputs: its matcher, advanced by each accepted token
+    planned: int = 0               # the iteration it was last planned in...
+    sample_row: int = -1           # ...and its row among that iteration's sampling rows (-1: none)
+
+    @property
+    def running(self) -> bool:
+        """Part of an iteration in flight."""
+        return self.in_flight > 0
 
     @property
     def num_tokens(self) -> int:

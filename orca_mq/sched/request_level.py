@@ -23,6 +23,8 @@ class RequestLevelScheduler(OrcaScheduler):
     first iteration processes every prompt as if it were as long as the shortest one; the rest of
     a longer prompt goes in one token an iteration, its samples dropped, before it generates."""
 
+    plans_ahead = False   # a batch's next iteration waits for its tokens (it keeps finished rows running)
+
     def __init__(self, cfg: "Config", info: "ModelInfo") -> None:
         super().__init__(cfg, info)
         self.token_budget = 0                   # the baseline feeds prompts its own way, never chunked by a budget

@@ -25,5 +25,5 @@ class SrptOracle(OrcaScheduler):
         return prompt + (req.params.max_tokens - len(req.output_token_ids)) * self.profile.increment_time(self.max_bs)
 
     def select(self, now: float) -> list[Request]:
-        return self.reserve_in_order(sorted((r for r in self.pool.values() if not r.running), key=self.remaining),
+        return self.reserve_in_order(sorted((r for r in self.pool.values() if self.selectable(r)), key=self.remaining),
                                      strict=False)

@@ -48,6 +48,30 @@ def placement(n_stages: int, tp_size: int, nnodes: int) -> list[int]:
     return [node for node, n in enumerate(_parts(world, nnodes)) for _ in range(n)]
 
 
+def check_gpus(cfg: Config, cuda_devices: Callable[[], int] | None = None) -> None:
+    """Refuse, before anything starts, more workers on this node than its CUDA devices while the
+    engine runs on CUDA: every worker takes a GPU of its own (engine/device.py worker_device), and
+    two ranks on one GPU die inside NCCL ("Duplicate GPU detected") after a minute of loading.
+    `cuda_devices` stands in for torch's count (tests); torch is imported only when it decides."""
+    e = cfg.engine
+    here = placement(e.n_workers, e.tp_size, cfg.server.nnodes).count(cfg.server.node_rank)
+    if e.device == "cpu" or (e.device == "auto" and here <= 1):
+        return
+    count = (cuda_devices or _cuda_devices)()
+    if e.device == "auto" and count == 0:   # auto without CUDA runs on the CPU
+        return
+    if here > count:
+        raise ValueError(f"{here} worker{'s' * (here > 1)} on this node (engine.n_workers={e.n_workers} x "
+                         f"engine.tp_size={e.tp_size} over {cfg.server.nnodes} node(s)) but {count} CUDA device(s): "
+                         "each worker needs a GPU of its own; use fewer workers, more nodes or engine.device=cpu")
+
+
+def _cuda_devices() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def _parts(n: int, k: int) -> list[int]:
     base, extra = divmod(n, k)
     return [base + (i < extra) for i in range(k)]

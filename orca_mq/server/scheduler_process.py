@@ -27,7 +27,7 @@ from orca_mq.protocol import ProtocolError, decode, encode
 from orca_mq.protocol.common_msgs import PROTOCOL, Error
 from orca_mq.protocol.codec import channel
 from orca_mq.protocol.control_msgs import Progress, Ready
-from orca_mq.protocol.iteration import IterationResult
+from orca_mq.protocol.iteration import IterationResult, pack
 from orca_mq.protocol.engine_msgs import (AbortRequest, AddRequest, ControlFrame, IterationDone, StatsQuery,
                                           StatsResult, TokenBatch, WorkerStats, WorkerStatsQuery)
 from orca_mq.sched import StepOutput, TokenEvent, make_scheduler
@@ -168,7 +168,7 @@ class SchedulerProcess:
         a plan was sent."""
         out: StepOutput = self.sched.step(time.monotonic(), results)
         for plan in out.plans:
-            await self.control.send(encode(ControlFrame(plan, time.time())), copy=False)
+            await self.control.send(encode(ControlFrame(pack(plan), time.time())), copy=False)
             if plan.iteration > 0:
                 self.telemetry.plan_sent(plan, self.sched.pool, time.monotonic())
             self.log.debug("iteration scheduled", iteration=plan.iteration, batch=len(plan.seqs), tokens=plan.num_tokens)

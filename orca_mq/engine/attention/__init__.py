@@ -4,6 +4,6 @@ from __future__ import annotations
 
 from orca_mq.engine.attention import cpu, torch_backend, triton  # noqa: F401  (each registers its backend)
 from orca_mq.engine.attention.base import BACKENDS, AttentionBackend, BackendUnavailable, resolve
-from orca_mq.engine.attention.metadata import AttentionMetadata, build_metadata
+from orca_mq.engine.attention.metadata import AttentionMetadata
 
-__all__ = ["BACKENDS", "AttentionBackend", "AttentionMetadata", "BackendUnavailable", "build_metadata", "resolve"]
+__all__ = ["BACKENDS", "AttentionBackend", "AttentionMetadata", "BackendUnavailable", "resolve"]

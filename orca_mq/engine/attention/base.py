@@ -27,6 +27,8 @@ class BackendUnavailable(RuntimeError):
 class AttentionBackend(Protocol):
     name: ClassVar[str]
     devices: ClassVar[tuple[str, ...]]   # device types `auto` may pick it for
+    split_decode: ClassVar[bool]         # it reads the metadata's decode_* fields (one-token rows apart from prompts)
+    fused_rotary_kv: ClassVar[bool]      # it has rotary_write_kv: Llama's rotary and the KV write in one kernel
     ops: LayerOps   # the model's norms, rotary and activation on this backend's device (engine/layer_ops.py)
 
     @classmethod
@@ -41,6 +43,12 @@ class AttentionBackend(Protocol):
     def attend(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
                meta: AttentionMetadata, scale: float) -> Tensor:
         """q [T, H, d] over each request's KV (this iteration's already written) -> [T, H, d]."""
+        ...
+
+    def rotary_write_kv(self, qkv: Tensor, meta: AttentionMetadata, k_cache: Tensor, v_cache: Tensor, cos: Tensor,
+                        sin: Tensor, n_heads: int) -> Tensor:
+        """(fused_rotary_kv backends) Rotate the Q and K heads of a fused QKV output [T, (H + 2 kvh) d] in
+        place, write K and V into their slots; the rotated Q [T, H, d]."""
         ...
 
 

@@ -21,6 +21,8 @@ Tensor = torch.Tensor
 class TorchAttention:
     name: ClassVar[str] = "torch"
     devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
+    split_decode: ClassVar[bool] = True   # one-token rows batched apart from prompts (metadata's decode_* fields)
+    fused_rotary_kv: ClassVar[bool] = False
     ops: LayerOps = TorchOps()
     __slots__ = ()
 
@@ -35,15 +37,16 @@ class TorchAttention:
 
     def decode(self, qd: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
         """The increment requests' one query each [Bd, H, d] over their paged KV -> [Bd, H, d]."""
-        bd, l_max = meta.decode_tokens.numel(), meta.decode_mask.shape[-1]
         n_heads, d = qd.shape[1:]
         kvh = k_cache.shape[2]
+        bd, l_max = meta.decode_tokens.numel(), meta.decode_blocks.shape[1] * k_cache.shape[1]
+        mask = (torch.arange(l_max, device=qd.device) < meta.decode_lens[:, None]).view(bd, 1, 1, l_max)
         # gather whole blocks (one row copy per block, not per token), padded to the longest request;
         # queries of one KV head's group share its keys: [Bd, kvh, group, d] needs no K/V repeat
         blocks = meta.decode_blocks.view(-1)
         kd = k_cache.index_select(0, blocks).view(bd, l_max, kvh, d).transpose(1, 2)
         vd = v_cache.index_select(0, blocks).view(bd, l_max, kvh, d).transpose(1, 2)
-        return F.scaled_dot_product_attention(qd.view(bd, kvh, n_heads // kvh, d), kd, vd, attn_mask=meta.decode_mask,
+        return F.scaled_dot_product_attention(qd.view(bd, kvh, n_heads // kvh, d), kd, vd, attn_mask=mask,
                                               scale=scale).reshape(bd, n_heads, d)
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,

@@ -19,6 +19,8 @@ Tensor = torch.Tensor
 class TritonAttention:
     name: ClassVar[str] = "triton"
     devices: ClassVar[tuple[str, ...]] = ("cuda",)
+    split_decode: ClassVar[bool] = False   # one ragged launch for every row
+    fused_rotary_kv: ClassVar[bool] = True
     ops: LayerOps   # the Triton rms_norm and rotary for the model's other ops
 
     @classmethod
@@ -33,6 +35,12 @@ class TritonAttention:
         from kernels.kv_write_kernel import write_kv
 
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+
+    def rotary_write_kv(self, qkv: Tensor, meta: AttentionMetadata, k_cache: Tensor, v_cache: Tensor, cos: Tensor,
+                        sin: Tensor, n_heads: int) -> Tensor:
+        from kernels.rotary_kv_kernel import rotary_write_kv
+
+        return rotary_write_kv(qkv, meta.positions, cos, sin, meta.slot_mapping, k_cache, v_cache, n_heads, k_cache.shape[2])
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
                meta: AttentionMetadata, scale: float) -> Tensor:

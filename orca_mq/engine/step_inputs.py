@@ -1,0 +1,230 @@
+"""An iteration's inputs, built once: the seam between a plan and the kernels.
+
+From the plan's columns (orca_mq.protocol.iteration.PlanArrays) every per-token and per-row input
+is derived with array arithmetic on the host, no Python per row: token ids, positions, KV slots,
+the attention rows (cu_q_lens, seq_lens, block tables), the LM head's rows, and where async
+scheduling planned a row before its token came back, which row of the previous iteration's sampled
+tokens fills it. They are written into one byte buffer (`Layout`: one segment per field) and reach
+the device in one copy, from pinned memory and non-blocking on CUDA; the model reads views of it.
+
+A decode-only iteration may be padded to a CUDA-graph bucket (orca_mq/engine/graphs.py): the same
+fields, laid out for the largest bucket in a static buffer the graphs were captured on. Padding
+rows write their K/V to a scratch block past the pool's blocks and read only it, so they touch no
+request's KV. Verify rows of speculative decoding (several query tokens, a logit per token) fit the
+same layout: a row is any number of new tokens, and `logit_rows` names every token that samples.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from orca_mq.engine.attention.metadata import AttentionMetadata
+from orca_mq.protocol.iteration import PlanArrays
+
+Tensor = torch.Tensor
+ALIGN = 16   # bytes: every segment starts aligned for any element type
+I32, I64 = np.dtype("<i4"), np.dtype("<i8")
+TORCH = {I32: torch.int32, I64: torch.int64}
+
+
+class Layout:
+    """Named segments of one byte buffer: (name, dtype, shape), each aligned for any element type."""
+
+    __slots__ = ("segments", "offsets", "nbytes")
+
+    def __init__(self, segments: tuple[tuple[str, np.dtype, tuple[int, ...]], ...]) -> None:
+        self.segments = segments
+        self.offsets: dict[str, int] = {}
+        at = 0
+        for name, dtype, shape in segments:
+            self.offsets[name] = at
+            at += -(-(dtype.itemsize * int(np.prod(shape))) // ALIGN) * ALIGN
+        self.nbytes = at
+
+    def host_views(self, buf: np.ndarray) -> dict[str, np.ndarray]:
+        at = self.offsets
+        return {n: buf[at[n]: at[n] + d.itemsize * int(np.prod(s))].view(d).reshape(s) for n, d, s in self.segments}
+
+    def device_views(self, buf: Tensor) -> dict[str, Tensor]:
+        at = self.offsets
+        return {n: buf[at[n]: at[n] + d.itemsize * int(np.prod(s))].view(TORCH[d]).view(s) for n, d, s in self.segments}
+
+
+@functools.lru_cache(maxsize=256)
+def layout(tokens: int, rows: int, width: int, logits: int, fills: int, decode_rows: int, cached: int) -> Layout:
+    return Layout((
+        ("token_ids", I64, (tokens,)), ("positions", I64, (tokens,)), ("slot_mapping", I64, (tokens,)),
+        ("cu_q_lens", I32, (rows + 1,)), ("seq_lens", I32, (rows,)), ("block_tables", I32, (rows, width)),
+        ("logit_rows", I64, (logits,)), ("fill_dst", I64, (fills,)), ("fill_src", I64, (fills,)),
+        ("decode_tokens", I64, (decode_rows,)), ("decode_blocks", I64, (decode_rows, width)),
+        ("decode_lens", I32, (decode_rows,)), ("prefill_cached", I64, (cached,)),
+    ))
+
+
+@dataclass(frozen=True, slots=True)
+class Geometry:
+    """What the inputs are checked against and shaped by (one per stage)."""
+
+    block_size: int
+    num_blocks: int          # the pool's blocks; block `num_blocks` is the padding rows' scratch block
+    vocab_size: int
+    max_len: int             # positions must stay below it (the rotary tables)
+    token_rows: bool         # deterministic mode: every new token its own attention row
+    split_decode: bool       # the backend runs one-token rows apart from prompts (torch, cpu)
+
+
+@dataclass(slots=True)
+class HostStep:
+    """One iteration's inputs on the host, before they are laid out."""
+
+    fields: dict[str, np.ndarray]
+    prefills: list[tuple[int, int, int]]   # (first token row, q_len, start_pos) of each multi-token row
+    cached_counts: list[int]               # cached positions of each prefill (their slots in prefill_cached)
+    num_tokens: int
+    decode_only: bool                      # one token per row, every row samples: a CUDA graph may run it
+    block_size: int
+
+    @classmethod
+    def empty(cls, block_size: int, width: int) -> "HostStep":
+        """No rows: what a bucket's padding is laid out from."""
+        z, z2 = np.zeros(0, np.int64), np.zeros((0, width), np.int64)
+        fields = {n: z for n in ("token_ids", "positions", "slot_mapping", "seq_lens", "logit_rows", "fill_dst",
+                                 "fill_src", "decode_tokens", "decode_lens", "prefill_cached")}
+        fields |= {"cu_q_lens": np.zeros(1, np.int64), "block_tables": z2, "decode_blocks": z2}
+        return cls(fields, [], [], 0, False, block_size)
+
+    @property
+    def width(self) -> int:
+        return self.fields["block_tables"].shape[1]
+
+    def layout(self) -> Layout:
+        """Its own layout (an eager iteration's: no padding)."""
+        f = self.fields
+        return layout(len(f["token_ids"]), len(f["seq_lens"]), self.width, len(f["logit_rows"]), len(f["fill_dst"]),
+                      len(f["decode_tokens"]), len(f["prefill_cached"]))
+
+
+def build(a: PlanArrays, g: Geometry) -> HostStep:
+    """Every input of the iteration, checked against the model and the pool (ValueError: the plan
+    cannot run; the iteration's requests fail, nothing else)."""
+    q, start = a.q_lens.astype(np.int64), a.start_pos.astype(np.int64)
+    s, t = len(q), int(q.sum())
+    seq_len = start + q
+    row_start = np.cumsum(q) - q
+    row_of = np.repeat(np.arange(s), q)
+    positions = np.arange(t) - row_start[row_of] + start[row_of]
+    if t and int(seq_len.max()) > g.max_len:
+        raise ValueError(f"a row reaches position {int(seq_len.max())}, beyond the model's {g.max_len}")
+    if (a.table_lens.astype(np.int64) * g.block_size < seq_len).any():
+        raise ValueError("a row's block table cannot hold its tokens")
+    if len(a.tables) and (int(a.tables.min()) < 0 or int(a.tables.max()) >= g.num_blocks):
+        raise ValueError(f"a block id outside the pool's {g.num_blocks} blocks")
+    filled = a.prev_rows >= 0
+    tokens = a.token_ids.astype(np.int64)
+    tokens[row_start[filled]] = 0   # placeholders: the previous iteration's tokens land here on the device
+    if len(tokens) and (int(tokens.min()) < 0 or int(tokens.max()) >= g.vocab_size):
+        raise ValueError(f"a token id outside the vocabulary of {g.vocab_size}")
+    width = max(int(a.table_lens.max()) if s else 1, 1)
+    tables = np.zeros((s, width), np.int64)
+    tables[np.arange(width) < a.table_lens[:, None]] = a.tables
+    slots = tables[row_of, positions // g.block_size] * g.block_size + positions % g.block_size
+    sampled = a.sample.astype(bool)
+    if g.token_rows:   # each token attends alone, over its KV up to itself
+        cu, kv_lens, row_tables = np.arange(t + 1), positions + 1, tables[row_of]
+    else:
+        cu, kv_lens, row_tables = np.concatenate(([0], np.cumsum(q))), seq_len, tables
+    fields = {"token_ids": tokens, "positions": positions, "slot_mapping": slots, "cu_q_lens": cu,
+              "seq_lens": kv_lens, "block_tables": row_tables, "logit_rows": (row_start + q - 1)[sampled],
+              "fill_dst": row_start[filled], "fill_src": a.prev_rows[filled].astype(np.int64)}
+    prefills: list[tuple[int, int, int]] = []
+    cached_counts: list[int] = []
+    cached = np.zeros(0, np.int64)
+    if g.split_decode:
+        one = np.ones(t, bool) if g.token_rows else (q == 1)[row_of] & (np.arange(t) == row_start[row_of])
+        fields |= {"decode_tokens": np.flatnonzero(one), "decode_blocks": tables[row_of[one]],
+                   "decode_lens": positions[one] + 1}
+        multi = np.flatnonzero(q > 1) if not g.token_rows else np.zeros(0, np.int64)
+        prefills = [(int(row_start[r]), int(q[r]), int(start[r])) for r in multi]
+        cached_counts = [p for _, _, p in prefills]
+        pos = np.concatenate([np.arange(p) for p in cached_counts]) if cached_counts else np.zeros(0, np.int64)
+        owner = np.repeat(multi, cached_counts) if cached_counts else np.zeros(0, np.int64)
+        cached = tables[owner, pos // g.block_size] * g.block_size + pos % g.block_size
+    else:
+        fields |= {"decode_tokens": np.zeros(0, np.int64), "decode_blocks": np.zeros((0, width), np.int64),
+                   "decode_lens": np.zeros(0, np.int64)}
+    fields["prefill_cached"] = cached
+    decode_only = bool(s) and t == s and bool(sampled.all())
+    return HostStep(fields, prefills, cached_counts, t, decode_only, g.block_size)
+
+
+def write(step: HostStep, lay: Layout, buf: np.ndarray, scratch_block: int, rows: int | None = None) -> None:
+    """Lay `step` out in `buf`, padded to `rows` rows (a bucket's; default: the step's own). Padding
+    rows are one token each that reads and writes only the scratch block, attends over one key and
+    is its own logit row."""
+    v = lay.host_views(buf)
+    f = step.fields
+    t, b = len(f["token_ids"]), len(f["seq_lens"])
+    pad = 0 if rows is None else rows - b   # a padded step is decode-only: one token per row
+    for name in ("token_ids", "positions", "slot_mapping", "fill_dst", "fill_src", "prefill_cached"):
+        v[name][:len(f[name])] = f[name]
+    v["token_ids"][t:t + pad] = 0
+    v["positions"][t:t + pad] = 0
+    v["slot_mapping"][t:t + pad] = scratch_block * step.block_size
+    v["cu_q_lens"][:b + 1] = f["cu_q_lens"]
+    v["cu_q_lens"][b + 1:b + 1 + pad] = t + np.arange(1, pad + 1)
+    v["seq_lens"][:b] = f["seq_lens"]
+    v["seq_lens"][b:b + pad] = 1
+    _table_rows(v["block_tables"][:b + pad], f["block_tables"], scratch_block)
+    s = len(f["logit_rows"])
+    v["logit_rows"][:s] = f["logit_rows"]
+    v["logit_rows"][s:s + pad] = np.arange(t, t + pad)
+    if len(v["decode_tokens"]):
+        d = len(f["decode_tokens"])
+        v["decode_tokens"][:d] = f["decode_tokens"]
+        v["decode_tokens"][d:d + pad] = np.arange(t, t + pad)
+        v["decode_lens"][:d] = f["decode_lens"]
+        v["decode_lens"][d:d + pad] = 1
+        _table_rows(v["decode_blocks"][:d + pad], f["decode_blocks"], scratch_block)
+
+
+def _table_rows(dst: np.ndarray, src: np.ndarray, scratch_block: int) -> None:
+    n, w = src.shape
+    dst[:n, :w] = src
+    dst[:n, w:] = 0
+    dst[n:] = 0
+    dst[n:, 0] = scratch_block
+
+
+@dataclass(slots=True)
+class DeviceStep:
+    """An iteration's inputs as views of a device buffer."""
+
+    meta: AttentionMetadata
+    token_ids: Tensor       # [T] (a bucket's: [rows])
+    fill_dst: Tensor        # [P] token rows whose id is the previous iteration's sampled token...
+    fill_src: Tensor        # [P] ...of its sampling row fill_src
+
+
+def metadata(step: HostStep, lay: Layout, buf: Tensor, rows: int | None = None) -> DeviceStep:
+    """Views of the device buffer `lay` describes; `rows`: a bucket's leading rows of a layout laid
+    out for the largest bucket."""
+    v = lay.device_views(buf)
+    if rows is not None:
+        v = {name: x[:rows + 1] if name == "cu_q_lens" else x[:rows] if name in _PER_ROW else x for name, x in v.items()}
+    slots, at = [], 0
+    for n in step.cached_counts:
+        slots.append(v["prefill_cached"][at: at + n] if n else None)
+        at += n
+    meta = AttentionMetadata(
+        positions=v["positions"], slot_mapping=v["slot_mapping"], cu_q_lens=v["cu_q_lens"], seq_lens=v["seq_lens"],
+        block_tables=v["block_tables"], logit_rows=v["logit_rows"], decode_tokens=v["decode_tokens"],
+        decode_blocks=v["decode_blocks"], decode_lens=v["decode_lens"], prefills=step.prefills, prefill_slots=slots)
+    p = len(step.fields["fill_dst"])
+    return DeviceStep(meta, v["token_ids"], v["fill_dst"][:p], v["fill_src"][:p])
+
+
+_PER_ROW = ("token_ids", "positions", "slot_mapping", "seq_lens", "block_tables", "logit_rows", "decode_tokens",
+            "decode_blocks", "decode_lens")

@@ -1,0 +1,144 @@
+"""The iteration's inputs (orca_mq/engine/step_inputs.py) and the CUDA-graph buckets built on them:
+the array arithmetic agrees with a row-by-row reference on any plan (hypothesis), a bucket's padding
+rows touch only the scratch block, wrong plans are refused before any kernel, and on the CPU the
+graph path (same buckets, padding and static buffer, the forward called instead of replayed) gives
+the eager path's logits and KV."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from orca_mq.config import load_config
+from orca_mq.engine.graphs import buckets
+from orca_mq.engine.model_runner import ModelRunner
+from orca_mq.engine.step_inputs import Geometry, HostStep, build, layout, write
+from orca_mq.protocol.iteration import IterationPlan, SeqWork, pack
+
+BS = 4
+GEOMETRY = dict(block_size=BS, num_blocks=64, vocab_size=100, max_len=120)
+
+
+def _reference(seqs: list[SeqWork], token_rows: bool) -> dict[str, list]:
+    """What each field must hold, computed the plain way: row by row, token by token."""
+    out: dict[str, list] = {k: [] for k in ("positions", "slot_mapping", "seq_lens", "logit_rows", "decode_tokens", "decode_lens")}
+    cu, row = [0], 0
+    for s in seqs:
+        for i, pos in enumerate(range(s.start_pos, s.seq_len)):
+            out["positions"].append(pos)
+            out["slot_mapping"].append(s.block_table[pos // BS] * BS + pos % BS)
+            if token_rows or len(s.token_ids) == 1:
+                out["decode_tokens"].append(row + i)
+                out["decode_lens"].append(pos + 1)
+            if token_rows:
+                cu.append(row + i + 1)
+                out["seq_lens"].append(pos + 1)
+        if not token_rows:
+            cu.append(row + len(s.token_ids))
+            out["seq_lens"].append(s.seq_len)
+        row += len(s.token_ids)
+        if s.sample:
+            out["logit_rows"].append(row - 1)
+    out["cu_q_lens"] = cu
+    return out
+
+
+@st.composite
+def plans(draw) -> list[SeqWork]:
+    seqs = []
+    for i in range(draw(st.integers(1, 6))):
+        start = draw(st.integers(0, 60))
+        q = draw(st.integers(1, 12))
+        table = draw(st.lists(st.integers(0, 63), min_size=-(-(start + q) // BS), max_size=-(-(start + q) // BS) + 2))
+        seqs.append(SeqWork(f"r{i}", draw(st.lists(st.integers(0, 99), min_size=q, max_size=q)), start, table,
+                            sample=draw(st.booleans())))
+    return seqs
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seqs=plans(), token_rows=st.booleans(), split=st.booleans())
+def test_inputs_match_a_row_by_row_reference(seqs: list[SeqWork], token_rows: bool, split: bool) -> None:
+    step = build(pack(IterationPlan(1, seqs)).arrays(), Geometry(**GEOMETRY, token_rows=token_rows, split_decode=split))
+    ref = _reference(seqs, token_rows)
+    f = step.fields
+    for name in ("positions", "slot_mapping", "seq_lens", "logit_rows", "cu_q_lens"):
+        assert f[name].tolist() == ref[name], name
+    assert f["token_ids"].tolist() == [t for s in seqs for t in s.token_ids]
+    if split:
+        assert f["decode_tokens"].tolist() == ref["decode_tokens"] and f["decode_lens"].tolist() == ref["decode_lens"]
+        cached = [s.block_table[p // BS] * BS + p % BS for s in seqs if len(s.token_ids) > 1 and not token_rows
+                  for p in range(s.start_pos)]
+        assert f["prefill_cached"].tolist() == cached
+    # every attention row's table starts with its request's blocks
+    rows = [s for s in seqs for _ in (s.token_ids if token_rows else [0])]
+    for r, s in enumerate(rows):
+        assert f["block_tables"][r, : len(s.block_table)].tolist() == s.block_table
+
+
+def test_padding_rows_use_only_the_scratch_block() -> None:
+    seqs = [SeqWork("a", [5], 9, [3, 7, 8]), SeqWork("b", [6], 2, [4])]
+    step = build(pack(IterationPlan(1, seqs)).arrays(), Geometry(**GEOMETRY, token_rows=False, split_decode=True))
+    lay = layout(8, 8, 30, 8, 8, 8, 0)
+    buf = np.zeros(lay.nbytes, np.uint8)
+    write(step, lay, buf, scratch_block=64, rows=8)
+    v = lay.host_views(buf)
+    assert v["slot_mapping"][2:].tolist() == [64 * BS] * 6 and v["seq_lens"][2:].tolist() == [1] * 6
+    assert (v["block_tables"][2:, 0] == 64).all() and (v["block_tables"][2:, 1:] == 0).all()
+    assert v["cu_q_lens"].tolist() == list(range(9)) and v["logit_rows"].tolist() == list(range(8))
+    assert v["decode_lens"][2:].tolist() == [1] * 6 and (v["decode_blocks"][2:, 0] == 64).all()
+
+
+@pytest.mark.parametrize("bad,why", [
+    (SeqWork("a", [5], 200, list(range(60))), "beyond the model"),
+    (SeqWork("a", [5], 9, [1, 2]), "cannot hold"),
+    (SeqWork("a", [5], 0, [64]), "outside the pool"),
+    (SeqWork("a", [100], 0, [1]), "vocabulary"),
+])
+def test_a_plan_the_model_cannot_run_is_refused(bad: SeqWork, why: str) -> None:
+    with pytest.raises(ValueError, match=why):
+        build(pack(IterationPlan(1, [bad])).arrays(), Geometry(**GEOMETRY, token_rows=False, split_decode=False))
+
+
+def test_buckets_cover_every_batch_size() -> None:
+    for max_bs in (1, 7, 32, 128, 500, 512):
+        b = buckets(max_bs)
+        assert b[0] == 1 and b[-1] == max_bs and b == sorted(set(b))
+        assert all(nxt <= 2 * prev or nxt - prev <= 64 for prev, nxt in zip(b, b[1:]))   # padding waste bounded
+
+
+def _runner(model_dir, graphs: str) -> ModelRunner:
+    cfg = load_config(overrides={"model.path": str(model_dir), "model.dtype": "float32", "engine.n_slots": 64 * 16,
+                                 "engine.block_size": 16, "engine.cuda_graphs": graphs, "scheduler.max_bs": 8})
+    return ModelRunner(cfg)
+
+
+def test_graph_path_on_the_cpu_matches_eager(tiny_llama_dir) -> None:
+    """Decode-only iterations of 1..8 rows through the padded static buffer: the eager logits and the
+    same K/V in every real block; the bucket's padding wrote only the scratch block."""
+    eager, padded = _runner(tiny_llama_dir, "off"), _runner(tiny_llama_dir, "on")
+    assert eager.graphs is None and padded.graphs is not None and padded.graphs.sizes == buckets(8)
+    rng = np.random.default_rng(0)
+    for n in (1, 3, 5, 8):
+        prompts = [SeqWork(f"r{i}", rng.integers(0, 500, 20).tolist(), 0, [2 * i, 2 * i + 1]) for i in range(n)]
+        decodes = [SeqWork(s.request_id, [int(rng.integers(0, 500))], 20, s.block_table) for s in prompts]
+        for r in (eager, padded):
+            r.forward(IterationPlan(1, prompts))   # mixed/prefill: eager on both
+        assert padded.graphs.fits(build(pack(IterationPlan(2, decodes)).arrays(), padded.geometry)) == buckets(8)[
+            int(np.searchsorted(buckets(8), n))]
+        a, b = eager.forward(IterationPlan(2, decodes)), padded.forward(IterationPlan(2, decodes))
+        assert a.shape == b.shape == (n, eager.info.vocab_size)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)   # fp32; a padded GEMM may take another kernel
+        real = slice(0, 2 * n)
+        torch.testing.assert_close(eager.kv.k[:, real], padded.kv.k[:, real], rtol=1e-5, atol=1e-5)
+        assert not padded.kv.k[:, 2 * n: 64].any() and not eager.kv.k[:, 64].any()   # no stray writes
+    assert padded.kv.k[:, 64].any()   # the padding rows' writes landed in the scratch block
+
+
+def test_empty_step_lays_out_a_bucket() -> None:
+    step = HostStep.empty(BS, 5)
+    lay = layout(4, 4, 5, 4, 4, 0, 0)
+    buf = np.zeros(lay.nbytes, np.uint8)
+    write(step, lay, buf, scratch_block=9, rows=4)
+    assert lay.host_views(buf)["slot_mapping"].tolist() == [9 * BS] * 4

