@@ -234,6 +234,9 @@ def _converter(tp: Any) -> Conv:
     if origin in (typing.Union, types.UnionType):
         convs = [_converter(a) for a in args if a is not type(None)]
         nullable = type(None) in args
+        if nullable and len(convs) == 1:  # X | None: one test, no try (finals, optional fields)
+            conv = convs[0]
+            return lambda v, p: None if v is None else conv(v, p)
 
         def union(v: Any, p: str) -> Any:
             if v is None and nullable:
@@ -270,6 +273,14 @@ def _converter(tp: Any) -> Conv:
                 return v
 
             return scalars
+        inner = _exact_types(typing.get_args(args[0])[0]) if typing.get_origin(args[0]) is list else None
+        if inner is not None:  # a column of lists of scalars (new tokens per request): one loop too
+            def nested_scalars(v: Any, p: str) -> list[Any]:
+                if type(v) is not list or not all(type(r) is list for r in v) or not all(type(x) in inner for r in v for x in r):
+                    raise _fail(p, str(tp), v)
+                return v
+
+            return nested_scalars
         item = _converter(args[0])
         return lambda v, p: [item(x, p) for x in _seq(v, p)]
     if origin is tuple:
