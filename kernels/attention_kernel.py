@@ -35,9 +35,15 @@ from torch import Tensor
 __all__ = ["ragged_paged_attention"]
 
 _LOG2E = 1.4426950408889634
+# requests a program scans to find its own (one vector load): a floor this high leaves one compiled
+# variant per tile shape up to 256 requests an iteration, at a cost of reading 1 KB more per program
+MIN_BLOCK_B = 256
 
 
-@triton.jit
+# Triton compiles a kernel per value class (1, a multiple of 16, other) of each int argument: the
+# request count and the block tables' width change every iteration, and each new class would
+# compile on the serving path (about a second each)
+@triton.jit(do_not_specialize=["num_reqs", "stride_bt"])
 def _ragged_paged_attn_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, o_ptr,
     block_tables_ptr, cu_q_lens_ptr, seq_lens_ptr,
@@ -175,7 +181,7 @@ def ragged_paged_attention(
         block_tables.stride(0),
         num_reqs, block_size, head_dim,
         G=G, TOK=TOK, BLOCK_R=BLOCK_R, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
-        BLOCK_B=max(16, triton.next_power_of_2(num_reqs)),
+        BLOCK_B=max(MIN_BLOCK_B, triton.next_power_of_2(num_reqs)),
         PREC="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=4,
     )

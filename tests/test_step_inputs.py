@@ -142,3 +142,11 @@ def test_empty_step_lays_out_a_bucket() -> None:
     buf = np.zeros(lay.nbytes, np.uint8)
     write(step, lay, buf, scratch_block=9, rows=4)
     assert lay.host_views(buf)["slot_mapping"].tolist() == [9 * BS] * 4
+
+
+def test_warm_up_iteration_runs_on_any_device(tiny_llama_dir) -> None:
+    """What a CUDA stage runs at start to compile the mixed iterations' kernels: one prompt chunk
+    beside a decode, on the pool's first blocks."""
+    runner = _runner(tiny_llama_dir, "off")
+    runner._warm_up()
+    assert runner.kv.k[:, :4].any()

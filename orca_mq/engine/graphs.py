@@ -7,8 +7,9 @@ batch-size buckets up to `engine.cuda_graph_max_bs` (default `scheduler.max_bs`)
 one memory pool, each reading the same static input buffer laid out for the largest bucket
 (orca_mq/engine/step_inputs.py). An iteration whose rows are each one token that samples is padded
 to the smallest bucket that holds it and replayed; prefills and mixed iterations run eagerly.
-Padding rows write K/V to the pool's scratch block only. A capture that fails logs one line and
-leaves the stage eager.
+Padding rows write K/V to the pool's scratch block only. The graph ends with the greedy step of every
+row (argmax and a finite check), so a greedy decode iteration is one replay and one copy back. A
+capture that fails logs one line and leaves the stage eager.
 
 On the CPU (`engine.cuda_graphs = on`: tests) the same buckets, padding and static buffer run with
 the forward called instead of replayed, so all of it but the capture is checked without a GPU.
@@ -28,7 +29,8 @@ from orca_mq.engine.step_inputs import DeviceStep, HostStep, Layout, layout, met
 
 Tensor = torch.Tensor
 log = logging.getLogger(__name__)
-Forward = Callable[[Tensor, AttentionMetadata], Tensor]   # (token ids, attention metadata) -> logits
+# (token ids, attention metadata) -> (logits, their greedy step: sampler.greedy)
+Forward = Callable[[Tensor, AttentionMetadata], tuple[Tensor, Tensor]]
 
 
 def buckets(max_bs: int) -> list[int]:
@@ -51,7 +53,7 @@ class DecodeGraphs:
         self.views: dict[int, DeviceStep] = {}    # each bucket's views of the static buffer
         whole = self.layout.device_views(self.buf)
         self.fill_dst, self.fill_src = whole["fill_dst"], whole["fill_src"]
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor]] = {}
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[Tensor, Tensor]]] = {}
         self.memory = 0           # bytes the captures took on the device
         self.capture_s = 0.0
         self.error = ""           # why capture failed (the stage runs eagerly)
@@ -103,8 +105,9 @@ class DecodeGraphs:
                  self.capture_s, self.memory / 2**20)
         return True
 
-    def run(self, step: HostStep, bucket: int, prev_tokens: Tensor | None) -> Tensor:
-        """Logits [bucket, vocab] of the padded step (rows past the step's are padding)."""
+    def run(self, step: HostStep, bucket: int, prev_tokens: Tensor | None) -> tuple[Tensor, Tensor]:
+        """Logits [bucket, vocab] of the padded step and their greedy step [2, bucket] (columns past
+        the step's rows are padding); from a graph, static outputs the next replay overwrites."""
         self.stager.stage(step, self.layout, self.buf, rows=bucket)
         dev = self.views[bucket]
         p = len(step.fields["fill_dst"])
