@@ -142,6 +142,7 @@ def ragged_paged_attention(
     cu_q_lens: Tensor,
     seq_lens: Tensor,
     scale: float,
+    decode_tiles: bool | None = None,
 ) -> Tensor:
     """Causal paged attention for all requests of an iteration, one kernel launch.
 
@@ -162,8 +163,9 @@ def ragged_paged_attention(
     if T == 0 or num_reqs == 0:
         return out
     G = n_heads // n_kv_heads
-    # decode-heavy batches (about one token per request): small tiles; prefill: bigger tiles
-    BLOCK_R = 16 if T <= 2 * num_reqs else 64
+    # decode-heavy batches (about one token per request): small tiles; prefill: bigger tiles (a caller
+    # whose rows are padded, a CUDA graph's, says which its real rows are)
+    BLOCK_R = 16 if (T <= 2 * num_reqs if decode_tiles is None else decode_tiles) else 64
     BLOCK_R = max(BLOCK_R, triton.next_power_of_2(G))
     TOK = BLOCK_R // G
     BLOCK_D = max(16, triton.next_power_of_2(head_dim))

@@ -18,7 +18,7 @@ from orca_mq.engine import gemm
 from orca_mq.engine.attention import AttentionMetadata, resolve
 from orca_mq.engine.device import resolve_device, use_device
 from orca_mq.engine.dtype import native_bf16_flags, resolve_dtype
-from orca_mq.engine.graphs import DecodeGraphs, fill
+from orca_mq.engine.graphs import Graphs, fill
 from orca_mq.engine.staging import Stager
 from orca_mq.engine.step_inputs import Geometry, build, metadata
 from orca_mq.protocol.iteration import IterationPlan, IterationResult, PackedPlan, PlanArrays, SeqWork, pack
@@ -200,7 +200,7 @@ class ModelRunner:
         prev, unfilled = self._filler(a)
         if unfilled:
             step.fields["fill_dst"] = step.fields["fill_src"] = np.zeros(0, np.int64)
-        if self.first and self.graphs is not None and (bucket := self.graphs.fits(step)) is not None:
+        if self.first and hidden_in is None and self.graphs is not None and (bucket := self.graphs.fits(step)) is not None:
             logits, first = self.graphs.run(step, bucket, prev)
             return logits[: len(step.fields["logit_rows"])], first, unfilled
         lay = step.layout()
@@ -234,7 +234,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _graphs(self, cfg: "Config", layers: range) -> DecodeGraphs | None:
+    def _graphs(self, cfg: "Config", layers: range) -> Graphs | None:
         """CUDA graphs where the whole model runs here (first and last stage, one TP rank)."""
         mode = cfg.engine.cuda_graphs
         if mode == "off" or (mode == "auto" and self.device.type != "cuda"):
@@ -249,8 +249,8 @@ class ModelRunner:
             logits = self.model.forward(ids, meta, self.kv)
             return logits, greedy(logits)
 
-        graphs = DecodeGraphs(step, max_bs, width,
-                              self.geometry.split_decode, self.stager, self.block_size, self.device)
+        graphs = Graphs(step, max_bs, cfg.scheduler.max_num_batched_tokens, width, self.geometry.split_decode,
+                        self.stager, self.block_size, self.info.vocab_size, self.dtype, self.device)
         self.graph_error = "" if graphs.capture() else graphs.error
         return None if self.graph_error else graphs
 
