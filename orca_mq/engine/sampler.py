@@ -16,6 +16,7 @@ raises is reported as failed, and the other rows keep their tokens.
 """
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass
 
@@ -105,7 +106,8 @@ def failed_rows(ok: list[bool], raised: list[int]) -> list[int]:
 def sample_seqs(logits: Tensor, seqs: list[SeqWork]) -> tuple[list[int], list[int]]:
     """The step for rows given as SeqWork, synchronously: (a token per row, failed rows). For engines
     that make their own logits (the schedulers' test engines)."""
-    drawn = sample(logits, SamplingRows.of(pack(IterationPlan(0, seqs)).arrays()))
+    every = [dataclasses.replace(s, sample=True) for s in seqs]   # row b is seqs[b]'s, whether it samples or not
+    drawn = sample(logits, SamplingRows.of(pack(IterationPlan(0, every)).arrays()))
     return drawn.tokens.tolist(), failed_rows(drawn.ok.tolist(), drawn.failed)
 
 
