@@ -35,9 +35,15 @@ from torch import Tensor
 __all__ = ["ragged_paged_attention"]
 
 _LOG2E = 1.4426950408889634
+# requests a program scans to find its own (one vector load): a floor this high leaves one compiled
+# variant per tile shape up to 256 requests an iteration, at a cost of reading 1 KB more per program
+MIN_BLOCK_B = 256
 
 
-@triton.jit
+# Triton compiles a kernel per value class (1, a multiple of 16, other) of each int argument: the
+# request count and the block tables' width change every iteration, and each new class would
+# compile on the serving path (about a second each)
+@triton.jit(do_not_specialize=["num_reqs", "stride_bt"])
 def _ragged_paged_attn_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, o_ptr,
     block_tables_ptr, cu_q_lens_ptr, seq_lens_ptr,
@@ -136,6 +142,7 @@ def ragged_paged_attention(
     cu_q_lens: Tensor,
     seq_lens: Tensor,
     scale: float,
+    decode_tiles: bool | None = None,
 ) -> Tensor:
     """Causal paged attention for all requests of an iteration, one kernel launch.
 
@@ -156,8 +163,9 @@ def ragged_paged_attention(
     if T == 0 or num_reqs == 0:
         return out
     G = n_heads // n_kv_heads
-    # decode-heavy batches (about one token per request): small tiles; prefill: bigger tiles
-    BLOCK_R = 16 if T <= 2 * num_reqs else 64
+    # decode-heavy batches (about one token per request): small tiles; prefill: bigger tiles (a caller
+    # whose rows are padded, a CUDA graph's, says which its real rows are)
+    BLOCK_R = 16 if (T <= 2 * num_reqs if decode_tiles is None else decode_tiles) else 64
     BLOCK_R = max(BLOCK_R, triton.next_power_of_2(G))
     TOK = BLOCK_R // G
     BLOCK_D = max(16, triton.next_power_of_2(head_dim))
@@ -175,7 +183,7 @@ def ragged_paged_attention(
         block_tables.stride(0),
         num_reqs, block_size, head_dim,
         G=G, TOK=TOK, BLOCK_R=BLOCK_R, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
-        BLOCK_B=max(16, triton.next_power_of_2(num_reqs)),
+        BLOCK_B=max(MIN_BLOCK_B, triton.next_power_of_2(num_reqs)),
         PREC="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=4,
     )

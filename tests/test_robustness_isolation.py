@@ -15,7 +15,7 @@ from orca_mq.config import load_config
 from orca_mq.engine.model_runner import ModelRunner
 from orca_mq.engine.model_info import read_model_info
 from orca_mq.kv.cache import HostKV
-from orca_mq.protocol.iteration import IterationPlan, IterationResult, SeqWork
+from orca_mq.protocol.iteration import IterationPlan, IterationResult, SeqWork, pack
 from orca_mq.sampling_params import SamplingParams
 from orca_mq.sched import make_scheduler
 from orca_mq.sched.request import Request
@@ -36,7 +36,7 @@ def test_failed_work_ends_only_its_requests_and_frees_their_kv(tiny_llama_dir):
     executor.start()
 
     def run(plan: IterationPlan) -> dict[str, str | None]:
-        executor.submit(plan, 0.0)
+        executor.submit(pack(plan), 0.0)   # in columns, as a control frame carries it
         return {e.request_id: e.finish_reason for e in sched.process_result(results.get(timeout=60), 0.0)}
 
     greedy, sampled = SamplingParams(max_tokens=3, temperature=0.0), SamplingParams(max_tokens=3, temperature=1.0)
@@ -44,7 +44,7 @@ def test_failed_work_ends_only_its_requests_and_frees_their_kv(tiny_llama_dir):
         sched.add(Request(rid, [1, 2, 3, 4, 5], params))
     plan = sched.schedule(0.0)
     assert plan is not None and [s.request_id for s in plan.seqs] == ["a", "b", "c"]
-    plan.seqs[1].seed = float("nan")  # type: ignore[assignment]  # sampling raises for b alone
+    plan.seqs[1].temperature = float("nan")  # sampling raises for b alone
     assert run(plan) == {"a": None, "b": "error", "c": None}
     assert "b" not in sched.pool and "b" not in sched.block_manager.device.tables
 

@@ -12,9 +12,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from orca_mq.config import load_config
-from orca_mq.engine.graphs import buckets
+from orca_mq.engine.graphs import buckets, token_buckets
 from orca_mq.engine.model_runner import ModelRunner
-from orca_mq.engine.step_inputs import Geometry, HostStep, build, layout, write
+from orca_mq.engine.step_inputs import Bucket, Geometry, HostStep, build, layout, write
 from orca_mq.protocol.iteration import IterationPlan, SeqWork, pack
 
 BS = 4
@@ -78,16 +78,34 @@ def test_inputs_match_a_row_by_row_reference(seqs: list[SeqWork], token_rows: bo
 
 
 def test_padding_rows_use_only_the_scratch_block() -> None:
+    """A decode bucket: padding tokens are one-token rows on the scratch block."""
     seqs = [SeqWork("a", [5], 9, [3, 7, 8]), SeqWork("b", [6], 2, [4])]
     step = build(pack(IterationPlan(1, seqs)).arrays(), Geometry(**GEOMETRY, token_rows=False, split_decode=True))
     lay = layout(8, 8, 30, 8, 8, 8, 0)
-    buf = np.zeros(lay.nbytes, np.uint8)
-    write(step, lay, buf, scratch_block=64, rows=8)
+    buf = np.full(lay.nbytes, 0xAB, np.uint8)   # what an earlier iteration left there
+    write(step, lay, buf, scratch_block=64, bucket=Bucket(8, 8, 8, True))
     v = lay.host_views(buf)
     assert v["slot_mapping"][2:].tolist() == [64 * BS] * 6 and v["seq_lens"][2:].tolist() == [1] * 6
     assert (v["block_tables"][2:, 0] == 64).all() and (v["block_tables"][2:, 1:] == 0).all()
-    assert v["cu_q_lens"].tolist() == list(range(9)) and v["logit_rows"].tolist() == list(range(8))
+    assert v["cu_q_lens"].tolist() == list(range(9)) and v["logit_rows"].tolist() == [0, 1] + [0] * 6
     assert v["decode_lens"][2:].tolist() == [1] * 6 and (v["decode_blocks"][2:, 0] == 64).all()
+
+
+def test_a_mixed_bucket_pads_tokens_as_rows_then_empty_rows() -> None:
+    """A mixed bucket: a prompt chunk and a decode (4 tokens, 2 rows) padded to 12 tokens and 12 rows:
+    8 one-token rows on the scratch block, then 2 empty rows."""
+    seqs = [SeqWork("a", [5, 6, 7], 0, [3]), SeqWork("b", [6], 2, [4])]
+    step = build(pack(IterationPlan(1, seqs)).arrays(), Geometry(**GEOMETRY, token_rows=False, split_decode=False))
+    lay = layout(12, 12, 30, 4, 4, 0, 0)
+    buf = np.full(lay.nbytes, 0xAB, np.uint8)
+    write(step, lay, buf, scratch_block=64, bucket=Bucket(12, 12, 4, False))
+    v = lay.host_views(buf)
+    assert v["cu_q_lens"].tolist() == [0, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 12, 12]
+    assert v["seq_lens"].tolist() == [3, 3] + [1] * 8 + [0] * 2
+    assert v["slot_mapping"].tolist() == [3 * BS, 3 * BS + 1, 3 * BS + 2, 4 * BS + 2] + [64 * BS] * 8
+    assert v["positions"].tolist() == [0, 1, 2, 2] + [0] * 8 and v["token_ids"].tolist() == [5, 6, 7, 6] + [0] * 8
+    assert v["block_tables"][:, 0].tolist() == [3, 4] + [64] * 8 + [0] * 2 and not v["block_tables"][:, 1:].any()
+    assert v["logit_rows"].tolist() == [2, 3, 0, 0]
 
 
 @pytest.mark.parametrize("bad,why", [
@@ -125,8 +143,9 @@ def test_graph_path_on_the_cpu_matches_eager(tiny_llama_dir) -> None:
         decodes = [SeqWork(s.request_id, [int(rng.integers(0, 500))], 20, s.block_table) for s in prompts]
         for r in (eager, padded):
             r.forward(IterationPlan(1, prompts))   # mixed/prefill: eager on both
-        assert padded.graphs.fits(build(pack(IterationPlan(2, decodes)).arrays(), padded.geometry)) == buckets(8)[
-            int(np.searchsorted(buckets(8), n))]
+        size = buckets(8)[int(np.searchsorted(buckets(8), n))]
+        assert padded.graphs.fits(build(pack(IterationPlan(2, decodes)).arrays(), padded.geometry)) == Bucket(size, size, size, True)
+        assert padded.graphs.fits(build(pack(IterationPlan(1, prompts)).arrays(), padded.geometry)) is None  # cpu: prompts eager
         a, b = eager.forward(IterationPlan(2, decodes)), padded.forward(IterationPlan(2, decodes))
         assert a.shape == b.shape == (n, eager.info.vocab_size)
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)   # fp32; a padded GEMM may take another kernel
@@ -136,9 +155,22 @@ def test_graph_path_on_the_cpu_matches_eager(tiny_llama_dir) -> None:
     assert padded.kv.k[:, 64].any()   # the padding rows' writes landed in the scratch block
 
 
+def test_buckets_of_mixed_iterations() -> None:
+    assert token_buckets(0) == [] and token_buckets(300) == [256, 300]
+    assert token_buckets(8192)[:9] == [256, 512, 768, 1024, 1280, 1536, 1792, 2048, 2560] and token_buckets(8192)[-1] == 8192
+
+
 def test_empty_step_lays_out_a_bucket() -> None:
     step = HostStep.empty(BS, 5)
     lay = layout(4, 4, 5, 4, 4, 0, 0)
     buf = np.zeros(lay.nbytes, np.uint8)
-    write(step, lay, buf, scratch_block=9, rows=4)
+    write(step, lay, buf, scratch_block=9, bucket=Bucket(4, 4, 4, True))
     assert lay.host_views(buf)["slot_mapping"].tolist() == [9 * BS] * 4
+
+
+def test_warm_up_iteration_runs_on_any_device(tiny_llama_dir) -> None:
+    """What a CUDA stage runs at start to compile the mixed iterations' kernels: one prompt chunk
+    beside a decode, on the pool's first blocks."""
+    runner = _runner(tiny_llama_dir, "off")
+    runner._warm_up()
+    assert runner.kv.k[:, :4].any()

@@ -294,6 +294,7 @@ def exactness(ctx: Ctx) -> None:
 def iteration(ctx: Ctx) -> None:
     from orca_mq.bench.graph_probe import ProbeModel, probe
     from orca_mq.bench.plans import plan_for
+    from orca_mq.protocol.iteration import pack
 
     sz, dtype = ctx.sizes, ctx.fast_dtype
     runners = {}
@@ -312,9 +313,10 @@ def iteration(ctx: Ctx) -> None:
                  if g else f"none: {on.graph_error or 'not on this device'}", how="ModelRunner.graphs after start")
     info = next(iter(runners.values())).info
     yard = ProbeModel(info, torch.device(ctx.device), getattr(torch, dtype))
-    how = f"ModelRunner.execute (forward + sampling), median of {sz.repeat}, {dtype}, synchronized"
+    how = (f"ModelRunner.execute of a packed plan (as a worker receives it: inputs staged, forward, sampling, "
+           f"tokens back), median of {sz.repeat}, {dtype}, synchronized")
     for b in sz.decode_batches:
-        plan = plan_for([(1, sz.ctx - 1)] * b, next(iter(runners.values())).block_size)
+        plan = pack(plan_for([(1, sz.ctx - 1)] * b, next(iter(runners.values())).block_size))
         ms = {}
         for mode, r in runners.items():
             with ctx.attempt(f"decode b={b} {label(mode)}"):
@@ -333,7 +335,7 @@ def iteration(ctx: Ctx) -> None:
     cases.append((f"mixed {sz.mixed[0]}-token chunk + {sz.mixed[1]} decodes", [(sz.mixed[0], 0)] + [(1, sz.ctx - 1)] * sz.mixed[1]))
     for name, reqs in cases:
         with ctx.attempt(name):
-            plan = plan_for(reqs, r.block_size)
+            plan = pack(plan_for(reqs, r.block_size))
             ctx.emit(f"{name}: iteration ms", ctx.timed_ms(lambda: r.execute(plan)), unit="ms", how=how)
     for mode, r in runners.items():
         with ctx.attempt(f"launches {label(mode)}"):

@@ -15,19 +15,19 @@ import numpy as np
 import torch
 
 from orca_mq.engine import gemm
-from orca_mq.engine.attention import resolve
+from orca_mq.engine.attention import AttentionMetadata, resolve
 from orca_mq.engine.device import resolve_device, use_device
 from orca_mq.engine.dtype import native_bf16_flags, resolve_dtype
-from orca_mq.engine.graphs import DecodeGraphs, fill
+from orca_mq.engine.graphs import Graphs, fill
 from orca_mq.engine.staging import Stager
 from orca_mq.engine.step_inputs import Geometry, build, metadata
-from orca_mq.protocol.iteration import IterationPlan, IterationResult, PackedPlan, PlanArrays, pack
+from orca_mq.protocol.iteration import IterationPlan, IterationResult, PackedPlan, PlanArrays, SeqWork, pack
 from orca_mq.kv.cache import KVCache
 from orca_mq.kv.pool import PoolSize
 from orca_mq.kv.swapper import KVSwapper
 from orca_mq.engine.model import StageModel
 from orca_mq.engine.parallel import TensorParallel, TPGroup
-from orca_mq.engine.sampler import Sampled, SamplingRows, failed_rows, sample
+from orca_mq.engine.sampler import SamplingRows, failed_rows, greedy, sample
 from orca_mq.engine.threads import use_threads
 from orca_mq.engine.model_info import ModelInfo, read_model_info
 from orca_mq.engine.weights import MATRICES, StageWeights, load_stage_weights
@@ -98,6 +98,8 @@ class ModelRunner:
         self._prev: tuple[int, Tensor] | None = None   # the last iteration sampled here: (number, its tokens on the device)
         self.graph_error = ""   # why the CUDA graphs asked for could not be captured (the stage runs eagerly)
         self.graphs = self._graphs(cfg, layers)
+        if self.device.type == "cuda":
+            self._warm_up()
 
     @staticmethod
     def _gemm_rows(cfg: "Config", weights: StageWeights) -> gemm.Rows:
@@ -139,17 +141,15 @@ class ModelRunner:
         a = packed.arrays()
         swapper = self.swap(packed)
         try:
-            out, unfilled = self._forward(a, hidden_in)
+            out, first, unfilled = self._forward(a, hidden_in)
         finally:
             if swapper is not None:
                 swapper.computed(packed)
         if not self.last or self.tp.where.rank != 0:
             return Launched(a, out if not self.last else None)
-        rows = SamplingRows.of(a)
-        drawn = sample(out, rows) if len(rows) else Sampled(out.new_zeros(0, dtype=torch.int64), out.new_zeros(0, dtype=torch.bool), [])
+        drawn = sample(out, SamplingRows.of(a), first)
         self._prev = (packed.iteration, drawn.tokens)
-        back = torch.stack((drawn.tokens, drawn.ok.long()))
-        event = None
+        back, event = drawn.back, None
         if back.is_cuda:
             host = torch.empty(back.shape, dtype=back.dtype, pin_memory=True)   # the caching host allocator's
             back = host.copy_(back, non_blocking=True)
@@ -164,9 +164,9 @@ class ModelRunner:
             return out
         if launched.event is not None:
             launched.event.synchronize()
-        tokens, ok = out.tolist() if out.numel() else ([], [])
         rids = a.plan.request_ids
         sampling = np.flatnonzero(a.sample).tolist()
+        tokens, ok = (row[:len(sampling)] for row in out.tolist())
         ids = [-1] * len(rids)
         for k, r in enumerate(sampling):
             ids[r] = tokens[k]
@@ -188,19 +188,21 @@ class ModelRunner:
 
     def forward(self, plan: IterationPlan | PackedPlan, hidden_in: Tensor | None = None) -> Tensor:
         """Hidden states [T, hidden], or on the last stage logits [S, vocab] of each sampling request's last token."""
-        out, _ = self._forward((plan if isinstance(plan, PackedPlan) else pack(plan)).arrays(), hidden_in)
-        return out.clone() if self.graphs is not None and self.graphs.graphs else out
+        out, first, _ = self._forward((plan if isinstance(plan, PackedPlan) else pack(plan)).arrays(), hidden_in)
+        return out.clone() if first is not None else out
 
     @torch.inference_mode()
-    def _forward(self, a: PlanArrays, hidden_in: Tensor | None) -> tuple[Tensor, list[int]]:
-        """The stage's output, and the rows whose token could not be filled (the iteration they follow
-        is not the last one this stage sampled: they fail, the others run)."""
+    def _forward(self, a: PlanArrays, hidden_in: Tensor | None) -> tuple[Tensor, Tensor | None, list[int]]:
+        """The stage's output; from a CUDA graph its greedy step too (else None); and the rows whose
+        token could not be filled (the iteration they follow is not the last one this stage sampled:
+        they fail, the others run)."""
         step = build(a, self.geometry)
         prev, unfilled = self._filler(a)
         if unfilled:
             step.fields["fill_dst"] = step.fields["fill_src"] = np.zeros(0, np.int64)
-        if self.first and self.graphs is not None and (bucket := self.graphs.fits(step)) is not None:
-            return self.graphs.run(step, bucket, prev)[: len(step.fields["logit_rows"])], unfilled
+        if self.first and hidden_in is None and self.graphs is not None and (bucket := self.graphs.fits(step)) is not None:
+            logits, first = self.graphs.run(step, bucket, prev)
+            return logits[: len(step.fields["logit_rows"])], first, unfilled
         lay = step.layout()
         dev = metadata(step, lay, self.stager.stage(step, lay))
         fill(dev.token_ids, dev.fill_dst, dev.fill_src, prev)
@@ -210,7 +212,7 @@ class ModelRunner:
             raise ValueError(f"stage {self.stage} needs the previous stage's hidden states")
         else:
             inputs = hidden_in
-        return self.model.forward(inputs, dev.meta, self.kv), unfilled
+        return self.model.forward(inputs, dev.meta, self.kv), None, unfilled
 
     def _filler(self, a: PlanArrays) -> tuple[Tensor | None, list[int]]:
         """The sampled tokens the plan's placeholders read, or the rows that cannot be filled."""
@@ -221,7 +223,18 @@ class ModelRunner:
             return self._prev[1], []
         return None, rows.tolist()
 
-    def _graphs(self, cfg: "Config", layers: range) -> DecodeGraphs | None:
+    def _warm_up(self) -> None:
+        """One eager iteration, a prompt chunk beside a decode, on the pool's first blocks (no request
+        holds any yet): the Triton kernels of mixed iterations compile now, not under the first requests."""
+        n = max(min(3 * self.block_size + 1, self.geometry.max_len - 1, self.geometry.num_blocks * self.block_size), 4)
+        plan = IterationPlan(0, [SeqWork("warm-up", [0] * n, 0, list(range(-(-n // self.block_size)))),
+                                 SeqWork("warm-up-decode", [0], 0, [0])])
+        hidden = None if self.first else torch.zeros(n + 1, self.hidden_size, dtype=self.dtype, device=self.device)
+        self.forward(plan, hidden)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _graphs(self, cfg: "Config", layers: range) -> Graphs | None:
         """CUDA graphs where the whole model runs here (first and last stage, one TP rank)."""
         mode = cfg.engine.cuda_graphs
         if mode == "off" or (mode == "auto" and self.device.type != "cuda"):
@@ -232,8 +245,12 @@ class ModelRunner:
             return None
         max_bs = cfg.engine.cuda_graph_max_bs or cfg.scheduler.max_bs
         width = -(-self.geometry.max_len // self.block_size)
-        graphs = DecodeGraphs(lambda ids, meta: self.model.forward(ids, meta, self.kv), max_bs, width,
-                              self.geometry.split_decode, self.stager, self.block_size, self.device)
+        def step(ids: Tensor, meta: AttentionMetadata) -> tuple[Tensor, Tensor]:
+            logits = self.model.forward(ids, meta, self.kv)
+            return logits, greedy(logits)
+
+        graphs = Graphs(step, max_bs, cfg.scheduler.max_num_batched_tokens, width, self.geometry.split_decode,
+                        self.stager, self.block_size, self.info.vocab_size, self.dtype, self.device)
         self.graph_error = "" if graphs.capture() else graphs.error
         return None if self.graph_error else graphs
 
@@ -243,7 +260,7 @@ class Launched:
     """An iteration issued to the device, not yet collected."""
 
     arrays: PlanArrays
-    out: Tensor | None                 # hidden states; on the last stage [2, S] tokens and ok flags (host)
+    out: Tensor | None                 # hidden states; on the last stage [2, >= S] tokens over ok flags (host)
     event: "torch.cuda.Event | None" = None
     failed: list[int] = field(default_factory=list)     # sampling rows whose sampling raised
     unfilled: list[int] = field(default_factory=list)   # plan rows whose token could not be filled

@@ -16,6 +16,7 @@ raises is reported as failed, and the other rows keep their tokens.
 """
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass
 
@@ -58,18 +59,31 @@ class Sampled:
     tokens: Tensor      # [S] int64 on the logits' device
     ok: Tensor          # [S] bool: finite logits and a usable mask
     failed: list[int]   # rows whose sampling raised
+    back: Tensor        # [2, >= S] int64, tokens over ok: what the caller copies back (one copy)
 
 
-def sample(logits: Tensor, rows: SamplingRows) -> Sampled:
-    """logits [S, vocab], row b belonging to rows[b]."""
-    ok = torch.isfinite(logits.amax(dim=-1)) & torch.isfinite(logits.amin(dim=-1))   # NaN propagates
+def greedy(logits: Tensor) -> Tensor:
+    """Every row's most likely token over whether its logits are all finite (NaN or inf: a fault
+    upstream), [2, S] int64: the whole step of a greedy row, also run inside a decode CUDA graph."""
+    return torch.stack((logits.argmax(dim=-1), torch.isfinite(logits).all(dim=-1).long()))
+
+
+def sample(logits: Tensor, rows: SamplingRows, first: Tensor | None = None) -> Sampled:
+    """logits [S, vocab], row b belonging to rows[b]; `first`: greedy(logits) already computed (by a
+    CUDA graph; it may have more columns, for a bucket's padding rows)."""
+    first = greedy(logits) if first is None else first
+    tokens, ok = first[0, :len(rows)], first[1, :len(rows)].bool()
+    drawn = np.flatnonzero((rows.temperature != 0) & (rows.top_k != 1))
+    if not rows.masks and not len(drawn):   # greedy rows only: nothing here waits for the device
+        return Sampled(tokens, ok, [], first)
     logits = logits.float()
     if rows.masks:
         logits, usable = _apply_masks(logits, rows.masks)
-        ok &= usable
-    tokens = logits.argmax(dim=-1)
+        ok = ok & usable
+        tokens = logits.argmax(dim=-1)
+    else:
+        tokens = tokens.clone()
     failed: list[int] = []
-    drawn = np.flatnonzero((rows.temperature != 0) & (rows.top_k != 1))
     if len(drawn):
         good = ok.tolist()
         group = [int(b) for b in drawn if good[b]]
@@ -81,7 +95,7 @@ def sample(logits: Tensor, rows: SamplingRows) -> Sampled:
                     _sample_rows(logits, rows, [b], tokens)
                 except Exception:
                     failed.append(b)
-    return Sampled(tokens, ok, failed)
+    return Sampled(tokens, ok, failed, torch.stack((tokens, ok.long())))
 
 
 def failed_rows(ok: list[bool], raised: list[int]) -> list[int]:
@@ -92,7 +106,8 @@ def failed_rows(ok: list[bool], raised: list[int]) -> list[int]:
 def sample_seqs(logits: Tensor, seqs: list[SeqWork]) -> tuple[list[int], list[int]]:
     """The step for rows given as SeqWork, synchronously: (a token per row, failed rows). For engines
     that make their own logits (the schedulers' test engines)."""
-    drawn = sample(logits, SamplingRows.of(pack(IterationPlan(0, seqs)).arrays()))
+    every = [dataclasses.replace(s, sample=True) for s in seqs]   # row b is seqs[b]'s, whether it samples or not
+    drawn = sample(logits, SamplingRows.of(pack(IterationPlan(0, every)).arrays()))
     return drawn.tokens.tolist(), failed_rows(drawn.ok.tolist(), drawn.failed)
 
 

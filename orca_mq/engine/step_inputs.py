@@ -160,14 +160,26 @@ def build(a: PlanArrays, g: Geometry) -> HostStep:
     return HostStep(fields, prefills, cached_counts, t, decode_only, g.block_size)
 
 
-def write(step: HostStep, lay: Layout, buf: np.ndarray, scratch_block: int, rows: int | None = None) -> None:
-    """Lay `step` out in `buf`, padded to `rows` rows (a bucket's; default: the step's own). Padding
-    rows are one token each that reads and writes only the scratch block, attends over one key and
-    is its own logit row."""
+@dataclass(frozen=True, slots=True)
+class Bucket:
+    """A CUDA graph's shape, what a step is padded to: its tokens, attention rows and LM-head rows,
+    and the attention tiles it was captured with (one-token rows, or prompt chunks)."""
+
+    tokens: int
+    rows: int
+    logits: int
+    decode_tiles: bool
+
+
+def write(step: HostStep, lay: Layout, buf: np.ndarray, scratch_block: int, bucket: Bucket | None = None) -> None:
+    """Lay `step` out in `buf`, padded to `bucket` (default: the step's own shape). Padding tokens
+    are each a one-token row that reads and writes only the scratch block and attends over one key;
+    rows past them are empty (no tokens, no keys); padding LM-head rows read token 0."""
     v = lay.host_views(buf)
     f = step.fields
     t, b = len(f["token_ids"]), len(f["seq_lens"])
-    pad = 0 if rows is None else rows - b   # a padded step is decode-only: one token per row
+    pad = 0 if bucket is None else bucket.tokens - t
+    rows = b + pad if bucket is None else bucket.rows
     for name in ("token_ids", "positions", "slot_mapping", "fill_dst", "fill_src", "prefill_cached"):
         v[name][:len(f[name])] = f[name]
     v["token_ids"][t:t + pad] = 0
@@ -175,27 +187,30 @@ def write(step: HostStep, lay: Layout, buf: np.ndarray, scratch_block: int, rows
     v["slot_mapping"][t:t + pad] = scratch_block * step.block_size
     v["cu_q_lens"][:b + 1] = f["cu_q_lens"]
     v["cu_q_lens"][b + 1:b + 1 + pad] = t + np.arange(1, pad + 1)
+    v["cu_q_lens"][b + 1 + pad:rows + 1] = t + pad
     v["seq_lens"][:b] = f["seq_lens"]
     v["seq_lens"][b:b + pad] = 1
-    _table_rows(v["block_tables"][:b + pad], f["block_tables"], scratch_block)
+    v["seq_lens"][b + pad:rows] = 0
+    _table_rows(v["block_tables"][:rows], f["block_tables"], pad, scratch_block)
     s = len(f["logit_rows"])
     v["logit_rows"][:s] = f["logit_rows"]
-    v["logit_rows"][s:s + pad] = np.arange(t, t + pad)
-    if len(v["decode_tokens"]):
+    v["logit_rows"][s:None if bucket is None else bucket.logits] = 0
+    if len(v["decode_tokens"]):   # the torch and cpu paths (not captured): padding tokens are decode rows
         d = len(f["decode_tokens"])
         v["decode_tokens"][:d] = f["decode_tokens"]
         v["decode_tokens"][d:d + pad] = np.arange(t, t + pad)
         v["decode_lens"][:d] = f["decode_lens"]
         v["decode_lens"][d:d + pad] = 1
-        _table_rows(v["decode_blocks"][:d + pad], f["decode_blocks"], scratch_block)
+        _table_rows(v["decode_blocks"][:d + pad], f["decode_blocks"], pad, scratch_block)
 
 
-def _table_rows(dst: np.ndarray, src: np.ndarray, scratch_block: int) -> None:
+def _table_rows(dst: np.ndarray, src: np.ndarray, pad: int, scratch_block: int) -> None:
+    """The rows' tables, then `pad` rows of the scratch block alone, then empty rows."""
     n, w = src.shape
     dst[:n, :w] = src
     dst[:n, w:] = 0
     dst[n:] = 0
-    dst[n:, 0] = scratch_block
+    dst[n:n + pad, 0] = scratch_block
 
 
 @dataclass(slots=True)
@@ -203,28 +218,33 @@ class DeviceStep:
     """An iteration's inputs as views of a device buffer."""
 
     meta: AttentionMetadata
-    token_ids: Tensor       # [T] (a bucket's: [rows])
+    token_ids: Tensor       # [T] (a bucket's: [bucket.tokens])
     fill_dst: Tensor        # [P] token rows whose id is the previous iteration's sampled token...
     fill_src: Tensor        # [P] ...of its sampling row fill_src
 
 
-def metadata(step: HostStep, lay: Layout, buf: Tensor, rows: int | None = None) -> DeviceStep:
-    """Views of the device buffer `lay` describes; `rows`: a bucket's leading rows of a layout laid
-    out for the largest bucket."""
+def metadata(step: HostStep, lay: Layout, buf: Tensor, bucket: Bucket | None = None) -> DeviceStep:
+    """Views of the device buffer `lay` describes; with `bucket`, its leading part of a layout laid
+    out for the largest bucket (a CUDA graph reads these same views at every replay)."""
     v = lay.device_views(buf)
-    if rows is not None:
-        v = {name: x[:rows + 1] if name == "cu_q_lens" else x[:rows] if name in _PER_ROW else x for name, x in v.items()}
+    f = step.fields
+    t, b = len(f["token_ids"]), len(f["seq_lens"])
+    decode_tiles = t <= 2 * b
+    if bucket is not None:
+        n = {"token_ids": bucket.tokens, "positions": bucket.tokens, "slot_mapping": bucket.tokens,
+             "cu_q_lens": bucket.rows + 1, "seq_lens": bucket.rows, "block_tables": bucket.rows,
+             "logit_rows": bucket.logits, "decode_tokens": bucket.rows, "decode_blocks": bucket.rows,
+             "decode_lens": bucket.rows}
+        v = {name: x[:n[name]] if name in n else x for name, x in v.items()}
+        decode_tiles = bucket.decode_tiles
     slots, at = [], 0
-    for n in step.cached_counts:
-        slots.append(v["prefill_cached"][at: at + n] if n else None)
-        at += n
+    for c in step.cached_counts:
+        slots.append(v["prefill_cached"][at: at + c] if c else None)
+        at += c
     meta = AttentionMetadata(
         positions=v["positions"], slot_mapping=v["slot_mapping"], cu_q_lens=v["cu_q_lens"], seq_lens=v["seq_lens"],
         block_tables=v["block_tables"], logit_rows=v["logit_rows"], decode_tokens=v["decode_tokens"],
-        decode_blocks=v["decode_blocks"], decode_lens=v["decode_lens"], prefills=step.prefills, prefill_slots=slots)
-    p = len(step.fields["fill_dst"])
+        decode_blocks=v["decode_blocks"], decode_lens=v["decode_lens"], prefills=step.prefills, prefill_slots=slots,
+        decode_tiles=decode_tiles)
+    p = len(f["fill_dst"])
     return DeviceStep(meta, v["token_ids"], v["fill_dst"][:p], v["fill_src"][:p])
-
-
-_PER_ROW = ("token_ids", "positions", "slot_mapping", "seq_lens", "block_tables", "logit_rows", "decode_tokens",
-            "decode_blocks", "decode_lens")

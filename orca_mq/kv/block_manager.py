@@ -131,7 +131,7 @@ class BlockManager:
     def ensure(self, request_id: str, n_tokens: int) -> list[int]:
         """Grow its device block table to hold n_tokens tokens; returns the table."""
         table = self.device.tables.setdefault(request_id, [])
-        missing = self.blocks_for(n_tokens) - len(table)
+        missing = -(-n_tokens // self.block_size) - len(table)   # blocks_for, inlined: once per row and iteration
         if missing > 0:
             if missing > self.num_free_blocks:
                 raise KVAllocationError(f"request {request_id}: needs {missing} more KV blocks, {self.num_free_blocks} free")

@@ -164,7 +164,8 @@ class Scheduler:
         """The next iteration, or None when nothing can run (`step` keeps the pipeline's cap)."""
         selected = self.select(now)
         for req in selected:   # blocks of its prompt that requests prefilling the same prefix published since it started
-            self.block_manager.reuse(req)
+            if req.phase is Phase.INITIATION:
+                self.block_manager.reuse(req)
         batch = self.fit_budget(selected)
         if not batch:
             return None

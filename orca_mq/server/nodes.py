@@ -54,8 +54,13 @@ def check_gpus(cfg: Config, cuda_devices: Callable[[], int] | None = None) -> No
     two ranks on one GPU die inside NCCL ("Duplicate GPU detected") after a minute of loading.
     `cuda_devices` stands in for torch's count (tests); torch is imported only when it decides."""
     e = cfg.engine
-    here = placement(e.n_workers, e.tp_size, cfg.server.nnodes).count(cfg.server.node_rank)
-    if e.device == "cpu" or (e.device == "auto" and here <= 1):
+    if e.device == "cpu":
+        return
+    try:
+        here = placement(e.n_workers, e.tp_size, cfg.server.nnodes).count(cfg.server.node_rank)
+    except ValueError:   # a layout that cannot be placed is reported where the nodes start
+        return
+    if e.device == "auto" and here <= 1:
         return
     count = (cuda_devices or _cuda_devices)()
     if e.device == "auto" and count == 0:   # auto without CUDA runs on the CPU

@@ -47,4 +47,5 @@ class TritonAttention:
         """k/v are unused: this iteration's are already in the cache."""
         from kernels.attention_kernel import ragged_paged_attention
 
-        return ragged_paged_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_q_lens, meta.seq_lens, scale)
+        return ragged_paged_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_q_lens, meta.seq_lens, scale,
+                                      meta.decode_tiles)
