@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from orca_mq.bench.random_models import save_random_model
+from orca_mq.bench.random_models import random_llama, save_random_model
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -51,17 +51,7 @@ def embedded_llm():
 
 
 def _served_model(path: Path, near_ties: bool) -> Path:
-    from transformers import LlamaConfig
-
-    from orca_mq.tokenizer import load_tokenizer
-
-    tok = load_tokenizer()
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5,
-                      tie_word_embeddings=not near_ties, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-    save_random_model(path, cfg, near_ties)
-    tok.save_pretrained(path)
-    return path
+    return random_llama(path, layers=2, max_positions=256, near_ties=near_ties)
 
 
 @pytest.fixture(scope="session")

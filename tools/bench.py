@@ -7,7 +7,7 @@
         [--system-prompts N] [--system-len L] [--turns T] [--think S]
         [--set section.key=value ...] [--address ADDR] --out FILE.json
         [--backend openai [--base-url URL] [--model NAME] [--extra-body JSON]] [--burstiness K]
-        [--goodput ttft:MS tpot:MS e2el:MS]
+        [--goodput ttft:MS tpot:MS e2el:MS] [--client-procs N]
 
 --trace chat / multiturn are issue 22's chat-shaped traces (orca_mq/bench/trace.py): N requests of
 one of --system-prompts shared system prompts of --system-len tokens (Zipf popularity --zipf) + a
@@ -39,8 +39,8 @@ latency CDFs (TTFT, TPOT, ITL, E2E) to FILE.png.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import datetime as dt
+import functools
 import json
 import math
 import os
@@ -145,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds to wait for launch.py to print 'ready' (default 600)")
     p.add_argument("--launch-log", default=None, metavar="FILE", help="launcher output (default FILE.launch.log)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--client-procs", type=int, default=1, metavar="N",
+                   help="replay from N client processes, each its share of the trace and its own warm-up (default 1; "
+                        "no progress bar when > 1): one Python client spends ~60 us per token, a bottleneck at high rates")
     return p
 
 
@@ -185,23 +188,17 @@ def write_result(path: Path, config: dict, summary: dict, requests: list[dict]) 
 
 
 def run_replay(address: str, trace: list, args: argparse.Namespace) -> tuple[list[dict], float]:
+    from orca_mq.bench.client_procs import replay_in_processes, run_loop
+    from orca_mq.bench.openai_backend import OpenAIClient
     from orca_mq.bench.replay import open_client, replay
 
-    def http_client(url: str) -> Any:
-        from orca_mq.bench.openai_backend import OpenAIClient
-
-        return OpenAIClient(url, args.model, extra=args.extra_body)
-
-    coro = replay(address, trace, progress=not args.no_progress, warmup=args.warmup,
-                  request_timeout=args.request_timeout or None,
-                  client_factory=http_client if args.backend == "openai" else open_client)
-    try:
-        import uvloop
-        loop_factory = uvloop.new_event_loop
-    except ImportError:
-        loop_factory = None
-    with asyncio.Runner(loop_factory=loop_factory) as runner:
-        return runner.run(coro)
+    factory = functools.partial(OpenAIClient, model=args.model, extra=args.extra_body) if args.backend == "openai" else open_client
+    timeout = args.request_timeout or None
+    if args.client_procs > 1:
+        return replay_in_processes(address, trace, args.client_procs, warmup=args.warmup, request_timeout=timeout,
+                                   client_factory=factory)[:2]
+    return run_loop(replay(address, trace, progress=not args.no_progress, warmup=args.warmup, request_timeout=timeout,
+                           client_factory=factory))
 
 
 def _on_sigterm(signum: int, frame: Any) -> None:
@@ -220,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     if args.base_url and args.backend != "openai":
         sys.exit("bench: --base-url needs --backend openai")
+    if args.client_procs < 1:
+        sys.exit("bench: --client-procs must be >= 1")
     if args.burstiness is not None:
         if not args.burstiness > 0:
             sys.exit("bench: --burstiness must be > 0")
@@ -317,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         "policy": args.policy, "trace": args.trace, "num_requests": args.num_requests, "rate": args.rate,
         "cv": args.cv, "zipf": args.zipf, "input_len": list(spec.input_len), "output_len": list(spec.output_len),
         "max_bs": args.max_bs, "seed": args.seed, "set": list(args.sets), "address": address, "launched": launched,
-        "out": str(out), "warmup": args.warmup, "request_timeout": args.request_timeout,
+        "out": str(out), "warmup": args.warmup, "request_timeout": args.request_timeout, "client_procs": args.client_procs,
         "launch_sets": launch_sets,
         # the effective system config: exact when launched here, config.toml + --set when --address is used
         "system": cfg.to_dict(),

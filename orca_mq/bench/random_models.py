@@ -1,6 +1,7 @@
-"""Random-weight Hugging Face models saved as safetensors directories: the tests' tiny models, and
-the GPU check's models of the embedded model's exact shape (its 93 MB GGUF does not travel to the
-device machine; its tokenizer and config.json do)."""
+"""Random-weight Hugging Face models saved as safetensors directories: the tests' tiny models, the
+control-plane benchmark's narrow one (compute negligible), and the GPU check's models of the embedded
+model's exact shape (its 93 MB GGUF does not travel to the device machine; its tokenizer and
+config.json do)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -24,6 +25,23 @@ def save_random_model(path: Path, config: Any, near_ties: bool = False) -> Path:
             n = w.shape[0] // 2 * 2
             w[1:n:2] = w[0:n:2] * (1 + 1e-6 * torch.randn_like(w[0:n:2]))
     model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def random_llama(path: Path, *, layers: int, max_positions: int, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
+                 intermediate: int = 128, near_ties: bool = False) -> Path:
+    """A random Llama with the embedded model's tokenizer and chat template, so that it serves real text."""
+    from transformers import LlamaConfig
+
+    from orca_mq.tokenizer import load_tokenizer
+
+    tok = load_tokenizer()
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_positions,
+                      rms_norm_eps=1e-5, tie_word_embeddings=not near_ties, bos_token_id=tok.bos_token_id,
+                      eos_token_id=tok.eos_token_id)
+    save_random_model(path, cfg, near_ties)
+    tok.save_pretrained(path)
     return path
 
 

@@ -175,8 +175,11 @@ async def closed_loop(trace: Sequence[ChatTurn], send: Send, clock: Callable[[],
 
 async def replay(address: str, trace: Sequence[TraceRequest] | Sequence[ChatTurn], *, progress: bool = True,
                  request_timeout: float | None = None, warmup: int = 0,
-                 client_factory: Callable[[str], Any] = open_client) -> tuple[list[dict[str, Any]], float]:
-    """Send a token trace open loop or a chat trace closed loop; return (records in trace order, wall-clock start)."""
+                 client_factory: Callable[[str], Any] = open_client,
+                 start: Callable[[], Awaitable[float]] | None = None) -> tuple[list[dict[str, Any]], float]:
+    """Send a token trace open loop or a chat trace closed loop; return (records in trace order, wall-clock start).
+    `start`, awaited after the warm-up, gives t = 0 as a time.perf_counter() value (one instant for
+    several client processes: orca_mq.bench.client_procs); default: at once."""
     from tqdm import tqdm
 
     async with client_factory(address) as client:
@@ -190,8 +193,8 @@ async def replay(address: str, trace: Sequence[TraceRequest] | Sequence[ChatTurn
         bar = tqdm(total=len(trace), unit="req", file=sys.stderr, dynamic_ncols=True, disable=not progress)
         state = {"sent": 0, "done": 0, "tokens": 0, "errors": 0}
 
-        t0 = time.perf_counter()
-        wall_start = time.time()
+        t0 = await start() if start is not None else time.perf_counter()
+        wall_start = time.time() + (t0 - time.perf_counter())
 
         def clock() -> float:
             return time.perf_counter() - t0

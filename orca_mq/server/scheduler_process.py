@@ -14,6 +14,7 @@ import os
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -183,24 +184,10 @@ class SchedulerProcess:
         return bool(out.plans)
 
     async def _emit(self, iteration: int, events: list[TokenEvent]) -> None:
-        """The step's events to the frontend as one TokenBatch: two flat columns of tokens (msgpack
-        packs them in C), the few finals with their metrics beside."""
-        if not events:
-            return
-        rids: list[str] = []
-        tokens: list[int] = []
-        finals: dict[str, str] = {}
-        metrics: dict[str, dict[str, Any]] = {}
-        for e in events:
-            if e.token_id is not None:
-                rids.append(e.request_id)
-                tokens.append(e.token_id)
-            if e.finish_reason:
-                finals[e.request_id] = e.finish_reason
-                if m := (self.sched.request_metrics(e.request_id) or {}) | (e.metrics or {}):
-                    metrics[e.request_id] = m
-        self.telemetry.finished(metrics.values())
-        await self.link.to_peer("frontend", TokenBatch(iteration, rids, tokens, finals, metrics))
+        if events:
+            batch = token_batch(iteration, events, self.sched.request_metrics)
+            self.telemetry.finished(batch.metrics.values())
+            await self.link.to_peer("frontend", batch)
 
     async def _start_stats(self, source: bytes, query: StatsQuery) -> None:
         qid = uuid.uuid4().hex
@@ -239,6 +226,24 @@ class SchedulerProcess:
             self.turnaround.clear()
             self.result_latency.clear()
         await self.link.to_peer(pending.source, StatsResult(q.query_id, stats))
+
+
+def token_batch(iteration: int, events: list[TokenEvent], request_metrics: Callable[[str], dict[str, Any] | None]) -> TokenBatch:
+    """A step's events as one TokenBatch, in one pass: two flat columns of tokens (msgpack packs them
+    in C), the few finals with their metrics (the scheduler's and the event's) beside."""
+    rids: list[str] = []
+    tokens: list[int] = []
+    finals: dict[str, str] = {}
+    metrics: dict[str, dict[str, Any]] = {}
+    for e in events:
+        if e.token_id is not None:
+            rids.append(e.request_id)
+            tokens.append(e.token_id)
+        if e.finish_reason:
+            finals[e.request_id] = e.finish_reason
+            if m := (request_metrics(e.request_id) or {}) | (e.metrics or {}):
+                metrics[e.request_id] = m
+    return TokenBatch(iteration, rids, tokens, finals, metrics)
 
 
 def main() -> None:

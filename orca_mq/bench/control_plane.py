@@ -1,0 +1,176 @@
+"""The control plane's price per generated token, on the CPU (issue 32, item 4).
+
+A narrow Llama (30 layers of hidden 64: compute is negligible, so what is measured is everything around
+it) serves a burst from several client processes (orca_mq.bench.client_procs); the served generated
+tokens/s is compared with the offline engine's (orca_mq.LLM) on the same burst with the same KV room
+(n_slots for max_bs requests at their longest, max_bs, token budget, threads), and the CPU each serving
+process spends per generated token is read from /proc/<pid>/stat (utime + stime) before and after the
+burst. Rounds alternate offline and served, each on a fresh engine (no prefix cache carried over).
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from orca_mq.bench.client_procs import replay_in_processes
+from orca_mq.bench.random_models import random_llama
+from orca_mq.bench.trace import TraceRequest, TraceSpec, load_corpus, make_trace
+from orca_mq.server.process import ServerHandle, free_port, spawn
+
+ROLES = {"broker": "orca_mq.server.broker", "frontend": "orca_mq.server.frontend",
+         "scheduler": "orca_mq.server.scheduler_process", "worker": "workers.main"}
+SERVING = ("broker", "frontend", "scheduler")   # the processes the target is set for
+WARMUP_IDS = [504, 3575, 282, 4649, 314]          # a prompt no request of the trace starts with
+
+
+@dataclass(slots=True)
+class Setup:
+    requests: int = 256
+    input_len: tuple[int, int] = (32, 512)
+    output_len: tuple[int, int] = (128, 128)
+    max_bs: int = 128
+    budget: int = 2048            # scheduler.max_num_batched_tokens
+    threads: int = 1              # torch threads of the offline engine and of the served worker
+    layers: int = 30
+    client_procs: int = 4
+    seed: int = 0
+
+    @property
+    def max_len(self) -> int:
+        return self.input_len[1] + self.output_len[1]
+
+    def config(self) -> dict[str, Any]:
+        """What both runs share: KV room for max_bs requests at their longest, so none waits for a block."""
+        slots = -(-self.max_bs * self.max_len // 16) * 16
+        return {"scheduler.max_bs": self.max_bs, "scheduler.max_num_batched_tokens": self.budget,
+                "engine.n_slots": slots, "engine.threads_per_worker": self.threads, "model.dtype": "float32",
+                "model.max_model_len": self.max_len}
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process so far (/proc/<pid>/stat fields 14 and 15)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    fields = stat[stat.rindex(")") + 2:].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def make_burst(setup: Setup) -> list[TraceRequest]:
+    from orca_mq.tokenizer import load_tokenizer
+
+    spec = TraceSpec(kind="orca", num_requests=setup.requests, rate=0.0, input_len=setup.input_len,
+                     output_len=setup.output_len, seed=setup.seed)
+    return make_trace(spec, load_corpus(load_tokenizer()))
+
+
+def offline(model: Path, setup: Setup, trace: list[TraceRequest]) -> dict[str, Any]:
+    """The burst through a fresh orca_mq.LLM, timed from the call to its return."""
+    from orca_mq import LLM, SamplingParams
+
+    llm = LLM(model=str(model), **{k.replace(".", "__"): v for k, v in setup.config().items()})
+    llm.generate([WARMUP_IDS], SamplingParams(max_tokens=4, temperature=0.0))
+    params = [SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True) for r in trace]
+    start = time.perf_counter()
+    outs = llm.generate([list(r.prompt_token_ids) for r in trace], params)
+    wall = time.perf_counter() - start
+    tokens = sum(len(o.token_ids) for o in outs)
+    return {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall}
+
+
+def served(model: Path, setup: Setup, trace: list[TraceRequest], work: Path) -> dict[str, Any]:
+    """The burst through a fresh server from `setup.client_procs` client processes: its wall time (the
+    first request sent to the last final), and each process's CPU seconds over it."""
+    sets = {**setup.config(), "model.path": str(model), "engine.n_workers": 1, "server.http_address": "",
+            "server.frontend_address": f"tcp://127.0.0.1:{free_port()}", "log.dir": str(work / "logs")}
+    handle = spawn(sets, work / "launcher.stderr", ready_timeout=300)
+    try:
+        pids = {role: handle.pid_of(f"-m {module} ") for role, module in ROLES.items()}
+        before: dict[str, float] = {}
+        iterations: list[int] = []
+
+        def start() -> None:
+            iterations.append(_iterations(handle))
+            before.update({role: cpu_seconds(pid) for role, pid in pids.items()})
+
+        records, _, client_cpu = replay_in_processes(handle.address, trace, setup.client_procs, warmup=1, on_start=start)
+        cpu = {role: cpu_seconds(pid) - before[role] for role, pid in pids.items()}
+        iterations.append(_iterations(handle))
+    finally:
+        handle.stop(60)
+    failed = [r["error"] for r in records if r["error"] is not None]
+    if failed:
+        raise RuntimeError(f"{len(failed)} requests failed, e.g. {failed[0]}")
+    tokens = sum(r["generated_tokens"] for r in records)
+    wall = max(r["finish_s"] for r in records) - min(r["arrival_s"] for r in records)
+    return {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall, "cpu_s": cpu | {"clients": client_cpu},
+            "us_per_token": {k: v / tokens * 1e6 for k, v in (cpu | {"clients": client_cpu}).items()},
+            "tokens_per_iteration": tokens / max(1, iterations[1] - iterations[0])}
+
+
+def _iterations(handle: ServerHandle) -> int:
+    from orca_mq.client import Client
+
+    with Client(handle.address) as client:
+        return int(client.stats()["workers"][0]["iterations"])
+
+
+def emit_us_per_token(batch: int = 128, rounds: int = 200) -> float:
+    """SchedulerProcess._emit's own work per token (the TokenBatch built and encoded; its one send per
+    iteration aside), for a step of `batch` tokens, 1 in 16 of them final."""
+    from orca_mq.protocol import encode
+    from orca_mq.sched import TokenEvent
+    from orca_mq.server.scheduler_process import token_batch
+
+    events = [TokenEvent(f"#{i}", 1000 + i, "length" if i % 16 == 0 else None) for i in range(batch)]
+    metrics = {"cached_tokens": 0}
+    start = time.perf_counter()
+    for _ in range(rounds):
+        encode(token_batch(7, events, lambda rid: metrics))
+    return (time.perf_counter() - start) / (rounds * batch) * 1e6
+
+
+def run(setup: Setup, rounds: int, work: Path) -> dict[str, Any]:
+    """`rounds` pairs of offline and served runs, interleaved; medians of each figure."""
+    model = random_llama(work / "model", layers=setup.layers, max_positions=setup.max_len)
+    trace = make_burst(setup)
+    results = []
+    for i in range(rounds):
+        off = offline(model, setup, trace)
+        srv = served(model, setup, trace, work / f"round{i}")
+        results.append({"offline": off, "served": srv, "ratio": srv["tokens_per_s"] / off["tokens_per_s"]})
+    med = {"offline_tokens_per_s": statistics.median(r["offline"]["tokens_per_s"] for r in results),
+           "served_tokens_per_s": statistics.median(r["served"]["tokens_per_s"] for r in results),
+           "ratio": statistics.median(r["ratio"] for r in results),
+           "tokens_per_iteration": statistics.median(r["served"]["tokens_per_iteration"] for r in results),
+           "us_per_token": {k: statistics.median(r["served"]["us_per_token"][k] for r in results)
+                            for k in results[0]["served"]["us_per_token"]}}
+    return {"setup": asdict(setup) | {"config": setup.config()}, "rounds": results, "median": med,
+            "emit_us_per_token": emit_us_per_token(setup.max_bs),
+            "targets": {"ratio": 0.9, "us_per_token": 15.0,
+                        "met": med["ratio"] >= 0.9 and all(med["us_per_token"][k] <= 15.0 for k in SERVING)}}
+
+
+def table(result: dict[str, Any]) -> str:
+    cols = ["broker", "frontend", "scheduler", "worker", "clients"]
+    lines = [f"{'round':>6} {'offline tok/s':>13} {'served tok/s':>12} {'ratio':>6} {'tok/iter':>8} "
+             + " ".join(f"{c + ' us/tok':>16}" for c in cols)]
+
+    def row(name: str, off: float, srv: float, ratio: float, per_iter: float, us: dict[str, float]) -> str:
+        return (f"{name:>6} {off:>13.0f} {srv:>12.0f} {ratio:>6.2f} {per_iter:>8.1f} "
+                + " ".join(f"{us[c]:>16.1f}" for c in cols))
+
+    for i, r in enumerate(result["rounds"], 1):
+        lines.append(row(str(i), r["offline"]["tokens_per_s"], r["served"]["tokens_per_s"], r["ratio"],
+                         r["served"]["tokens_per_iteration"], r["served"]["us_per_token"]))
+    m = result["median"]
+    lines.append(row("median", m["offline_tokens_per_s"], m["served_tokens_per_s"], m["ratio"], m["tokens_per_iteration"],
+                     m["us_per_token"]))
+    lines.append(f"scheduler's _emit (TokenBatch built + encoded, batch {result['setup']['max_bs']}): "
+                 f"{result['emit_us_per_token']:.2f} us per token")
+    t = result["targets"]
+    lines.append(f"targets: served >= {t['ratio']}x offline, broker/frontend/scheduler <= {t['us_per_token']:.0f} us per "
+                 f"token: {'met' if t['met'] else 'not met'}")
+    return "\n".join(lines)

@@ -1,0 +1,44 @@
+"""The control-plane benchmark (tools/bench_control_plane.py) and the replay over several client
+processes it shares with tools/bench.py: shares of a trace, CPU read from /proc, and one tiny round
+end to end (offline engine, real server, two client processes)."""
+from __future__ import annotations
+
+import os
+import time
+
+from orca_mq.bench.client_procs import shares
+from orca_mq.bench.control_plane import SERVING, Setup, cpu_seconds, run, table
+from orca_mq.bench.trace import TraceSpec, make_chat_trace, make_trace
+
+CORPUS = list(range(1000, 6000))
+
+
+def test_shares_split_requests_round_robin_and_keep_conversations_whole():
+    trace = make_trace(TraceSpec(num_requests=10, rate=0.0, input_len=(4, 8), output_len=(2, 4)), CORPUS)
+    parts = shares(trace, 3)
+    assert [[r.index for r in p] for p in parts] == [[0, 3, 6, 9], [1, 4, 7], [2, 5, 8]]
+    chat = make_chat_trace(TraceSpec(kind="multiturn", num_requests=4, rate=0.0, input_len=(4, 8), output_len=(2, 4),
+                                     system_prompts=0, turns=3), CORPUS, lambda ids: " ".join(map(str, ids)))
+    for part in shares(chat, 3):
+        conversations = {t.conversation for t in part}
+        assert all(sum(t.conversation == c for t in part) == 3 for c in conversations)   # all turns of each
+
+
+def test_cpu_seconds_follow_the_process():
+    before = cpu_seconds(os.getpid())
+    end = time.process_time() + 0.3
+    while time.process_time() < end:
+        pass
+    assert 0.2 <= cpu_seconds(os.getpid()) - before <= 1.0
+
+
+def test_one_tiny_round_end_to_end(tmp_path):
+    setup = Setup(requests=8, input_len=(8, 16), output_len=(6, 6), max_bs=8, budget=64, layers=1, client_procs=2)
+    result = run(setup, 1, tmp_path)
+    (r,) = result["rounds"]
+    assert r["offline"]["tokens"] == r["served"]["tokens"] == 8 * 6
+    assert r["ratio"] == r["served"]["tokens_per_s"] / r["offline"]["tokens_per_s"] > 0
+    us = r["served"]["us_per_token"]
+    assert set(us) == {*SERVING, "worker", "clients"} and us["clients"] > 0
+    assert result["median"]["us_per_token"] == us and 0 < result["emit_us_per_token"] < 100
+    assert "median" in table(result)
