@@ -18,7 +18,7 @@ from orca_mq.protocol.client_msgs import TO_CLIENT, Final, Generate, Output, Out
 from orca_mq.protocol.common_msgs import Error
 from orca_mq.protocol.codec import channel
 from orca_mq.protocol.control_msgs import ClientGone, Fatal
-from orca_mq.server.zmq_queue import BROKER, CLIENT, PEER
+from orca_mq.server.zmq_queue import BROKER, CLIENT, CLIENTS, PEER
 from serving_harness import ROOT, free_port
 
 TIMEOUT_MS = 5000
@@ -163,3 +163,19 @@ def test_an_older_client_is_answered_in_its_version(broker):
     launcher.send_multipart([BROKER, b"", encode(Fatal("worker0 died"))])
     final = unpack(_recv(client)[0])
     assert final["v"] == 3 and final["type"] == "output" and final["request_id"] == "r1" and final["finished"]
+
+
+def test_one_message_carries_frames_for_many_clients(broker):
+    """The frontend's frames of one iteration travel as one message (CLIENTS); a bad one among them is
+    answered alone, the others are delivered and settle their requests."""
+    cfg, ctx, frontend, _ = broker
+    clients, cids = [_client(ctx, cfg) for _ in range(2)], []
+    for i, client in enumerate(clients):
+        client.send(encode(Generate(f"r{i}", prompt="hi")))
+        cids.append(_recv(frontend, 3)[1])
+    frames = [encode(Outputs([f"r{i}"], [[i]], ["x"], [Final("length")])) for i in range(2)]
+    frontend.send_multipart([CLIENTS, cids[0], frames[0], cids[1], encode(Ping(1)), cids[1], frames[1]])
+    for i, client in enumerate(clients):
+        assert decode(_recv(client)[0], TO_CLIENT) == Outputs([f"r{i}"], [[i]], ["x"], [Final("length")])
+    assert "not a client message" in decode(_recv(frontend, 3)[2], channel(Error)).error
+    assert _tracked(clients[0], frontend) == 0

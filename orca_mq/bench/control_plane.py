@@ -5,7 +5,9 @@ it) serves a burst from several client processes (orca_mq.bench.client_procs); t
 tokens/s is compared with the offline engine's (orca_mq.LLM) on the same burst with the same KV room
 (n_slots for max_bs requests at their longest, max_bs, token budget, threads), and the CPU each serving
 process spends per generated token is read from /proc/<pid>/stat (utime + stime) before and after the
-burst. Rounds alternate offline and served, each on a fresh engine (no prefix cache carried over).
+burst. With the engine on every core (threads = the host's 2), the served worker shares them with the
+control plane, so the ratio shows what the control plane costs the engine. Rounds alternate offline
+and served, each on a fresh engine (no prefix cache carried over).
 """
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ class Setup:
     output_len: tuple[int, int] = (128, 128)
     max_bs: int = 128
     budget: int = 2048            # scheduler.max_num_batched_tokens
-    threads: int = 1              # torch threads of the offline engine and of the served worker
+    threads: int = 2              # torch threads of the offline engine and of the served worker (config.toml's default)
     layers: int = 30
     client_procs: int = 4
     seed: int = 0

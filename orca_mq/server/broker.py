@@ -42,7 +42,7 @@ from orca_mq.sampling_params import InvalidRequest
 from orca_mq.validation import check_request_id
 from orca_mq.protocol.control_msgs import ClientGone, Fatal, Resume
 from orca_mq.server.process import process_main
-from orca_mq.server.zmq_queue import BROKER, CLIENT, PEER, serve
+from orca_mq.server.zmq_queue import BROKER, CLIENT, PEER, parse_to_broker, serve
 
 FRONTEND = b"frontend"
 OUTPUTS = channel(Outputs)
@@ -159,25 +159,34 @@ class Broker:
             frames = await self.backend.recv_multipart()
             source = frames[0]
             try:
-                if len(frames) != 4 or frames[1] not in (PEER, CLIENT, BROKER):
-                    raise ProtocolError(f"malformed envelope ({len(frames)} frames)")
-                _, route, address, payload = frames
-                body = unpack(payload)
-                if route == CLIENT:
-                    await self._deliver(address, payload, body)
-                elif route == BROKER:
-                    await self._handle_control(source, body)
-                else:
-                    try:
-                        await self.backend.send_multipart([address, PEER, source, payload])
-                    except zmq.ZMQError:
-                        raise ProtocolError(f"peer {address!r} unreachable") from None
+                envelopes = parse_to_broker(frames[1:])
             except ProtocolError as e:
-                self.log.warning("rejected backend frame", source=source.decode(errors="replace"), error=str(e))
+                await self._reject(source, e)
+                continue
+            for route, address, payload in envelopes:
                 try:
-                    await self.backend.send_multipart([source, BROKER, b"", encode(Error(str(e), e.request_id, PROTOCOL))])
-                except zmq.ZMQError:
-                    pass
+                    await self._route(source, route, address, payload)
+                except ProtocolError as e:
+                    await self._reject(source, e)
+
+    async def _route(self, source: bytes, route: bytes, address: bytes, payload: bytes) -> None:
+        body = unpack(payload)
+        if route == CLIENT:
+            await self._deliver(address, payload, body)
+        elif route == BROKER:
+            await self._handle_control(source, body)
+        else:
+            try:
+                await self.backend.send_multipart([address, PEER, source, payload])
+            except zmq.ZMQError:
+                raise ProtocolError(f"peer {address!r} unreachable") from None
+
+    async def _reject(self, source: bytes, e: ProtocolError) -> None:
+        self.log.warning("rejected backend frame", source=source.decode(errors="replace"), error=str(e))
+        try:
+            await self.backend.send_multipart([source, BROKER, b"", encode(Error(str(e), e.request_id, PROTOCOL))])
+        except zmq.ZMQError:
+            pass
 
     async def _deliver(self, client: bytes, payload: bytes, body: dict[str, Any]) -> None:
         if body["type"] not in TO_CLIENT:

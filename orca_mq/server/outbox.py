@@ -1,15 +1,16 @@
 """One iteration's news for the clients, a frame per client: what the frontend streams.
 
 A client that wrote its request in protocol v4 or later gets one `outputs` frame per iteration with
-a row for each of its requests the iteration moved (one ZeroMQ send and one encode per client, not
-per token). An older client knows only `output`: it gets one per request, in its own version.
+a row for each of its requests the iteration moved (one encode per client, not per token). An older
+client knows only `output`: it gets one per request, in its own version. All of them leave in one
+message to the broker, which sends each client its frame.
 """
 from __future__ import annotations
 
 from orca_mq.protocol import encode
 from orca_mq.protocol.client_msgs import Final, Output, Outputs
 from orca_mq.server.active_request import ActiveRequest
-from orca_mq.server.zmq_queue import CLIENT, BrokerLink
+from orca_mq.server.zmq_queue import BrokerLink
 
 BATCHED_VERSION = 4   # the protocol version that added `outputs`
 
@@ -39,7 +40,5 @@ class Outbox:
         batch.finals.append(final)
 
     async def send(self, link: BrokerLink) -> None:
-        for client, batch in self.batches.items():
-            await link.send_raw(CLIENT, client, encode(batch))
-        for client, version, single in self.singles:
-            await link.send_raw(CLIENT, client, encode(single, version))
+        await link.to_clients([(client, encode(batch)) for client, batch in self.batches.items()]
+                              + [(client, encode(single, version)) for client, version, single in self.singles])

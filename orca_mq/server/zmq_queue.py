@@ -5,6 +5,8 @@ Envelope on the broker's backend ROUTER (after the ROUTER's own identity frame):
     [route, address, payload]   route = b"P" peer (address = its identity, e.g. b"scheduler"),
                                         b"C" client (address = the client's ROUTER identity),
                                         b"B" the broker itself (address empty)
+    [b"M", client, payload, client, payload, ...]   many client frames in one message (the
+                                        frontend's frames of one iteration: one send, one wake-up)
 A sender names the destination; the broker rewrites the address to the source when delivering.
 """
 from __future__ import annotations
@@ -24,6 +26,7 @@ from orca_mq.protocol.common_msgs import PROTOCOL, Error
 PEER = b"P"
 CLIENT = b"C"
 BROKER = b"B"
+CLIENTS = b"M"
 
 
 @dataclass(slots=True)
@@ -37,6 +40,15 @@ def parse(frames: list[bytes]) -> Envelope:
     if len(frames) != 3 or frames[0] not in (PEER, CLIENT, BROKER):
         raise ProtocolError(f"malformed envelope ({len(frames)} frames)")
     return Envelope(frames[0], frames[1], frames[2])
+
+
+def parse_to_broker(frames: list[bytes]) -> list[tuple[bytes, bytes, bytes]]:
+    """What a process sent the broker, as (route, destination, payload): one envelope, or one per
+    client frame of a CLIENTS message."""
+    if frames[:1] == [CLIENTS] and len(frames) >= 3 and len(frames) % 2:
+        return [(CLIENT, client, payload) for client, payload in zip(frames[1::2], frames[2::2])]
+    env = parse(frames)
+    return [(env.route, env.source, env.payload)]
 
 
 def _dealer(ctx: zmq.Context[Any], address: str, identity: str) -> zmq.Socket[Any]:
@@ -83,6 +95,11 @@ class BrokerLink:
 
     async def to_broker(self, msg: Any) -> None:
         await self.send_raw(BROKER, b"", encode(msg))
+
+    async def to_clients(self, frames: list[tuple[bytes, bytes]]) -> None:
+        """Encoded frames for several clients, (client, payload) each, in one message."""
+        if frames:
+            await self.sock.send_multipart([CLIENTS, *(part for frame in frames for part in frame)], copy=False)
 
     async def send_raw(self, route: bytes, address: bytes, payload: bytes) -> None:
         await self.sock.send_multipart([route, address, payload], copy=False)
