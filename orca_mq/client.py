@@ -31,7 +31,7 @@ import zmq.asyncio
 from orca_mq.auth import curve_client
 from orca_mq.outputs import RequestOutput
 from orca_mq.protocol import ProtocolError, decode, encode
-from orca_mq.protocol.client_msgs import TO_CLIENT, Abort, Generate, Output, Outputs, Ping, Pong, Stats, StatsReply
+from orca_mq.protocol.client_msgs import TO_CLIENT, Abort, Generate, Output, Outputs, Ping, Pong, Stats, StatsReply, events
 from orca_mq.protocol.common_msgs import ABORTED, INVALID_REQUEST, UNAUTHORIZED, UNAVAILABLE, Error
 from orca_mq.sampling_params import InvalidRequest, SamplingParams
 
@@ -172,13 +172,10 @@ class AsyncClient:
                 msg = decode(await self._sock.recv(), TO_CLIENT)
             except ProtocolError:
                 continue  # not for us to act on; the server never sends these
-            if isinstance(msg, Outputs):  # one iteration: a row per request of ours it moved
-                for rid, ids, text, final in zip(msg.request_ids, msg.token_ids, msg.texts, msg.finals):
-                    self._deliver(rid, StreamEvent(rid, ids, text) if final is None else
-                                  StreamEvent(rid, ids, text, True, final.finish_reason, final.error, final.metrics, final.code))
-            elif isinstance(msg, Output):
-                self._deliver(msg.request_id, StreamEvent(msg.request_id, msg.token_ids, msg.text, msg.finished,
-                                                          msg.finish_reason, msg.error, msg.metrics, msg.code))
+            if isinstance(msg, (Output, Outputs)):  # `outputs`: one iteration, a row per request of ours it moved
+                for out in events(msg):
+                    self._deliver(out.request_id, StreamEvent(out.request_id, out.token_ids, out.text, out.finished,
+                                                              out.finish_reason, out.error, out.metrics, out.code))
             elif isinstance(msg, Error) and msg.request_id is not None:
                 self._deliver(msg.request_id, _final_error(msg.request_id, msg.error, msg.code))
             elif isinstance(msg, StatsReply):

@@ -25,7 +25,7 @@ import zmq.asyncio
 
 from orca_mq.client import AsyncClient, Client
 from orca_mq.protocol import decode, encode
-from orca_mq.protocol.client_msgs import TO_CLIENT, Generate, Output, Ping
+from orca_mq.protocol.client_msgs import TO_CLIENT, Generate, Output, Ping, events
 from orca_mq.protocol.common_msgs import Error
 from orca_mq.server.zmq_queue import PEER
 from serving_harness import alive, settled, start_server
@@ -167,7 +167,7 @@ def test_vanished_client_frees_its_requests(server):
         sock.send(encode(Generate("gone", prompt="Tell me everything.", sampling={"max_tokens": 300, "ignore_eos": True})))
         for _ in range(2):
             assert sock.poll(30_000)
-            assert isinstance(decode(sock.recv(), TO_CLIENT), Output)
+            assert all(isinstance(e, Output) for e in events(decode(sock.recv(), TO_CLIENT)))
         sock.close(linger=0)  # the client disappears without a word
     finally:
         ctx.destroy(linger=0)

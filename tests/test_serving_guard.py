@@ -25,7 +25,7 @@ from orca_mq.bench.http_fuzz import body_fuzz, schema_fuzz
 from orca_mq.client import AsyncClient, Client
 from orca_mq.config import API_KEY_ENV
 from orca_mq.protocol import decode, encode
-from orca_mq.protocol.client_msgs import TO_CLIENT, Generate, Output, Ping
+from orca_mq.protocol.client_msgs import TO_CLIENT, Generate, Output, Ping, events
 from serving_harness import free_port, start_server
 
 pytestmark = pytest.mark.e2e
@@ -246,7 +246,7 @@ async def _vanish_then_reuse(server, rid: str, want: list[int], prompt: list[int
     await gone.send(encode(Generate(rid, prompt="Tell me a long story.", sampling={"max_tokens": 40, "ignore_eos": True},
                                     api_key=KEYS[0])))
     assert await gone.poll(30_000)
-    first = decode(await gone.recv(), TO_CLIENT)
+    first, = events(decode(await gone.recv(), TO_CLIENT))
     assert isinstance(first, Output) and not first.finished, first
     gone.close()   # vanishes mid-request, without an abort
     ctx.term()

@@ -16,7 +16,7 @@ import zmq
 from orca_mq.bench.reliability import SoakConfig, fuzz, garbage_frames, soak
 from orca_mq.client import AsyncClient, Client
 from orca_mq.protocol import decode, encode
-from orca_mq.protocol.client_msgs import TO_CLIENT, Abort, Generate, Output, Ping, Pong
+from orca_mq.protocol.client_msgs import TO_CLIENT, Abort, Generate, Output, Ping, Pong, events
 from serving_harness import settled, start_server
 
 pytestmark = pytest.mark.e2e
@@ -96,19 +96,19 @@ def test_past_max_waiting_a_request_is_overloaded_at_once(server):
         finals: dict[str, Output] = {}
         while f"r{CAPACITY}" not in finals:
             assert sock.poll(30_000)
-            msg = decode(sock.recv(), TO_CLIENT)
-            if isinstance(msg, Output) and msg.finished:
-                finals[msg.request_id] = msg
+            for msg in events(decode(sock.recv(), TO_CLIENT)):
+                if isinstance(msg, Output) and msg.finished:
+                    finals[msg.request_id] = msg
         assert list(finals) == [f"r{CAPACITY}"], "only the request past capacity may end this early"
         assert finals[f"r{CAPACITY}"].code == "overloaded" and finals[f"r{CAPACITY}"].finish_reason == "error"
         for i in range(CAPACITY):
             sock.send(encode(Abort(f"r{i}")))
         while len(finals) < CAPACITY + 1:
             assert sock.poll(30_000)
-            msg = decode(sock.recv(), TO_CLIENT)
-            if isinstance(msg, Output) and msg.finished:
-                assert msg.request_id not in finals and msg.finish_reason == "abort" and msg.code == "aborted"
-                finals[msg.request_id] = msg
+            for msg in events(decode(sock.recv(), TO_CLIENT)):
+                if isinstance(msg, Output) and msg.finished:
+                    assert msg.request_id not in finals and msg.finish_reason == "abort" and msg.code == "aborted"
+                    finals[msg.request_id] = msg
     finally:
         ctx.destroy(linger=0)
     stats = settled(server.address)

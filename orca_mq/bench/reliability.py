@@ -21,7 +21,7 @@ import zmq
 import zmq.asyncio
 
 from orca_mq.protocol import ProtocolError, decode, encode
-from orca_mq.protocol.client_msgs import TO_CLIENT, TO_SERVER, Abort, Generate, Output
+from orca_mq.protocol.client_msgs import TO_CLIENT, TO_SERVER, Abort, Generate, Output, events
 from orca_mq.protocol.codec import registered
 from orca_mq.protocol.common_msgs import Error
 
@@ -196,27 +196,27 @@ async def _client(ctx: zmq.asyncio.Context, address: str, name: str, rng: random
                     result.garbage_sent += 1
             if not await sock.poll(int(cfg.timeout * 1000)):
                 break
-            msg = decode(await sock.recv(), TO_CLIENT)
-            if isinstance(msg, Error) and msg.request_id not in finals and msg.request_id not in pending:
-                garbage -= 1
-                result.garbage_answered += 1
-            elif isinstance(msg, (Output, Error)) and (isinstance(msg, Error) or msg.finished):
-                finals[msg.request_id] += 1  # type: ignore[index]
-                pending.discard(msg.request_id)  # type: ignore[arg-type]
-                reason = "error" if isinstance(msg, Error) else msg.finish_reason
-                if isinstance(msg, Output) and reason == "length" and msg.request_id in sent_as:
-                    result.completed.append((*sent_as[msg.request_id], tokens[msg.request_id] + msg.token_ids))
-                key = f"{reason}/{msg.code}"
-                result.finals[key] = result.finals.get(key, 0) + 1
-            elif isinstance(msg, Output) and msg.request_id in tokens:
-                tokens[msg.request_id] += msg.token_ids
-                if msg.request_id in abort_on_token:
-                    abort_on_token.discard(msg.request_id)
-                    await sock.send(encode(Abort(msg.request_id)))
+            for msg in events(decode(await sock.recv(), TO_CLIENT)):
+                if isinstance(msg, Error) and msg.request_id not in finals and msg.request_id not in pending:
+                    garbage -= 1
+                    result.garbage_answered += 1
+                elif isinstance(msg, (Output, Error)) and (isinstance(msg, Error) or msg.finished):
+                    finals[msg.request_id] += 1  # type: ignore[index]
+                    pending.discard(msg.request_id)  # type: ignore[arg-type]
+                    reason = "error" if isinstance(msg, Error) else msg.finish_reason
+                    if isinstance(msg, Output) and reason == "length" and msg.request_id in sent_as:
+                        result.completed.append((*sent_as[msg.request_id], tokens[msg.request_id] + msg.token_ids))
+                    key = f"{reason}/{msg.code}"
+                    result.finals[key] = result.finals.get(key, 0) + 1
+                elif isinstance(msg, Output) and msg.request_id in tokens:
+                    tokens[msg.request_id] += msg.token_ids
+                    if msg.request_id in abort_on_token:
+                        abort_on_token.discard(msg.request_id)
+                        await sock.send(encode(Abort(msg.request_id)))
         while await sock.poll(300):  # anything after the last final is a duplicate
-            msg = decode(await sock.recv(), TO_CLIENT)
-            if isinstance(msg, Output) and msg.request_id in finals:
-                finals[msg.request_id] += 1
+            for msg in events(decode(await sock.recv(), TO_CLIENT)):
+                if isinstance(msg, Output) and msg.request_id in finals:
+                    finals[msg.request_id] += 1
     finally:
         sock.close()
     result.requests += sent

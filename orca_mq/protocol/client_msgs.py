@@ -88,6 +88,21 @@ class Outputs:
     texts: list[str]
     finals: list[Final | None]
 
+    def rows(self) -> list[Output]:
+        """Each row as the `output` frame it stands for (and an older client reads)."""
+        return [as_output(*row) for row in zip(self.request_ids, self.token_ids, self.texts, self.finals)]
+
+
+def events(msg: Any) -> list[Any]:
+    """A message to a client as per-request events: an `outputs` frame's rows as `output`s, any other as it is."""
+    return msg.rows() if isinstance(msg, Outputs) else [msg]
+
+
+def as_output(request_id: str, token_ids: list[int], text: str, final: Final | None) -> Output:
+    if final is None:
+        return Output(request_id, token_ids, text)
+    return Output(request_id, token_ids, text, True, final.finish_reason, final.error, final.metrics, final.code)
+
 
 @message("stats_reply")
 @dataclass(slots=True)
@@ -108,4 +123,4 @@ TO_SERVER = channel(Generate, Abort, Stats, Ping)
 TO_CLIENT = channel(Output, Outputs, StatsReply, Pong, Error)
 
 __all__ = ["Abort", "Error", "Final", "Generate", "Output", "Outputs", "Ping", "Pong", "Stats", "StatsReply", "TO_CLIENT",
-           "TO_SERVER"]
+           "TO_SERVER", "as_output", "events"]

@@ -48,13 +48,11 @@ _POSITIONAL: dict[type, Wire] = {}                          # nested dataclass -
 
 
 class ProtocolError(ValueError):
-    """A frame that cannot be accepted; request_id is set when the frame named one, version when
-    it had a supported one (so that a reply can be written in it)."""
+    """A frame that cannot be accepted; request_id is set when the frame named one."""
 
-    def __init__(self, msg: str, request_id: str | None = None, version: int | None = None) -> None:
+    def __init__(self, msg: str, request_id: str | None = None) -> None:
         super().__init__(msg)
         self.request_id = request_id
-        self.version = version
 
 
 def message(name: str, *, since: int = 1, columns: tuple[str, ...] = ()) -> Callable[[type[T]], type[T]]:
@@ -170,9 +168,9 @@ def unpack(frame: bytes) -> dict[str, Any]:
     if type(v) is not int or v not in SUPPORTED_VERSIONS:
         raise ProtocolError(f"unsupported protocol version {short_repr(v)} (expected one of {SUPPORTED_VERSIONS})", rid)
     if type(name) is not str or name not in _REGISTRY:
-        raise ProtocolError(f"unknown message type {short_repr(name)}", rid, v)
+        raise ProtocolError(f"unknown message type {short_repr(name)}", rid)
     if v < _SINCE[name]:
-        raise ProtocolError(f"message type {name!r} needs protocol version {_SINCE[name]} or later", rid, v)
+        raise ProtocolError(f"message type {name!r} needs protocol version {_SINCE[name]} or later", rid)
     return body
 
 
@@ -188,15 +186,15 @@ def decode(frame: bytes, accepted: frozenset[str]) -> Any:
 
 def from_dict(body: dict[str, Any], accepted: frozenset[str]) -> Any:
     """A header-checked dict (`unpack`) -> a validated message instance whose type is in `accepted`."""
-    name, version = body["type"], body["v"]
+    name = body["type"]
     rid = _request_id(body)
     if name not in accepted:
-        raise ProtocolError(f"message type {name!r} not accepted here", rid, version)
+        raise ProtocolError(f"message type {name!r} not accepted here", rid)
     cls = _REGISTRY[name]
     spec = _decoders(cls)
     if not body.keys() <= spec.keys() | _HEADER:
         unknown = body.keys() - spec.keys() - _HEADER
-        raise ProtocolError(f"{name}: unknown field(s) {short_repr(sorted(map(str, unknown)))}", rid, version)
+        raise ProtocolError(f"{name}: unknown field(s) {short_repr(sorted(map(str, unknown)))}", rid)
     kwargs: dict[str, Any] = {}
     try:
         for field, (conv, required) in spec.items():
@@ -207,7 +205,7 @@ def from_dict(body: dict[str, Any], accepted: frozenset[str]) -> Any:
         if len({len(kwargs.get(c, ())) for c in _COLUMNS[cls]}) > 1:
             raise ProtocolError(f"columns {', '.join(_COLUMNS[cls])} differ in length")
     except ProtocolError as e:
-        raise ProtocolError(f"{name}: {e}", rid, version) from None
+        raise ProtocolError(f"{name}: {e}", rid) from None
     return cls(**kwargs)
 
 

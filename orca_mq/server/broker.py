@@ -8,8 +8,9 @@ Both ROUTERs set ZMQ_ROUTER_MANDATORY: a send to a vanished client raises EHOSTU
 broker tells the frontend (`client_gone`), which aborts that client's requests. The broker also
 remembers which requests each client still waits on (settled by a final `output`, a final row of an
 `outputs` frame, or an `error` naming it), so that when a process dies (`fatal` from the launcher)
-it can give each of them an `error` final message itself. It answers every client frame in that
-frame's protocol version, so an older client reads its replies.
+it can give each of them an `error` final message itself. It answers a client frame that decodes in
+that frame's protocol version, so an older client reads its replies (one that does not decode is
+answered in the current version).
 
 Facing clients, it bounds what it holds: ZeroMQ drops a client sending a frame over
 `server.max_frame_bytes` before buffering it (ZMQ_MAXMSGSIZE); at most `server.max_waiting` +
@@ -101,20 +102,20 @@ class Broker:
         while True:
             frames = await self.clients.recv_multipart()
             client, parts = frames[0], frames[1:]
-            version = PROTOCOL_VERSION   # of the replies: the frame's own, once it is known
+            version = PROTOCOL_VERSION   # of the replies: a frame that decodes is answered in its own
             try:
                 if len(parts) != 1:
                     raise ProtocolError(f"expected one frame, got {len(parts)}")
                 body = unpack(parts[0])
-                version = body["v"]
                 msg = from_dict(body, TO_SERVER)
+                version = body["v"]
                 if isinstance(msg, Generate):
                     check_request_id(msg.request_id)
             except (ProtocolError, InvalidRequest) as e:
                 self.counters.rejected_frames += 1
                 self.log.warning("rejected client frame", client=client.hex(), error=str(e))
                 rid = e.request_id if isinstance(e, ProtocolError) else None
-                await self._reply(client, Error(str(e), rid, PROTOCOL), getattr(e, "version", None) or version)
+                await self._reply(client, Error(str(e), rid, PROTOCOL), version)
                 continue
             except Exception:  # a codec bug must cost one frame, never the server
                 self.counters.rejected_frames += 1

@@ -8,18 +8,11 @@ message to the broker, which sends each client its frame.
 from __future__ import annotations
 
 from orca_mq.protocol import encode
-from orca_mq.protocol.client_msgs import Final, Output, Outputs
+from orca_mq.protocol.client_msgs import Final, Output, Outputs, as_output
 from orca_mq.server.active_request import ActiveRequest
 from orca_mq.server.zmq_queue import BrokerLink
 
 BATCHED_VERSION = 4   # the protocol version that added `outputs`
-
-
-def output(request_id: str, token_ids: list[int], text: str, final: Final | None) -> Output:
-    """A row of `outputs` as the `output` frame older clients read."""
-    if final is None:
-        return Output(request_id, token_ids, text)
-    return Output(request_id, token_ids, text, True, final.finish_reason, final.error, final.metrics, final.code)
 
 
 class Outbox:
@@ -29,7 +22,7 @@ class Outbox:
 
     def add(self, req: ActiveRequest, token_ids: list[int], text: str, final: Final | None) -> None:
         if req.version < BATCHED_VERSION:
-            self.singles.append((req.client, req.version, output(req.request_id, token_ids, text, final)))
+            self.singles.append((req.client, req.version, as_output(req.request_id, token_ids, text, final)))
             return
         batch = self.batches.get(req.client)
         if batch is None:

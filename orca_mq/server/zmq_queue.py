@@ -80,12 +80,10 @@ class BrokerLink:
                 log.warning("rejected envelope", error=str(e))
 
     async def reject(self, env: Envelope, error: ProtocolError, log: Any) -> None:
-        """Log a frame that could not be accepted and answer its sender (the broker reports its own), in
-        the frame's version where it had a supported one."""
+        """Log a frame that could not be accepted and answer its sender (the broker reports its own)."""
         log.warning("rejected frame", route=env.route.decode(), source=env.source.hex(), error=str(error))
         if env.route != BROKER:
-            await self.send_raw(env.route, env.source, encode(Error(f"{self.identity}: {error}", error.request_id, PROTOCOL),
-                                                              error.version or PROTOCOL_VERSION))
+            await self.send_raw(env.route, env.source, encode(Error(f"{self.identity}: {error}", error.request_id, PROTOCOL)))
 
     async def to_peer(self, peer: str | bytes, msg: Any) -> None:
         await self.send_raw(PEER, peer if isinstance(peer, bytes) else peer.encode(), encode(msg))
