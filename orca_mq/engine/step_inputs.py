@@ -228,8 +228,7 @@ def metadata(step: HostStep, lay: Layout, buf: Tensor, bucket: Bucket | None = N
     out for the largest bucket (a CUDA graph reads these same views at every replay)."""
     v = lay.device_views(buf)
     f = step.fields
-    t, b = len(f["token_ids"]), len(f["seq_lens"])
-    decode_tiles = t <= 2 * b
+    decode_tiles = None   # the kernel's own choice from the shape, unless padding hides the real one
     if bucket is not None:
         n = {"token_ids": bucket.tokens, "positions": bucket.tokens, "slot_mapping": bucket.tokens,
              "cu_q_lens": bucket.rows + 1, "seq_lens": bucket.rows, "block_tables": bucket.rows,
