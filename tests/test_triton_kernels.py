@@ -340,7 +340,7 @@ def _check_engine_adapters(gen):
 
     bt = make_batch(gen, phases=MIXED, n_heads=9, n_kv_heads=3, head_dim=16, block_size=16)
     meta = SimpleNamespace(slot_mapping=bt["slot_mapping"], block_tables=bt["block_tables"],
-                           cu_q_lens=bt["cu_q_lens"], seq_lens=bt["seq_lens"])
+                           cu_q_lens=bt["cu_q_lens"], seq_lens=bt["seq_lens"], decode_tiles=None)
     T = bt["q"].shape[0]
     fused = torch.cat([bt["q"], bt["k_new"], bt["v_new"]], dim=1)  # [T, 9+3+3, d]
     q, k, v = fused[:, :9], fused[:, 9:12], fused[:, 12:]

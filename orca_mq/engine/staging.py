@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from orca_mq.engine.step_inputs import Layout, HostStep, write
+from orca_mq.engine.step_inputs import Bucket, HostStep, Layout, write
 
 Tensor = torch.Tensor
 RING = 2
@@ -27,17 +27,19 @@ class Stager:
         self._slot = 0
         self._eager: Tensor | None = None
 
-    def stage(self, step: HostStep, lay: Layout, dst: Tensor | None = None, rows: int | None = None) -> Tensor:
-        """`step` laid out by `lay` (padded to `rows`) in `dst` (a device buffer of at least
+    def stage(self, step: HostStep, lay: Layout, dst: Tensor | None = None, bucket: Bucket | None = None) -> Tensor:
+        """`step` laid out by `lay` (padded to `bucket`) in `dst` (a device buffer of at least
         lay.nbytes; None: the eager buffer, grown as needed), which is returned."""
         n = lay.nbytes
         if dst is None:
             dst = self._eager_buffer(n)
         if not self.cuda:
-            write(step, lay, dst[:n].numpy(), self.scratch_block, rows)
+            write(step, lay, dst[:n].numpy(), self.scratch_block, bucket)
             return dst
         host = self._host(n)
-        write(step, lay, host[:n].numpy(), self.scratch_block, rows)
+        write(step, lay, host[:n].numpy(), self.scratch_block, bucket)
+        if bucket is not None:   # what the bucket's views read: up to the end of its rows' block tables
+            n = lay.through("block_tables", bucket.rows)
         dst[:n].copy_(host[:n], non_blocking=True)
         event = torch.cuda.Event()
         event.record()

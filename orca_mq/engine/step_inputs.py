@@ -44,6 +44,11 @@ class Layout:
             at += -(-(dtype.itemsize * int(np.prod(shape))) // ALIGN) * ALIGN
         self.nbytes = at
 
+    def through(self, name: str, rows: int) -> int:
+        """Bytes from the buffer's start to the end of segment `name`'s first `rows` rows."""
+        _, dtype, shape = next(seg for seg in self.segments if seg[0] == name)
+        return self.offsets[name] + rows * dtype.itemsize * int(np.prod(shape[1:]))
+
     def host_views(self, buf: np.ndarray) -> dict[str, np.ndarray]:
         at = self.offsets
         return {n: buf[at[n]: at[n] + d.itemsize * int(np.prod(s))].view(d).reshape(s) for n, d, s in self.segments}
@@ -55,12 +60,13 @@ class Layout:
 
 @functools.lru_cache(maxsize=256)
 def layout(tokens: int, rows: int, width: int, logits: int, fills: int, decode_rows: int, cached: int) -> Layout:
+    """The block tables last: a bucket's copy stops after its own rows of them (the largest segment)."""
     return Layout((
         ("token_ids", I64, (tokens,)), ("positions", I64, (tokens,)), ("slot_mapping", I64, (tokens,)),
-        ("cu_q_lens", I32, (rows + 1,)), ("seq_lens", I32, (rows,)), ("block_tables", I32, (rows, width)),
-        ("logit_rows", I64, (logits,)), ("fill_dst", I64, (fills,)), ("fill_src", I64, (fills,)),
-        ("decode_tokens", I64, (decode_rows,)), ("decode_blocks", I64, (decode_rows, width)),
+        ("cu_q_lens", I32, (rows + 1,)), ("seq_lens", I32, (rows,)), ("logit_rows", I64, (logits,)),
+        ("fill_dst", I64, (fills,)), ("fill_src", I64, (fills,)), ("decode_tokens", I64, (decode_rows,)),
         ("decode_lens", I32, (decode_rows,)), ("prefill_cached", I64, (cached,)),
+        ("decode_blocks", I64, (decode_rows, width)), ("block_tables", I32, (rows, width)),
     ))
 
 
@@ -228,8 +234,7 @@ def metadata(step: HostStep, lay: Layout, buf: Tensor, bucket: Bucket | None = N
     out for the largest bucket (a CUDA graph reads these same views at every replay)."""
     v = lay.device_views(buf)
     f = step.fields
-    t, b = len(f["token_ids"]), len(f["seq_lens"])
-    decode_tiles = t <= 2 * b
+    decode_tiles = None   # the kernel's own choice from the shape, unless padding hides the real one
     if bucket is not None:
         n = {"token_ids": bucket.tokens, "positions": bucket.tokens, "slot_mapping": bucket.tokens,
              "cu_q_lens": bucket.rows + 1, "seq_lens": bucket.rows, "block_tables": bucket.rows,

@@ -29,4 +29,4 @@ class AttentionMetadata:
     decode_lens: Tensor      # [Bd] int32 KV length of each increment request
     prefills: list[tuple[int, int, int]]  # (first token row, q_len, start_pos) of each initiation request
     prefill_slots: list[Tensor | None]    # cached slots before start_pos (None when start_pos == 0)
-    decode_tiles: bool = False            # triton: tiles of one-token rows (about a token per row), else of prompt chunks
+    decode_tiles: bool | None = None      # triton: tiles of one-token rows or of prompt chunks (None: from the shape)
