@@ -5,6 +5,7 @@ errors carry OpenAI's error object and status, a client that disconnects frees i
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import signal
 import subprocess
@@ -234,7 +235,9 @@ def test_health_is_503_until_the_server_answers(tmp_path):
 
 
 def test_bench_openai_backend_replays_a_trace(server):
-    """tools/bench.py --backend openai: the replayer over HTTP counts every token the server made."""
+    """tools/bench.py --backend openai: the replayer over HTTP counts every token the server made, in one
+    process or several (--client-procs: the factory travels to spawned processes, the records merge)."""
+    from orca_mq.bench.client_procs import replay_in_processes
     from orca_mq.bench.metrics import summarize
     from orca_mq.bench.openai_backend import OpenAIClient
     from orca_mq.bench.replay import replay
@@ -245,6 +248,8 @@ def test_bench_openai_backend_replays_a_trace(server):
     assert [r["generated_tokens"] for r in records] == [5, 6, 7]
     assert all(r["error"] is None and r["finish_reason"] == "length" for r in records)
     assert summarize(records)["n_ok"] == 3
+    merged, _, cpu = replay_in_processes(server.base_url, trace, 2, client_factory=functools.partial(OpenAIClient, model=None))
+    assert [r["index"] for r in merged] == [0, 1, 2] and [r["generated_tokens"] for r in merged] == [5, 6, 7] and cpu > 0
 
 
 def test_repeated_prefix_is_reported_cached(server, oai, model, zmq):

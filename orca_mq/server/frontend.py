@@ -2,9 +2,9 @@
 streams each request's tokens back, detokenized incrementally: per iteration, one frame per client
 (orca_mq.server.outbox), every reply in the protocol version the client wrote its frame in.
 
-Every request gets exactly one final `output`: finished with "stop" | "length", "abort" (client
-abort or drain timeout) or "error" with a stable code (common_msgs: invalid request, failed on a
-worker; a process died or the server is full — those sent by the broker).
+Every request gets exactly one final (an `output`, or a row of `outputs` with its `Final`): "stop" |
+"length", "abort" (client abort or drain timeout) or "error" with a stable code (common_msgs:
+invalid request, failed on a worker; a process died or the server is full — those sent by the broker).
 Admission: the size check runs at once on the event loop, the tokenizer (and the check of a
 structured output's constraint, orca_mq.structured) on a small thread pool,
 so a long prompt delays neither anyone's tokens nor a short prompt's admission (a request reaches
