@@ -174,3 +174,24 @@ def test_warm_up_iteration_runs_on_any_device(tiny_llama_dir) -> None:
     runner = _runner(tiny_llama_dir, "off")
     runner._warm_up()
     assert runner.kv.k[:, :4].any()
+
+
+def test_every_bucket_stages_valid_inputs_to_capture_on() -> None:
+    """What each bucket is captured on (its padding, or a mixed bucket's tokens spread over its rows)
+    lays out within the static buffer, every row's tokens covered by scratch blocks of its table."""
+    from orca_mq.engine.graphs import Graphs
+    from orca_mq.engine.staging import Stager
+
+    stager = Stager(torch.device("cpu"), scratch_block=64)
+    for max_bs, budget in ((4, 2048), (128, 8192), (512, 8192), (32, 256)):
+        g = Graphs(lambda ids, meta: (ids, ids), max_bs, budget, 128, False, False, stager, 16, 100, torch.float32,
+                   torch.device("cpu"))
+        assert g.capture() and len(g.views) == len(g.sizes) + len(g.token_sizes)
+        for bucket in g.all:
+            step = g._placeholder(bucket)
+            stager.stage(step, g.layout, g.buf, bucket)
+            v = g.layout.device_views(g.buf)
+            cu, lens = v["cu_q_lens"][: bucket.rows + 1], v["seq_lens"][: bucket.rows]
+            assert int(cu[-1]) == bucket.tokens and bool((cu[1:] - cu[:-1] == lens).all())   # keys = own tokens
+            blocks = (v["block_tables"][: bucket.rows] == 64).sum(dim=1)
+            assert bool((blocks * 16 >= lens).all()) and bool((v["slot_mapping"][: bucket.tokens] // 16 == 64).all())

@@ -53,10 +53,13 @@ def token_buckets(budget: int) -> list[int]:
 
 
 class Graphs:
-    def __init__(self, forward: Forward, max_bs: int, budget: int, width: int, split_decode: bool, stager: Stager,
-                 block_size: int, vocab: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, forward: Forward, max_bs: int, budget: int, width: int, split_decode: bool, token_rows: bool,
+                 stager: Stager, block_size: int, vocab: int, dtype: torch.dtype, device: torch.device) -> None:
         self.forward = forward
         self.max_bs = max_bs
+        # deterministic mode: every token is its own attention row, attended by one-token tiles in
+        # every iteration (a row's bits must not depend on its iteration's shape)
+        self.mixed_tiles = token_rows
         self.sizes = buckets(max_bs)
         # mixed iterations hold prompt chunks, which the torch and cpu paths attend on the host
         self.token_sizes = [] if split_decode else token_buckets(budget)
@@ -71,6 +74,7 @@ class Graphs:
         self.stager = stager
         self.device = device
         self.empty = HostStep.empty(block_size, width)
+        self.block_size, self.scratch_block = block_size, stager.scratch_block
         self.views: dict[Bucket, DeviceStep] = {}
         self.graphs: dict[Bucket, torch.cuda.CUDAGraph] = {}
         self.out = (torch.empty(max_bs, vocab, dtype=dtype, device=device),
@@ -82,7 +86,7 @@ class Graphs:
     @property
     def all(self) -> list[Bucket]:
         return ([Bucket(b, b, b, True) for b in self.sizes]
-                + [Bucket(t, self.mixed_rows, self.max_bs, False) for t in self.token_sizes])
+                + [Bucket(t, self.mixed_rows, self.max_bs, self.mixed_tiles) for t in self.token_sizes])
 
     def fits(self, step: HostStep) -> Bucket | None:
         """The bucket that runs `step`, or None when it must run eagerly."""
@@ -95,13 +99,20 @@ class Graphs:
             return Bucket(n, n, n, True)
         if self.token_sizes and t <= self.token_sizes[-1]:
             n = self.token_sizes[int(np.searchsorted(self.token_sizes, t))]
-            return Bucket(n, self.mixed_rows, self.max_bs, False)
+            return Bucket(n, self.mixed_rows, self.max_bs, self.mixed_tiles)
         return None
+
+    def _placeholder(self, bucket: Bucket) -> HostStep:
+        """What a bucket is captured on: its padding alone, or (a mixed bucket of more tokens than
+        rows) its tokens spread over its rows, all on the scratch block."""
+        if bucket.tokens <= bucket.rows:
+            return self.empty
+        return HostStep.filler(bucket.tokens, bucket.rows, self.block_size, self.width, self.scratch_block)
 
     def capture(self) -> bool:
         """Capture every bucket (CUDA); on the CPU only prepare the views. False: capture failed (eager)."""
         for bucket in self.all:
-            self.stager.stage(self.empty, self.layout, self.buf, bucket)
+            self.stager.stage(self._placeholder(bucket), self.layout, self.buf, bucket)
             self.views[bucket] = metadata(self.empty, self.layout, self.buf, bucket)
         if self.device.type != "cuda":
             return True
@@ -111,7 +122,7 @@ class Graphs:
         try:
             for bucket in sorted(self.all, key=lambda k: -k.tokens):   # largest first: the pool grows once
                 dev = self.views[bucket]
-                self.stager.stage(self.empty, self.layout, self.buf, bucket)   # padding rows only
+                self.stager.stage(self._placeholder(bucket), self.layout, self.buf, bucket)
                 side = torch.cuda.Stream(self.device)
                 side.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(side):   # warm-up: kernels compiled, libraries' handles made

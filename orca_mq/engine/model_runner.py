@@ -250,7 +250,7 @@ class ModelRunner:
             return logits, greedy(logits)
 
         graphs = Graphs(step, max_bs, cfg.scheduler.max_num_batched_tokens, width, self.geometry.split_decode,
-                        self.stager, self.block_size, self.info.vocab_size, self.dtype, self.device)
+                        self.geometry.token_rows, self.stager, self.block_size, self.info.vocab_size, self.dtype, self.device)
         self.graph_error = "" if graphs.capture() else graphs.error
         return None if self.graph_error else graphs
 

@@ -102,6 +102,24 @@ class HostStep:
         fields |= {"cu_q_lens": np.zeros(1, np.int64), "block_tables": z2, "decode_blocks": z2}
         return cls(fields, [], [], 0, False, block_size)
 
+    @classmethod
+    def filler(cls, tokens: int, rows: int, block_size: int, width: int, scratch_block: int) -> "HostStep":
+        """`tokens` tokens over `rows` rows, all on the scratch block: valid inputs of a mixed bucket's
+        shape to capture its graph on (its padding alone would need a row per token)."""
+        q = np.full(rows, tokens // rows, np.int64)
+        q[: tokens % rows] += 1
+        row_start = np.cumsum(q) - q
+        positions = np.arange(tokens) - np.repeat(row_start, q)
+        tables = np.zeros((rows, width), np.int64)
+        tables[np.arange(width) < -(-q // block_size)[:, None]] = scratch_block
+        z, z2 = np.zeros(0, np.int64), np.zeros((0, width), np.int64)
+        fields = {"token_ids": np.zeros(tokens, np.int64), "positions": positions,
+                  "slot_mapping": scratch_block * block_size + positions % block_size,
+                  "cu_q_lens": np.concatenate(([0], np.cumsum(q))), "seq_lens": q, "block_tables": tables,
+                  "logit_rows": z, "fill_dst": z, "fill_src": z, "decode_tokens": z, "decode_lens": z,
+                  "decode_blocks": z2, "prefill_cached": z}
+        return cls(fields, [], [], tokens, False, block_size)
+
     @property
     def width(self) -> int:
         return self.fields["block_tables"].shape[1]
