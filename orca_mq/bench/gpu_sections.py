@@ -313,7 +313,8 @@ def iteration(ctx: Ctx) -> None:
         g = on.graphs
         ctx.emit("cuda graphs captured (buckets, MiB, s)", len(g.graphs) if g else 0, target=">= 1" if ctx.cuda else None,
                  met=bool(g and g.graphs) if ctx.cuda else None,
-                 shown=f"{len(g.graphs)} of {len(g.sizes)} up to {g.sizes[-1]}, {g.memory / 2**20:.0f} MiB, {g.capture_s:.1f} s"
+                 shown=f"{len(g.graphs)} of {len(g.all)} ({len(g.sizes)} decode up to {g.sizes[-1]}, {len(g.token_sizes)} "
+                       f"mixed up to {max(g.token_sizes, default=0)} tokens), {g.memory / 2**20:.0f} MiB, {g.capture_s:.1f} s"
                  if g else f"none: {on.graph_error or 'not on this device'}", how="ModelRunner.graphs after start")
     info = next(iter(runners.values())).info
     yard = ProbeModel(info, torch.device(ctx.device), getattr(torch, dtype))
