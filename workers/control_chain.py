@@ -5,7 +5,8 @@ decoding it, to its stage's other TP ranks (they need it for this iteration's al
 the next stage's rank 0; so every rank of every stage applies every plan. On one node the sockets
 are ipc in the launcher's run dir; when the upstream worker sits on another node, this worker binds
 TCP on its interface towards node 0 and publishes the address in the rendezvous store, where the
-upstream worker reads it.
+upstream worker reads it. The last stage's rank 0 sends its results straight to the scheduler's
+results socket when both are on node 0 (`results_address`), elsewhere through the broker.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import zmq.asyncio
 
 from orca_mq.config import Config
 from orca_mq.server.nodes import local_ip, placement
-from orca_mq.server.zmq_queue import control_address
+from orca_mq.server.zmq_queue import control_address, results_address
 
 Peer = tuple[int, int]   # (stage, tp rank)
 
@@ -58,6 +59,8 @@ class ControlChain:
             ip = local_ip(cfg)
             port = self.pull.bind_to_random_port(f"tcp://{ip}")
             store.set(key(me), f"tcp://{ip}:{port}")
+        last = me == (cfg.engine.n_workers - 1, 0)
+        self.results_address = results_address(run_dir) if last and node(me) == node(None) else None
         self.pushes: list[zmq.asyncio.Socket] = []
         for peer in downstream(me, cfg.engine.n_workers, tp):
             push = ctx.socket(zmq.PUSH)

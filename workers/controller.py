@@ -4,7 +4,9 @@ For every control frame it first forwards the raw bytes down the control chain (
 TP ranks and the next stage; workers/control_chain.py) — before decoding, before any computation —
 so downstream workers get their frames as early as possible, then hands
 the plan to the compute thread and goes back to listening; it never waits on kernels. It also
-answers stats queries and ships the last stage's tokens to the scheduler, both through the broker.
+answers stats queries through the broker; the last stage's tokens go to the scheduler from the
+collector thread itself, on a socket only that thread uses, when the scheduler shares the node
+(through the broker otherwise).
 A malformed control frame reaches every stage the same way and each rejects it identically.
 """
 from __future__ import annotations
@@ -16,12 +18,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import zmq
 import zmq.asyncio
 
 from orca_mq.config import Config
 from orca_mq.protocol.iteration import IterationResult
 from orca_mq.engine.model_runner import ModelRunner
-from orca_mq.protocol import ProtocolError, decode
+from orca_mq.protocol import ProtocolError, decode, encode
 from orca_mq.protocol.common_msgs import PROTOCOL, Error
 from orca_mq.protocol.codec import channel
 from orca_mq.protocol.control_msgs import Ready
@@ -57,7 +60,8 @@ class Controller:
         self.executor = StageExecutor(
             build, data_plane, device,
             on_ready=lambda r: loop.call_soon_threadsafe(built.set_result, r),
-            on_result=lambda r, t0, t1: loop.call_soon_threadsafe(self._send_result, r, t0, t1),
+            on_result=ResultPush(self.chain.results_address) if self.chain.results_address else
+            lambda r, t0, t1: loop.call_soon_threadsafe(self._send_result, r, t0, t1),
             on_error=lambda e: loop.call_soon_threadsafe(self._fail, e),
             log=self.log,
         )
@@ -114,3 +118,21 @@ class Controller:
         assert self._failed is not None
         if not self._failed.done():
             self._failed.set_exception(error)
+
+
+class ResultPush:
+    """The last stage's results straight to the scheduler, called on the collector thread: the
+    socket is made on its first call there and used by no other thread (ZeroMQ sockets are not
+    thread-safe); LINGER 0 so that it never holds the process at exit."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.sock: zmq.Socket[Any] | None = None
+
+    def __call__(self, result: IterationResult, start: float, end: float) -> None:
+        if self.sock is None:
+            self.sock = zmq.Context.instance().socket(zmq.PUSH)
+            self.sock.setsockopt(zmq.SNDHWM, 0)
+            self.sock.setsockopt(zmq.LINGER, 0)
+            self.sock.connect(self.address)
+        self.sock.send(encode(IterationDone(result, start, end)), copy=False)

@@ -153,9 +153,13 @@ def served(ctx: Ctx) -> None:
     server = spawn(sets, ctx.work / "served.launch.log", ready_timeout=240)
     CLEANUP.append(lambda: os.killpg(server.proc.pid, signal.SIGKILL))
     ctx.emit(detail="server ready", s=time.perf_counter() - t, sets=sets)
+    from orca_mq.client import Client
+
     try:
         runs = {}
         for name, n, seed in (("warm-up", sz.served_warm_n, 12), ("measured", sz.served_n, 11)):
+            with Client(server.address) as c:
+                c.stats(reset=True)
             out = ctx.work / f"served_{seed}.json"
             cmd = [sys.executable, str(ROOT / "tools" / "bench.py"), "--address", server.address, "--num-requests", str(n),
                    "--seed", str(seed), "--out", str(out), *common]
@@ -166,6 +170,15 @@ def served(ctx: Ctx) -> None:
             runs[name] = json.loads(out.read_text())["summary"]
             ctx.emit(detail=f"served {name} burst", **{k: runs[name].get(k) for k in (
                 "n_ok", "n_errors", "makespan_s", "throughput_tok_s", "total_prompt_tokens", "total_generated_tokens")})
+        with Client(server.address) as c:
+            st = c.stats()
+        worker, sched = st["workers"][0], st["scheduler"]
+        # where the served iteration loses time to the offline one: the round trip between iterations
+        ctx.emit(detail="served measured burst: the round trip, median / p90 ms", **{
+            k: (round(v["median_ms"], 3), round(v["p90_ms"], 3), round(v["sum_ms"], 1)) for k, v in (
+                ("worker idle between iterations", worker["idle"]), ("worker compute", worker["compute"]),
+                ("plan sent -> compute start", worker["plan_latency"]), ("result -> scheduler", sched["result_latency"]),
+                ("scheduler turn", sched["turnaround"]))}, iterations=worker["iterations"])
     finally:
         server.stop(60)
     m = runs["measured"]

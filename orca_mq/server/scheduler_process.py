@@ -3,7 +3,9 @@ orca_mq.sched, policy from `scheduler.policy`) and drives the worker pipeline wi
 
 On every message it takes one turn of the loop: the returned iteration's tokens are applied, the
 plans `step` gives (at most `engine.n_workers` in flight, one per pipeline stage, ORCA §4.2) go on
-the control chain to worker 0 at once, and then the tokens stream to the frontend. A policy that
+the control chain to worker 0 at once, and then the tokens stream to the frontend. Results come on
+their own socket from a last stage on this node (the broker's link brings the rest); one lock keeps
+the turns whole, so plans leave and tokens stream in the order the scheduler made them. A policy that
 needs this engine's iteration profile times its probes the same way, through the whole pipeline,
 before the process reports ready.
 """
@@ -39,7 +41,8 @@ from orca_mq.structured.grammar import Vocabulary
 from orca_mq.tokenizer import load_tokenizer
 from orca_mq.server.telemetry import Telemetry
 from orca_mq.server.process import process_main
-from orca_mq.server.zmq_queue import BrokerLink, Envelope, control_address, serve
+from orca_mq.server.nodes import worker_name
+from orca_mq.server.zmq_queue import PEER, BrokerLink, Envelope, control_address, results_address, serve
 
 ACCEPTED = channel(AddRequest, AbortRequest, StatsQuery, IterationDone, WorkerStats, Error)
 WINDOW = 10_000          # timing samples kept for the stats
@@ -65,6 +68,12 @@ class SchedulerProcess:
         self.control.setsockopt(zmq.SNDHWM, 0)
         self.control.setsockopt(zmq.LINGER, 0)
         self.control.connect(control_address(run_dir, 0))
+        self.results = self.ctx.socket(zmq.PULL)
+        self.results.setsockopt(zmq.RCVHWM, 0)
+        self.results.setsockopt(zmq.LINGER, 0)
+        self.results.bind(results_address(run_dir))
+        self.last_stage = worker_name(cfg.engine.n_workers - 1, 0).encode()
+        self.turn = asyncio.Lock()   # one message's turn at a time, whichever socket brought it
         self.arrivals: deque[str] = deque(maxlen=WINDOW)    # FCFS checks: order of arrival here
         self.turnaround: deque[float] = deque(maxlen=WINDOW)  # result received -> next plan sent
         self.result_latency: deque[float] = deque(maxlen=WINDOW)  # last stage done -> result received
@@ -81,16 +90,24 @@ class SchedulerProcess:
         if not self.sched.profiled:
             await self.link.to_peer("launcher", Progress("scheduler", "timing the probe iterations of the policy's profile"))
         await self._step([])
-        code = await serve([self._loop()], self.log)
+        code = await serve([self._loop(), self._results_loop()], self.log)
         self.grammar_pool.shutdown(wait=False, cancel_futures=True)
         self.link.close()
         self.control.close()
+        self.results.close()
         self.ctx.term()
         return code
 
     async def _loop(self) -> None:
         async for env in self.link.envelopes(self.log):
-            await self._handle(env)
+            async with self.turn:
+                await self._handle(env)
+
+    async def _results_loop(self) -> None:
+        while True:
+            payload = await self.results.recv(copy=True)
+            async with self.turn:
+                await self._handle(Envelope(PEER, self.last_stage, payload))
 
     async def _handle(self, env: Envelope) -> None:
         received = time.time()
@@ -138,7 +155,7 @@ class SchedulerProcess:
         self.arrivals.append(req.request_id)
 
     async def _refused(self, request_id: str) -> None:
-        self.log.exception("request refused by the scheduler", request_id=request_id)
+        self.log.error("request refused by the scheduler", request_id=request_id, exc_info=True)
         await self._emit(-1, [TokenEvent(request_id, None, "error")])
 
     def _vocabulary(self) -> Vocabulary:
@@ -155,14 +172,17 @@ class SchedulerProcess:
         try:
             grammar = await bounded(self.grammar_pool, self.grammars.compile, msg.params.structured_outputs,  # type: ignore[arg-type]
                                     self.cfg.structured.compile_timeout)
-            if not self.compiling.pop(rid):
+        except Exception:  # the frontend checked it: only the vocabulary or the clock refuse it here
+            self.log.exception("grammar compilation failed", request_id=rid)
+            grammar = None
+        async with self.turn:
+            if self.compiling.pop(rid, False):
+                await self._emit(-1, [TokenEvent(rid, None, "abort")])
+            elif grammar is None:
+                await self._refused(rid)
+            else:
                 self._add(Request(rid, msg.prompt_token_ids, msg.params, time.monotonic(), grammar=grammar))
                 await self._step([])
-                return
-            await self._emit(-1, [TokenEvent(rid, None, "abort")])
-        except Exception:  # the frontend checked it: only the vocabulary or the clock refuse it here
-            self.compiling.pop(rid, None)
-            await self._refused(rid)
 
     async def _step(self, results: list[IterationResult]) -> bool:
         """One turn of the scheduler's loop: its plans go out first, then its tokens. Returns whether

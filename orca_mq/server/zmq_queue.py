@@ -134,6 +134,12 @@ def control_address(run_dir: str, stage: int, tp_rank: int = 0) -> str:
     return f"ipc://{run_dir}/ctl{stage}" + (f".{tp_rank}" if tp_rank else "")
 
 
+def results_address(run_dir: str) -> str:
+    """Where the scheduler pulls the last stage's results when that worker shares its node (one hop,
+    not two through the broker: with async scheduling the round trip decides whether the GPU waits)."""
+    return f"ipc://{run_dir}/results"
+
+
 async def serve(loops: list[Coroutine[Any, Any, None]], log: Any) -> int:
     """Run a process's loops until SIGTERM/SIGINT (exit code 0) or until one fails (exit code 1:
     the launcher sees the death and fails in-flight requests instead of leaving them hanging)."""
