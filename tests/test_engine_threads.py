@@ -1,4 +1,4 @@
-"""Each thread that computes owns its intra-op thread count (orca_mq/engine/threads.py), and a worker's
+"""Each thread that computes owns its intra-op thread count (orca_mq/runtime/threads.py), and a worker's
 stage executor builds its runner on the thread that runs it."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 
 from orca_mq.config import load_config
 from orca_mq.engine.model_runner import ModelRunner
-from orca_mq.engine.threads import use_threads
+from orca_mq.runtime.threads import use_threads
 from kernels import cpu_kernels
 from orca_mq.protocol.iteration import IterationPlan, SeqWork
 from workers.data_plane import DataPlane

@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from orca_mq.client import AsyncClient, Client
-from orca_mq.server.nodes import STOPPED, NodeGroup, placement
+from orca_mq.runtime.placement import placement
+from orca_mq.server.nodes import STOPPED, NodeGroup
 from serving_harness import ROOT, Server, alive, children_of, free_port, start_server
 
 pytestmark = pytest.mark.e2e

@@ -1,4 +1,4 @@
-"""Every worker computes on the GPU of its rank, on every thread that touches CUDA (orca_mq/engine/device.py).
+"""Every worker computes on the GPU of its rank, on every thread that touches CUDA (orca_mq/runtime/device.py).
 
 CUDA's current device is per thread. Checked on the CPU with a stand-in for torch.cuda that records
 which device each thread set: the worker's device comes from its place in the grid, and the compute
@@ -14,7 +14,7 @@ import structlog
 import torch
 
 from orca_mq.config import load_config
-from orca_mq.engine.device import resolve_device, worker_device
+from orca_mq.runtime.device import resolve_device, worker_device
 from workers.data_plane import DataPlane
 from orca_mq.kv.swapper import KVSwapper
 from workers.stage_executor import StageExecutor

@@ -45,7 +45,7 @@ from orca_mq.engine import gemm  # noqa: E402
 from orca_mq.engine.model_runner import DTYPES, ModelRunner  # noqa: E402
 from orca_mq.engine.dtype import resolve_dtype  # noqa: E402
 from orca_mq.engine.model_info import read_model_info  # noqa: E402
-from orca_mq.engine.threads import use_threads  # noqa: E402
+from orca_mq.runtime.threads import use_threads  # noqa: E402
 from orca_mq.engine.weights import load_stage_weights  # noqa: E402
 from orca_mq.server.process import free_port, spawn  # noqa: E402
 

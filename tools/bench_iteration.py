@@ -39,7 +39,7 @@ from orca_mq.bench.steady import Case, run_case  # noqa: E402
 from orca_mq.bench.timing import timed  # noqa: E402
 from orca_mq.config import load_config  # noqa: E402
 from orca_mq.engine.model_runner import ModelRunner  # noqa: E402
-from orca_mq.engine.threads import use_threads  # noqa: E402
+from orca_mq.runtime.threads import use_threads  # noqa: E402
 from orca_mq.server.process import free_port, spawn  # noqa: E402
 
 CASES = [Case("decode b=1", 1), Case("decode b=8", 8), Case("decode b=32", 32),

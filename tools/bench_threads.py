@@ -7,7 +7,7 @@ each in a fresh process, interleaved round by round. Prints median ms and the co
 
 libgomp keeps a team of worker threads per thread that opened a parallel region; once it manages more
 threads than there are CPUs it throttles their spin-wait, so each parallel region waits on futex
-wake-ups (orca_mq/engine/threads.py).
+wake-ups (orca_mq/runtime/threads.py).
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def child(mode: str, batch: int, repeat: int, sets: list[str]) -> dict[str, floa
     from orca_mq.bench.timing import median_time
     from orca_mq.config import load_config
     from orca_mq.engine.model_runner import ModelRunner
-    from orca_mq.engine.threads import use_threads
+    from orca_mq.runtime.threads import use_threads
 
     cfg = load_config(None, ["engine.n_slots=32768", *sets])
     out: dict[str, float] = {}

@@ -17,7 +17,8 @@ import zmq
 import zmq.asyncio
 
 from orca_mq.config import Config
-from orca_mq.server.nodes import local_ip, placement
+from orca_mq.runtime.placement import placement
+from orca_mq.server.nodes import local_ip
 from orca_mq.server.zmq_queue import control_address, results_address
 
 Peer = tuple[int, int]   # (stage, tp rank)

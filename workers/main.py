@@ -11,9 +11,9 @@ from orca_mq.config import Config
 from orca_mq.logs import setup_logging
 from orca_mq.server.process import child_config, run_logged
 from orca_mq.sched import policy_class
-from orca_mq.engine.device import use_device, worker_device
+from orca_mq.runtime.device import use_device, worker_device
 from orca_mq.engine.model_runner import ModelRunner
-from orca_mq.engine.threads import use_threads
+from orca_mq.runtime.threads import use_threads
 from orca_mq.server.nodes import connect_store, uses_store, worker_name
 from workers.controller import Controller
 from workers.data_plane import DataPlane
@@ -39,7 +39,7 @@ def _serve(cfg: Config, args: argparse.Namespace, name: str) -> int:
     use_threads(1)   # this thread sets up and runs the event loop; the compute thread builds and runs the model
     store = connect_store(cfg) if uses_store(cfg) else None
     device = worker_device(cfg, args.stage, args.tp_rank)   # cuda:i by placement (unverified here: CPU only)
-    use_device(device)   # this thread's; the compute and KV swap threads set their own (engine/device.py)
+    use_device(device)   # this thread's; the compute and KV swap threads set their own (runtime/device.py)
     # the data plane first: the stage's TP group must exist before the runner shards its weights
     # the timeout also bounds every recv and all-reduce: an iteration's peers are never that far apart
     data_plane = DataPlane(args.stage, n, device, store, args.tp_rank, tp, timeout=max(600.0, cfg.server.ready_timeout))

@@ -1,6 +1,6 @@
 """The compute thread of a worker: builds the stage's model runner, then runs its stage of every
 iteration, in control-frame order. Built here, not on the main thread, so the process has one
-OpenMP team (orca_mq/engine/threads.py).
+OpenMP team (orca_mq/runtime/threads.py).
 
 The controller hands plans over through a queue and never waits for them; this thread
 receives the previous stage's hidden states, launches its layers, and either sends the hidden
@@ -28,7 +28,7 @@ import torch
 
 from orca_mq.protocol.iteration import IterationResult, PackedPlan
 from orca_mq.logs import summarize_ms
-from orca_mq.engine.device import use_device
+from orca_mq.runtime.device import use_device
 from orca_mq.engine.model_runner import Launched, ModelRunner
 from orca_mq.kv.swapper import KVSwapFailed
 from workers.data_plane import DataPlane

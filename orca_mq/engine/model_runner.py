@@ -16,7 +16,7 @@ import torch
 
 from orca_mq.engine import gemm
 from orca_mq.engine.attention import AttentionMetadata, resolve
-from orca_mq.engine.device import resolve_device, use_device
+from orca_mq.runtime.device import resolve_device, use_device
 from orca_mq.engine.dtype import native_bf16_flags, resolve_dtype
 from orca_mq.engine.graphs import Graphs, fill
 from orca_mq.engine.staging import Stager
@@ -28,7 +28,7 @@ from orca_mq.kv.swapper import KVSwapper
 from orca_mq.engine.model import StageModel
 from orca_mq.engine.parallel import TensorParallel, TPGroup
 from orca_mq.engine.sampler import SamplingRows, failed_rows, greedy, sample
-from orca_mq.engine.threads import use_threads
+from orca_mq.runtime.threads import use_threads
 from orca_mq.engine.model_info import ModelInfo, read_model_info
 from orca_mq.engine.weights import MATRICES, StageWeights, load_stage_weights
 

@@ -34,8 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
-from orca_mq.engine.device import use_device
-from orca_mq.engine.threads import use_threads
+from orca_mq.runtime.device import use_device
+from orca_mq.runtime.threads import use_threads
 from orca_mq.kv.cache import HostKV, KVCache
 from orca_mq.protocol.iteration import PackedPlan
 

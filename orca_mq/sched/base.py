@@ -55,7 +55,7 @@ def async_scheduling(cfg: "Config", policy: type["Scheduler"]) -> bool:
         return False
     if mode == "on":
         return True
-    from orca_mq.engine.device import uses_cuda
+    from orca_mq.runtime.device import uses_cuda   # here: the scheduler imports torch only when it must ask
 
     return uses_cuda(cfg.engine.device)
 

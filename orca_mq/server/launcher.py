@@ -39,7 +39,8 @@ from orca_mq.protocol import ProtocolError, decode
 from orca_mq.protocol.client_msgs import Error, Ping, Pong
 from orca_mq.protocol.codec import channel
 from orca_mq.protocol.control_msgs import AbortAll, Drain, Drained, Fatal, Progress, Ready, Resume
-from orca_mq.server.nodes import STOPPED, NodeError, NodeGroup, placement, resolve_addresses, uses_store, worker_name
+from orca_mq.runtime.placement import placement
+from orca_mq.server.nodes import STOPPED, NodeError, NodeGroup, resolve_addresses, uses_store, worker_name
 from orca_mq.server.process import READY_LINE, Child, free_port, start_child, stop_children
 from orca_mq.server.zmq_queue import SyncBrokerLink
 

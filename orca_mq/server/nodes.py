@@ -1,4 +1,5 @@
-"""Workers on many hosts: placement, names and the launchers' rendezvous and liveness.
+"""Workers on many hosts: names and the launchers' rendezvous and liveness (which node runs which
+worker: orca_mq/runtime/placement.py).
 
 The launcher runs once per node, torchrun-style (`--nnodes N --node-rank R --master-addr HOST
 --master-port PORT`). Node 0's launcher hosts a TCP store at HOST:PORT: the launchers meet there,
@@ -18,6 +19,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from orca_mq.config import Config
+from orca_mq.runtime.placement import placement
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -36,21 +38,9 @@ def worker_name(stage: int, tp_rank: int) -> str:
     return f"worker{stage}" if tp_rank == 0 else f"worker{stage}.{tp_rank}"
 
 
-def placement(n_stages: int, tp_size: int, nnodes: int) -> list[int]:
-    """Node of each worker, by global rank (stage * tp_size + tp rank). Stages go over the nodes in
-    order, whole stages per node when there are at least as many stages as nodes; otherwise the
-    ranks are spread evenly in order and a stage's TP group spans nodes."""
-    world = n_stages * tp_size
-    if world < nnodes:
-        raise ValueError(f"{world} worker processes (n_workers x tp_size) cannot fill {nnodes} nodes")
-    if n_stages >= nnodes:
-        return [node for node, n in enumerate(_parts(n_stages, nnodes)) for _ in range(n * tp_size)]
-    return [node for node, n in enumerate(_parts(world, nnodes)) for _ in range(n)]
-
-
 def check_gpus(cfg: Config, cuda_devices: Callable[[], int] | None = None) -> None:
     """Refuse, before anything starts, more workers on this node than its CUDA devices while the
-    engine runs on CUDA: every worker takes a GPU of its own (engine/device.py worker_device), and
+    engine runs on CUDA: every worker takes a GPU of its own (runtime/device.py worker_device), and
     two ranks on one GPU die inside NCCL ("Duplicate GPU detected") after a minute of loading.
     `cuda_devices` stands in for torch's count (tests); torch is imported only when it decides."""
     e = cfg.engine
@@ -75,11 +65,6 @@ def _cuda_devices() -> int:
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def _parts(n: int, k: int) -> list[int]:
-    base, extra = divmod(n, k)
-    return [base + (i < extra) for i in range(k)]
 
 
 def uses_store(cfg: Config) -> bool:

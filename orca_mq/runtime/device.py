@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from orca_mq.runtime.placement import placement
+
 if TYPE_CHECKING:
     from orca_mq.config import Config
 
@@ -35,8 +37,6 @@ def uses_cuda(name: str) -> bool:
 
 def worker_device(cfg: "Config", stage: int, tp_rank: int) -> torch.device:
     """A worker's device: one GPU per worker of its node, in placement order (stage-major ranks)."""
-    from orca_mq.server.nodes import placement
-
     nodes = placement(cfg.engine.n_workers, cfg.engine.tp_size, cfg.server.nnodes)
     rank = stage * cfg.engine.tp_size + tp_rank
     return resolve_device(cfg.engine.device, nodes[:rank].count(nodes[rank]))
