@@ -1,20 +1,14 @@
-"""tools/simulate.py: the real schedulers on a virtual clock, against hand-computed JCTs."""
+"""orca_mq/bench/simulate.py (tools/simulate.py): the real schedulers on a virtual clock, against hand-computed JCTs."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
-
-from simulate import profile_cost, simulate  # noqa: E402
-
-from orca_mq.config import Config  # noqa: E402
-from orca_mq.sched.profiler import IterationProfile  # noqa: E402
-from orca_mq.sampling_params import SamplingParams  # noqa: E402
-from orca_mq.sched.orca import OrcaScheduler  # noqa: E402
-from orca_mq.sched.srpt import SrptOracle  # noqa: E402
-from orca_mq.sched.request import Request  # noqa: E402
-from orca_mq.engine.model_info import ModelInfo  # noqa: E402
+from orca_mq import SamplingParams
+from orca_mq.bench.simulate import profile_cost, replay_scorecard, simulate
+from orca_mq.config import Config
+from orca_mq.engine.model_info import ModelInfo
+from orca_mq.sched.orca import OrcaScheduler
+from orca_mq.sched.profiler import IterationProfile
+from orca_mq.sched.request import Request
+from orca_mq.sched.srpt import SrptOracle
 
 INFO = ModelInfo("fake", "llama", 64, 16, 2, 4, 2, 128, 1e-5, 4096, eos_token_ids=[2])
 ONE_SECOND = IterationProfile([(1, 1.0), (100, 1.0)], [(1, 1.0), (64, 1.0)])   # every iteration takes 1 s
@@ -48,8 +42,6 @@ def test_srpt_oracle_runs_the_shortest_first():
 
 def test_a_scorecard_is_replayed_on_its_own_traces(tmp_path):
     # one round of the FastServe trace at load 1 of 2 req/s for 10 s: 20 requests, seed 0 + 1 + round
-    from simulate import replay_scorecard
-
     from orca_mq.config import load_config
 
     runs = [{"trace": "fastserve", "load": 1.0, "round": 0, "policy": pol, "summary": {"jct_mean_s": jct}}
