@@ -112,11 +112,10 @@ def test_required_keys_and_table():
 def test_orca_throughput_at_equal_latency():
     """tools/plot.py's ORCA headline: orca's throughput interpolated at the baseline's latency."""
     import math
-    import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
-    from plot import Run, orca_throughput_at
+    from orca_mq.bench.result_files import Run
+    from orca_mq.bench.sweep_plots import orca_throughput_at
 
     def run(latency_s: float, tok_s: float) -> Run:
         return Run(Path("x.json"), {"config": {"rate": 1.0, "trace": "orca"},
@@ -133,11 +132,10 @@ def test_orca_throughput_at_equal_latency():
 
 def test_equal_latency_table_compares_each_request_point_with_every_orca_curve(tmp_path):
     import csv
-    import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
-    from plot import Run, equal_latency
+    from orca_mq.bench.result_files import Run
+    from orca_mq.bench.sweep_plots import equal_latency
 
     def run(policy: str, bs: int, latency_s: float, tok_s: float) -> Run:
         return Run(Path("x.json"), {"config": {"rate": 1.0, "trace": "orca", "policy": policy, "max_bs": bs},
