@@ -23,7 +23,7 @@ OpenAI-compatible server (/v1/completions, streamed, the trace's token ids as th
 without it the bench launches orca-mq with its HTTP API on a free port and measures through it.
 
 Without --address the system is started here:
-    python tools/launch.py --set scheduler.policy=P --set scheduler.max_bs=B
+    orca-mq serve --set scheduler.policy=P --set scheduler.max_bs=B
         --set server.frontend_address=tcp://127.0.0.1:<free port>
         --set server.backend_address=ipc://<private path> --set server.worker_base_port=<free port>
         --set log.dir=FILE.logs [--set ...]
@@ -43,21 +43,16 @@ import datetime as dt
 import functools
 import json
 import math
-import os
 import platform
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from orca_mq.server.process import ServerHandle, free_port, spawn  # noqa: E402
+from orca_mq.bench.bench_server import on_sigterm
 from orca_mq.bench.metrics import format_table, summarize
+from orca_mq.bench.result_files import git_rev, write_result
+from orca_mq.server.process import ServerHandle, free_port, spawn
 from orca_mq.bench.trace import (
     CHAT_KINDS,
     TRACE_KINDS,
@@ -124,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-bs", type=int, default=None, metavar="B", help="scheduler.max_bs (default: config.toml)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="section.key=value",
-                   help="system config override, passed to launch.py (repeatable)")
+                   help="system config override, passed to the launched server (repeatable)")
     p.add_argument("--address", default=None, help="frontend address of a running system (default: launch one)")
     p.add_argument("--backend", choices=BACKENDS, default="orca-mq",
                    help="orca-mq: the ZeroMQ client; openai: HTTP /v1/completions of any OpenAI-compatible server")
@@ -142,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-timeout", type=float, default=0.0, metavar="S",
                    help="give up on a request after S seconds (0 = never; default)")
     p.add_argument("--launch-timeout", type=float, default=600.0, metavar="S",
-                   help="seconds to wait for launch.py to print 'ready' (default 600)")
+                   help="seconds to wait for the launcher to print 'ready' (default 600)")
     p.add_argument("--launch-log", default=None, metavar="FILE", help="launcher output (default FILE.launch.log)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--client-procs", type=int, default=1, metavar="N",
@@ -152,40 +147,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # ---------------------------------------------------------------- launching the system
-
-def _jsonable(x: Any) -> Any:
-    """Strict JSON: non-finite floats become the strings "inf", "-inf", "nan"."""
-    if isinstance(x, float) and not math.isfinite(x):
-        return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
-    if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
-    return x
-
-
-def _git_rev() -> str | None:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=5)
-        return out.stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
-def write_result(path: Path, config: dict, summary: dict, requests: list[dict]) -> None:
-    """Strict JSON, config and summary indented, one request record per line; atomic (tmp + rename)."""
-    def dump(x: Any, indent: int | None) -> str:
-        return json.dumps(_jsonable(x), indent=indent, allow_nan=False)
-
-    body = (
-        '{\n"config": ' + dump(config, 1) + ',\n"summary": ' + dump(summary, 1) + ',\n"requests": [\n'
-        + ",\n".join(dump(r, None) for r in requests) + "\n]}\n"
-    )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(body)
-    os.replace(tmp, path)
-
 
 def run_replay(address: str, trace: list, args: argparse.Namespace) -> tuple[list[dict], float]:
     from orca_mq.bench.client_procs import replay_in_processes, run_loop
@@ -201,10 +162,6 @@ def run_replay(address: str, trace: list, args: argparse.Namespace) -> tuple[lis
                            client_factory=factory))
 
 
-def _on_sigterm(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 # ---------------------------------------------------------------- main
 
 def main(argv: list[str] | None = None) -> int:
@@ -213,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     from orca_mq.config import load_config
     from orca_mq.tokenizer import load_tokenizer
 
-    signal.signal(signal.SIGTERM, _on_sigterm)  # so `finally` stops the launcher when we are terminated
+    signal.signal(signal.SIGTERM, on_sigterm)  # so `finally` stops the launcher when we are terminated
     out = Path(args.out)
     if args.base_url and args.backend != "openai":
         sys.exit("bench: --base-url needs --backend openai")
@@ -308,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if launcher is not None:
             launcher_rc = launcher.stop(cfg.server.drain_timeout + 30.0)
-            print(f"bench: launch.py exited with code {launcher_rc}", file=sys.stderr)
+            print(f"bench: the launcher exited with code {launcher_rc}", file=sys.stderr)
 
     summary = summarize(records, slos)
     config = {
@@ -323,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         "trace_spec": spec_dict(spec),
         "extra_body": args.extra_body,
         "trace_stats": chat_stats(trace) if chat else trace_stats(trace),
-        "started_at": started_at, "wall_start": wall_start, "git_rev": _git_rev(), "host": platform.node(),
+        "started_at": started_at, "wall_start": wall_start, "git_rev": git_rev(), "host": platform.node(),
         "launcher_exit_code": launcher_rc,
     }
     write_result(out, config, summary, records)

@@ -15,21 +15,18 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from orca_mq.config import load_config  # noqa: E402
-from orca_mq.engine.step_inputs import build, metadata  # noqa: E402
-from orca_mq.engine.model_runner import ModelRunner  # noqa: E402
-from orca_mq.protocol.iteration import IterationPlan, SeqWork, pack  # noqa: E402
-from orca_mq.tokenizer import load_tokenizer  # noqa: E402
-from tools.bench_engine import weight_bytes  # noqa: E402
+from orca_mq.bench.weights import weight_bytes
+from orca_mq.config import load_config
+from orca_mq.engine.step_inputs import build, metadata
+from orca_mq.engine.model_runner import ModelRunner
+from orca_mq.protocol.iteration import IterationPlan, SeqWork, pack
+from orca_mq.tokenizer import load_tokenizer
 
 PROMPTS = [
     "The capital of France is", "Write a short poem about the sea.", "def fibonacci(n):",

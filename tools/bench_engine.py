@@ -14,18 +14,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from orca_mq.bench.timing import interleaved_medians, median_time  # noqa: E402
-from orca_mq.config import load_config  # noqa: E402
-from orca_mq.bench.plans import plan_for  # noqa: E402,F401  (tools import it from here)
-from orca_mq.engine.model_runner import ModelRunner  # noqa: E402
-from orca_mq.engine.model_info import ModelInfo  # noqa: E402
+from orca_mq.bench.plans import plan_for
+from orca_mq.bench.timing import interleaved_medians, median_time
+from orca_mq.bench.weights import weight_bytes
+from orca_mq.config import load_config
+from orca_mq.engine.model_runner import ModelRunner
+from orca_mq.engine.model_info import ModelInfo
 
 # (name, [(prompt tokens this iteration, cached tokens before)] per request)
 CASES: list[tuple[str, list[tuple[int, int]]]] = [
@@ -57,13 +55,6 @@ def iteration_flops(info: ModelInfo, reqs: list[tuple[int, int]]) -> float:
     tokens = sum(q for q, _ in reqs)
     attn = sum(4 * info.n_layers * info.n_heads * d * sum(ctx + j + 1 for j in range(q)) for q, ctx in reqs)
     return per_token * tokens + attn + 2 * h * info.vocab_size * len(reqs)
-
-
-def weight_bytes(runner: ModelRunner) -> int:
-    w = runner.model.w
-    tensors = {id(t): t for t in [*(t for layer in w.layers for t in layer.values()), *(w.final_norm or {}).values(),
-                                  w.embed, w.pos_embed, w.lm_head] if t is not None}   # a tied head counts once
-    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def ours_step(runner: ModelRunner, reqs: list[tuple[int, int]]):

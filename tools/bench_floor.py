@@ -30,24 +30,21 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tools")]
-
-from bench import _on_sigterm  # noqa: E402
-from bench_engine import plan_for  # noqa: E402
-from orca_mq.bench.floor import measure_gemms, read_bandwidth, trace_floor, weight_bytes  # noqa: E402
-from orca_mq.bench.metrics import summarize  # noqa: E402
-from orca_mq.bench.replay import replay  # noqa: E402
-from orca_mq.bench.timing import median_time  # noqa: E402
-from orca_mq.bench.trace import TraceSpec, load_corpus, make_trace, parse_range  # noqa: E402
-from orca_mq.config import Config, load_config  # noqa: E402
-from orca_mq.engine import gemm  # noqa: E402
-from orca_mq.engine.model_runner import DTYPES, ModelRunner  # noqa: E402
-from orca_mq.engine.dtype import resolve_dtype  # noqa: E402
-from orca_mq.engine.model_info import read_model_info  # noqa: E402
-from orca_mq.runtime.threads import use_threads  # noqa: E402
-from orca_mq.engine.weights import load_stage_weights  # noqa: E402
-from orca_mq.server.process import free_port, spawn  # noqa: E402
+from orca_mq.bench.bench_server import on_sigterm
+from orca_mq.bench.floor import measure_gemms, read_bandwidth, trace_floor, weight_bytes
+from orca_mq.bench.metrics import summarize
+from orca_mq.bench.plans import plan_for
+from orca_mq.bench.replay import replay
+from orca_mq.bench.timing import median_time
+from orca_mq.bench.trace import TraceSpec, load_corpus, make_trace, parse_range
+from orca_mq.config import Config, load_config
+from orca_mq.engine import gemm
+from orca_mq.engine.model_runner import DTYPES, ModelRunner
+from orca_mq.engine.dtype import resolve_dtype
+from orca_mq.engine.model_info import read_model_info
+from orca_mq.runtime.threads import use_threads
+from orca_mq.engine.weights import load_stage_weights
+from orca_mq.server.process import free_port, spawn
 
 KV = 255   # cached tokens of every decode request
 
@@ -88,7 +85,7 @@ def main() -> int:
     ap.add_argument("--no-serve", action="store_true", help="rates, engine and the floor only")
     ap.add_argument("--out", default="results/bench_floor.json")
     args = ap.parse_args()
-    signal.signal(signal.SIGTERM, _on_sigterm)   # so `finally` stops the server when this is terminated
+    signal.signal(signal.SIGTERM, on_sigterm)   # so `finally` stops the server when this is terminated
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     cfg = load_config(None, ["engine.n_slots=32768", *args.set])

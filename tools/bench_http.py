@@ -36,17 +36,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tools")]
-
-from bench import _on_sigterm  # noqa: E402  (tools/bench.py)
-from orca_mq.bench.metrics import is_ok, summarize  # noqa: E402
-from orca_mq.bench.openai_backend import OpenAIClient  # noqa: E402
-from orca_mq.bench.plot_run import plot_cdfs  # noqa: E402
-from orca_mq.bench.replay import open_client, replay  # noqa: E402
-from orca_mq.bench.trace import (  # noqa: E402
+from orca_mq.bench.bench_server import on_sigterm
+from orca_mq.bench.metrics import is_ok, summarize
+from orca_mq.bench.openai_backend import OpenAIClient
+from orca_mq.bench.plot_run import plot_cdfs
+from orca_mq.bench.replay import open_client, replay
+from orca_mq.bench.trace import (
     CHAT_KINDS, TraceSpec, load_corpus, make_chat_trace, make_trace, parse_range, spec_dict)
-from orca_mq.server.process import free_port, spawn  # noqa: E402
+from orca_mq.server.process import ROOT, free_port, spawn
 
 SCENARIOS = {  # name -> trace spec: all at once (c64) or deterministic 2 s gaps (c1); short, for a 2-core machine
     "c64": TraceSpec(kind="orca", num_requests=64, rate=0.0, input_len=(32, 128), output_len=(16, 32), seed=1),
@@ -123,7 +120,7 @@ def main() -> int:
                    help="change a TraceSpec field of every scenario run, e.g. system_prompts=4 (repeatable)")
     p.add_argument("--out", required=True, metavar="FILE.json")
     args = p.parse_args()
-    signal.signal(signal.SIGTERM, _on_sigterm)  # so `finally` stops the server and the peer
+    signal.signal(signal.SIGTERM, on_sigterm)  # so `finally` stops the server and the peer
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
 

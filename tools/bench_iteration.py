@@ -29,18 +29,15 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tools")]
-
-from bench import _on_sigterm  # noqa: E402
-from bench_engine import plan_for  # noqa: E402
-from orca_mq.bench.accounting import CATEGORIES, instrument  # noqa: E402
-from orca_mq.bench.steady import Case, run_case  # noqa: E402
-from orca_mq.bench.timing import timed  # noqa: E402
-from orca_mq.config import load_config  # noqa: E402
-from orca_mq.engine.model_runner import ModelRunner  # noqa: E402
-from orca_mq.runtime.threads import use_threads  # noqa: E402
-from orca_mq.server.process import free_port, spawn  # noqa: E402
+from orca_mq.bench.accounting import CATEGORIES, instrument
+from orca_mq.bench.bench_server import on_sigterm
+from orca_mq.bench.plans import plan_for
+from orca_mq.bench.steady import Case, run_case
+from orca_mq.bench.timing import timed
+from orca_mq.config import load_config
+from orca_mq.engine.model_runner import ModelRunner
+from orca_mq.runtime.threads import use_threads
+from orca_mq.server.process import free_port, spawn
 
 CASES = [Case("decode b=1", 1), Case("decode b=8", 8), Case("decode b=32", 32),
          Case("mixed 225+31", 31, n_chunk=40, chunk=225)]
@@ -116,7 +113,7 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="results/bench_iteration.json")
     args = ap.parse_args()
-    signal.signal(signal.SIGTERM, _on_sigterm)   # so `finally` stops the server when this is terminated
+    signal.signal(signal.SIGTERM, on_sigterm)   # so `finally` stops the server when this is terminated
     cfg = load_config(None, ["engine.n_slots=32768", *args.set])
     use_threads(cfg.engine.threads_per_worker)
     runner = ModelRunner(cfg)

@@ -18,34 +18,12 @@ import asyncio
 import json
 import random
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from orca_mq.client import AsyncClient  # noqa: E402
-from orca_mq.server.process import ServerHandle, free_port, spawn  # noqa: E402
-
-
-class Server:
-    """One server (`spawn`) on a free port, stopped with SIGTERM."""
-
-    def __init__(self, workers: int, threads: int, max_bs: int, extra: list[str]) -> None:
-        self.tmp = Path(tempfile.mkdtemp(prefix="orca_mq_bench-"))
-        self.sets = {"server.frontend_address": f"tcp://127.0.0.1:{free_port()}", "engine.n_workers": workers,
-                     "engine.threads_per_worker": threads, "scheduler.max_bs": max_bs, "log.dir": f"{self.tmp}/logs",
-                     "log.level": "warning", "server.http_address": "",  # ZeroMQ only: no HTTP process on the shared port
-                     **dict(item.split("=", 1) for item in extra)}
-
-    def __enter__(self) -> ServerHandle:
-        self.handle = spawn(self.sets, self.tmp / "launcher.stderr", ready_timeout=300)
-        return self.handle
-
-    def __exit__(self, *exc: object) -> None:
-        self.handle.stop(60)
+from orca_mq.bench.bench_server import Server
+from orca_mq.client import AsyncClient
 
 
 def _trace(n: int, seed: int, in_range: tuple[int, int], out_range: tuple[int, int]) -> list[tuple[list[int], int]]:

@@ -31,23 +31,18 @@ import dataclasses
 import json
 import random
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from bench_overhead import Server  # noqa: E402
-
-from orca_mq.bench.http_fuzz import body_fuzz, schema_fuzz  # noqa: E402
-from orca_mq.bench.reliability import SoakConfig, fuzz, garbage_frames, reproduce, soak  # noqa: E402
-from orca_mq.client import AsyncClient  # noqa: E402
-from orca_mq.config import Config  # noqa: E402
-from orca_mq.protocol import encode  # noqa: E402
-from orca_mq.protocol.client_msgs import Generate  # noqa: E402
-from orca_mq.server.process import free_port  # noqa: E402
+from orca_mq.bench.bench_server import Server
+from orca_mq.bench.http_fuzz import body_fuzz, schema_fuzz
+from orca_mq.bench.reliability import SoakConfig, fuzz, garbage_frames, reproduce, soak
+from orca_mq.client import AsyncClient
+from orca_mq.config import Config
+from orca_mq.protocol import encode
+from orca_mq.protocol.client_msgs import Generate
+from orca_mq.server.process import free_port
 
 
 def _rss_mb(pid: int) -> float:

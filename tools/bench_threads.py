@@ -21,14 +21,12 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tools")]
 MODES = ("compute-thread", "main-thread")
 
 
 def child(mode: str, batch: int, repeat: int, sets: list[str]) -> dict[str, float]:
     """One process: build a runner on `mode`'s thread, then time decode iterations on a compute thread."""
-    from bench_engine import plan_for
+    from orca_mq.bench.plans import plan_for
     from orca_mq.bench.timing import median_time
     from orca_mq.config import load_config
     from orca_mq.engine.model_runner import ModelRunner

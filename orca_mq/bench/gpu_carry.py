@@ -20,7 +20,8 @@ import sys
 import zipfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from orca_mq.server.process import ROOT
+
 FOLDER = ROOT / ".gpu"            # in .gitignore; name it in the device call's carry list
 SITE = Path("/tmp/site")          # where the wheels are installed on the device
 # distribution -> the module whose import proves it is there

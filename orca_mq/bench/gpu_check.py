@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from orca_mq.bench.gpu_carry import FOLDER, ROOT, ensure_packages
+from orca_mq.bench.result_files import git_rev
 
 
 @dataclass(frozen=True)
@@ -130,7 +131,7 @@ def run(out: Path, work: Path, names: list[str] | None, small: bool, deadline_s:
     report = Report(out)
     chosen = [s for s in SECTIONS if names is None or s.name in names]
     report.add({"section": "setup", "detail": "start", "argv": sys.argv, "small": small, "sections": [s.name for s in chosen],
-                "git": _git_rev(), "deadline_s": round(deadline - t0)})
+                "git": git_rev(), "deadline_s": round(deadline - t0)})
     try:
         report.add({"section": "setup", "detail": ensure_packages(FOLDER), "s": round(time.monotonic() - t0, 1)})
     except Exception as e:   # noqa: BLE001 - the sections then fail on their imports, each in its row
@@ -184,11 +185,3 @@ def _pack_logs(work: Path, dest: Path) -> None:
             if f.is_file() and f.suffix in (".log", ".err", ".json", ".jsonl") and f.stat().st_size < 4 << 20 \
                     and "models" not in f.relative_to(work).parts and "model_src" not in f.relative_to(work).parts:
                 tar.add(f, arcname=str(f.relative_to(work)))
-
-
-def _git_rev() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              timeout=5).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
