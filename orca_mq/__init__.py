@@ -17,12 +17,13 @@ except PackageNotFoundError:  # a source checkout that was never installed
 if TYPE_CHECKING:
     from orca_mq.llm import LLM
     from orca_mq.outputs import RequestOutput
-    from orca_mq.sampling_params import InvalidRequest, SamplingParams
-    from orca_mq.structured.params import StructuredOutputsParams
+    from orca_mq.errors import InvalidRequest
+    from orca_mq.protocol.sampling import SamplingParams
+    from orca_mq.protocol.structured import StructuredOutputsParams
 
 __all__ = ["LLM", "RequestOutput", "SamplingParams", "StructuredOutputsParams", "InvalidRequest", "__version__"]
-_LAZY = {"LLM": "orca_mq.llm", "RequestOutput": "orca_mq.outputs", "SamplingParams": "orca_mq.sampling_params",
-         "StructuredOutputsParams": "orca_mq.structured.params", "InvalidRequest": "orca_mq.sampling_params"}
+_LAZY = {"LLM": "orca_mq.llm", "RequestOutput": "orca_mq.outputs", "SamplingParams": "orca_mq.protocol.sampling",
+         "StructuredOutputsParams": "orca_mq.protocol.structured", "InvalidRequest": "orca_mq.errors"}
 
 
 def __getattr__(name: str) -> Any:

@@ -33,7 +33,8 @@ from orca_mq.outputs import RequestOutput
 from orca_mq.protocol import ProtocolError, decode, encode
 from orca_mq.protocol.client_msgs import TO_CLIENT, Abort, Generate, Output, Outputs, Ping, Pong, Stats, StatsReply, events
 from orca_mq.protocol.common_msgs import ABORTED, INVALID_REQUEST, UNAUTHORIZED, UNAVAILABLE, Error
-from orca_mq.sampling_params import InvalidRequest, SamplingParams
+from orca_mq.errors import InvalidRequest
+from orca_mq.protocol.sampling import SamplingParams
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:5555"
 T = TypeVar("T")

@@ -101,7 +101,7 @@ def test_closed_loop_sends_each_turn_with_the_conversation_so_far(tiny_served_di
     """Turn k+1 goes out after turn k's answer, as turn k's messages + the answer + a new user message;
     under the model's chat template its token ids start with turn k's prompt + the answer's."""
     from orca_mq.bench.replay import closed_loop
-    from orca_mq.server.prompts import Prompts
+    from orca_mq.admission.prompts import Prompts
     from orca_mq.tokenizer import load_tokenizer
 
     tok = load_tokenizer(str(tiny_served_dir))   # the embedded model's tokenizer and chat template

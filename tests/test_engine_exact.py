@@ -103,7 +103,7 @@ def _serve_logits(model_dir, budget: int, prompts: list[list[int]], max_tokens: 
     logits at every sampled token, and how many iterations mixed a prompt chunk on cached context
     with increments."""
     from orca_mq.protocol.iteration import IterationResult
-    from orca_mq.sampling_params import SamplingParams
+    from orca_mq.protocol.sampling import SamplingParams
     from orca_mq.sched import make_scheduler
     from orca_mq.sched.request import Request
 

@@ -20,7 +20,7 @@ from orca_mq.protocol.iteration import IterationPlan, IterationResult
 from orca_mq.kv.policy import ProactiveKV, ReactiveKV
 from orca_mq.sched.mlfq import SkipJoinMLFQ
 from orca_mq.sched.profiler import IterationProfile
-from orca_mq.sampling_params import SamplingParams
+from orca_mq.protocol.sampling import SamplingParams
 from orca_mq.sched.request import Request
 from orca_mq.engine.model_info import ModelInfo
 

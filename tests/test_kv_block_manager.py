@@ -20,7 +20,7 @@ from orca_mq.kv.block_manager import BlockManager, Match
 from orca_mq.kv.pool import PoolSize
 from orca_mq.kv.prefix import chain_seed
 from orca_mq.kv.tier import Tier
-from orca_mq.sampling_params import SamplingParams
+from orca_mq.protocol.sampling import SamplingParams
 from orca_mq.sched.request import Phase, Request
 
 BS = 2

@@ -107,15 +107,15 @@ def test_bad_input_is_a_clear_error(embedded_llm, prompt, params, message):
 
 def test_request_larger_than_kv_pool_is_rejected(embedded_llm):
     # the fixture's pool (4096 slots) outgrows the context length, so check against a smaller pool
+    from orca_mq.admission.served_model import ServedModel
     from orca_mq.config import load_config
-    from orca_mq.validation import admit
 
-    cfg = load_config(overrides={"engine.n_slots": 64})
+    model = ServedModel(load_config(overrides={"engine.n_slots": 64}), embedded_llm.info)
     with pytest.raises(InvalidRequest, match="exceeds the KV pool of 64 slots"):
-        admit([5] * 60, SamplingParams(max_tokens=10), embedded_llm.info, cfg)
-    assert admit([5] * 60, SamplingParams(max_tokens=None), embedded_llm.info, cfg).max_tokens == 4   # the rest of the pool
+        model.fit([5] * 60, SamplingParams(max_tokens=10))
+    assert model.fit([5] * 60, SamplingParams(max_tokens=None)).max_tokens == 4   # the rest of the pool
     with pytest.raises(InvalidRequest, match="leaves no room"):
-        admit([5] * 64, SamplingParams(max_tokens=None), embedded_llm.info, cfg)
+        model.fit([5] * 64, SamplingParams(max_tokens=None))
 
 
 def test_unknown_sampling_field_is_rejected():

@@ -5,7 +5,7 @@ import pytest
 
 from orca_mq.config import load_config
 from orca_mq.protocol.iteration import IterationPlan, IterationResult
-from orca_mq.sampling_params import SamplingParams
+from orca_mq.protocol.sampling import SamplingParams
 from orca_mq.sched import Scheduler, make_scheduler
 from orca_mq.sched.orca import OrcaScheduler
 from orca_mq.sched.request_level import RequestLevelScheduler

@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from orca_mq.protocol.iteration import IterationPlan, IterationResult, SeqWork, pack
-from orca_mq.sampling_params import SamplingParams
-from orca_mq.structured.params import StructuredOutputsParams
+from orca_mq.protocol.sampling import SamplingParams
+from orca_mq.protocol.structured import StructuredOutputsParams
 from orca_mq.protocol import PROTOCOL_VERSION, ProtocolError, decode, encode, unpack
 from orca_mq.protocol.client_msgs import (TO_CLIENT, TO_SERVER, Abort, Final, Generate, Output, Outputs, Ping, Pong, Stats,
                                           StatsReply)

@@ -21,7 +21,7 @@ from orca_mq.protocol import ProtocolError, decode, encode
 from orca_mq.protocol import client_msgs, control_msgs, engine_msgs
 from orca_mq.protocol.codec import _REGISTRY, channel
 from orca_mq.protocol.iteration import IterationPlan, SeqWork, pack
-from orca_mq.sampling_params import InvalidRequest, SamplingParams
+from orca_mq.protocol.sampling import InvalidRequest, SamplingParams
 
 CHANNELS = [
     client_msgs.TO_SERVER, client_msgs.TO_CLIENT,

@@ -16,7 +16,7 @@ from orca_mq.engine.model_runner import ModelRunner
 from orca_mq.engine.model_info import read_model_info
 from orca_mq.kv.cache import HostKV
 from orca_mq.protocol.iteration import IterationPlan, IterationResult, SeqWork, pack
-from orca_mq.sampling_params import SamplingParams
+from orca_mq.protocol.sampling import SamplingParams
 from orca_mq.sched import make_scheduler
 from orca_mq.sched.request import Request
 from workers.data_plane import DataPlane

@@ -8,7 +8,7 @@ from orca_mq.kv.block_manager import BlockManager, KVAllocationError, Match
 from orca_mq.kv.pool import PoolSize
 from orca_mq.protocol.iteration import SeqWork
 from orca_mq.engine import sampler
-from orca_mq.sampling_params import SamplingParams
+from orca_mq.protocol.sampling import SamplingParams
 from orca_mq.sched.request import Request
 
 

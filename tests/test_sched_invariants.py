@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st, target
 from orca_mq.config import load_config
 from orca_mq.engine.model_info import ModelInfo
 from orca_mq.protocol.iteration import IterationPlan, IterationResult
-from orca_mq.sampling_params import SamplingParams
+from orca_mq.protocol.sampling import SamplingParams
 from orca_mq.sched import make_scheduler
 from orca_mq.sched.base import Scheduler
 from orca_mq.sched.profiler import IterationProfile

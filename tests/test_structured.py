@@ -21,7 +21,7 @@ from orca_mq.engine import sampler
 from orca_mq.engine.model_info import ModelInfo
 from orca_mq.errors import InvalidRequest
 from orca_mq.protocol.iteration import IterationPlan, IterationResult, SeqWork
-from orca_mq.sampling_params import SamplingParams
+from orca_mq.protocol.sampling import SamplingParams
 from orca_mq.sched import make_scheduler
 from orca_mq.sched.fastserve import FastServeScheduler
 from orca_mq.sched.profiler import IterationProfile
@@ -29,7 +29,7 @@ from orca_mq.sched.request import Request
 from orca_mq.structured.bitmask import fill_masks
 from orca_mq.structured.compiler import Compiler, bounded
 from orca_mq.structured.grammar import Vocabulary
-from orca_mq.structured.params import StructuredOutputsParams as SO
+from orca_mq.protocol.structured import StructuredOutputsParams as SO
 from orca_mq.tokenizer import load_tokenizer
 
 VOCAB = 49152

@@ -28,8 +28,6 @@ from orca_mq.protocol import decode, encode  # noqa: E402
 from orca_mq.protocol.codec import channel  # noqa: E402
 from orca_mq.protocol.engine_msgs import ControlFrame  # noqa: E402
 from orca_mq.protocol.iteration import IterationResult, pack  # noqa: E402
-from orca_mq.sched.request import Request  # noqa: E402
-from orca_mq.validation import admit  # noqa: E402
 
 PARTS = ("step", "pack", "encode", "decode", "inputs")
 
@@ -51,7 +49,7 @@ def main() -> None:
     frames = channel(ControlFrame)
     sched, runner = llm.scheduler, llm.runner
     for i, p in enumerate(prompts):
-        sched.add(Request(f"r{i}", p, admit(p, sp, llm.info, llm.cfg)))
+        sched.add(llm.model.request(f"r{i}", p, llm.model.fit(p, sp)))
     results: list[IterationResult] = []
     n = 0
     while True:

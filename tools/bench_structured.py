@@ -51,7 +51,7 @@ from orca_mq.protocol.iteration import IterationPlan, SeqWork, pack  # noqa: E40
 from orca_mq.structured.bitmask import fill_masks  # noqa: E402
 from orca_mq.structured.compiler import Compiler  # noqa: E402
 from orca_mq.structured.grammar import Grammar, Vocabulary  # noqa: E402
-from orca_mq.structured.params import StructuredOutputsParams as SO  # noqa: E402
+from orca_mq.protocol.structured import StructuredOutputsParams as SO  # noqa: E402
 from orca_mq.tokenizer import load_tokenizer  # noqa: E402
 from tools.bench_engine import interleaved_medians, plan_for  # noqa: E402
 from tools.bench_overhead import Server  # noqa: E402

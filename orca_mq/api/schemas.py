@@ -5,7 +5,7 @@ Strict, like the ZeroMQ side: a field the schema does not name is refused with 4
 (`unknown_parameter`, naming it); an OpenAI field orca-mq does not implement is refused with 400
 (`unsupported_parameter`) unless it carries its no-op value (null, `n: 1`, `echo: false`, a 0
 penalty, ...), so clients that send defaults still work; numbers are bounded at the schema (the
-bounds of orca_mq.sampling_params), integers are integers (`1e30` and `5.0` are not), so no value of
+bounds of orca_mq.protocol.sampling), integers are integers (`1e30` and `5.0` are not), so no value of
 any magnitude reaches the wire.
 
 Accepted as OpenAI does: `max_tokens` (chat: also `max_completion_tokens`; absent = the rest of the
@@ -23,7 +23,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
-from orca_mq.sampling_params import INT32_MAX, INT64_MAX, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE
+from orca_mq.protocol.sampling import INT32_MAX, INT64_MAX, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE
 
 MAX_STOP_STRINGS = 16           # these two bound the work of the stop-string check on every token
 MAX_STOP_LEN = 256

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from orca_mq.protocol.iteration import IterationResult, PackedPlan
-from orca_mq.sampling_params import SamplingParams
+from orca_mq.protocol.sampling import SamplingParams
 from orca_mq.protocol.codec import message
 
 
@@ -19,7 +19,7 @@ from orca_mq.protocol.codec import message
 class AddRequest:
     request_id: str               # the frontend's internal id, unique within the server (not the client's)
     prompt_token_ids: list[int]
-    params: SamplingParams        # validated by the frontend, max_tokens resolved (orca_mq.validation.admit)
+    params: SamplingParams        # validated by the frontend, max_tokens resolved (orca_mq.admission)
 
 
 @message("abort_req")

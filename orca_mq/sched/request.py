@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from orca_mq.sampling_params import SamplingParams
+from orca_mq.protocol.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from orca_mq.structured.grammar import Grammar

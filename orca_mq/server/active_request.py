@@ -8,7 +8,7 @@ from typing import Any
 
 from orca_mq.detokenizer import IncrementalDetokenizer
 from orca_mq.protocol.client_msgs import Generate
-from orca_mq.sampling_params import SamplingParams
+from orca_mq.protocol.sampling import SamplingParams
 
 
 @dataclass(slots=True)

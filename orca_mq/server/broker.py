@@ -39,8 +39,8 @@ from orca_mq.protocol import PROTOCOL_VERSION, ProtocolError, encode, unpack
 from orca_mq.protocol.client_msgs import TO_CLIENT, TO_SERVER, Generate, Output, Outputs, Ping, Pong, Stats, StatsReply
 from orca_mq.protocol.codec import channel, from_dict
 from orca_mq.protocol.common_msgs import INVALID_REQUEST, OVERLOADED, PROTOCOL, UNAUTHORIZED, UNAVAILABLE, Error
-from orca_mq.sampling_params import InvalidRequest
-from orca_mq.validation import check_request_id
+from orca_mq.admission.limits import check_request_id
+from orca_mq.errors import InvalidRequest
 from orca_mq.protocol.control_msgs import ClientGone, Fatal, Resume
 from orca_mq.server.process import process_main
 from orca_mq.server.zmq_queue import BROKER, CLIENT, PEER, parse_to_broker, serve

@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import zmq.asyncio
 
+from orca_mq.admission.served_model import ServedModel
 from orca_mq.config import Config
 from orca_mq.detokenizer import IncrementalDetokenizer
 from orca_mq.logs import setup_logging
@@ -34,17 +35,14 @@ from orca_mq.protocol.common_msgs import ABORTED, INTERNAL, INVALID_REQUEST, OVE
 from orca_mq.protocol.codec import channel, from_dict
 from orca_mq.protocol.control_msgs import AbortAll, ClientGone, Drain, Drained, Ready
 from orca_mq.protocol.engine_msgs import AbortRequest, AddRequest, StatsQuery, StatsResult, TokenBatch
-from orca_mq.sampling_params import InvalidRequest, SamplingParams
-from orca_mq.tokenizer import load_tokenizer
-from orca_mq.validation import admit
-from orca_mq.engine.model_info import read_model_info
+from orca_mq.errors import InvalidRequest
+from orca_mq.protocol.sampling import SamplingParams
 from orca_mq.server.active_request import ActiveRequest, Admission
 from orca_mq.server.outbox import Outbox
-from orca_mq.server.prompts import Prompts
 from orca_mq.server.process import process_main
 from orca_mq.server.request_ids import RequestIds
 from orca_mq.server.zmq_queue import CLIENT, BrokerLink, Envelope, serve
-from orca_mq.structured.compiler import Compiler, bounded
+from orca_mq.structured.compiler import bounded
 
 FROM_PROCESSES = channel(TokenBatch, StatsResult, Drain, AbortAll, ClientGone, Error)
 TOKENIZE_THREADS = 2      # a long prompt's tokenization leaves a thread for short ones
@@ -61,13 +59,11 @@ class Frontend:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
         self.log = setup_logging("frontend", cfg.log)
-        self.tokenizer = load_tokenizer(cfg.model.path, cfg.model.cache_dir)
-        self.info = read_model_info(cfg.model.path, cfg.model.cache_dir)
-        self.prompts = Prompts.for_model(self.tokenizer, self.info.max_model_len(cfg))
+        self.model = ServedModel(cfg)   # admission's steps 1-3 here (orca_mq.admission); 4 in the scheduler process
+        self.tokenizer, self.prompts = self.model.tokenizer, self.model.prompts
         self.tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="tokenize")
         self.ids = RequestIds()                          # (client, its id) <-> internal id
         self.admitting: dict[str, Admission] = {}        # being tokenized, by internal id; bounded by the broker
-        self.grammars = Compiler(cfg.structured)         # checks structured outputs' constraints, in the tokenize pool
         self.admissions: set[asyncio.Task[None]] = set()
         self.ctx = zmq.asyncio.Context()
         self.link = BrokerLink(self.ctx, cfg.server.backend_address, "frontend")
@@ -136,8 +132,7 @@ class Frontend:
             if self.draining:
                 raise _Unavailable("server is shutting down; not accepting new requests")
             self.prompts.check(msg)
-            params = SamplingParams.from_dict(msg.sampling)
-            params.validate(self.info.vocab_size)
+            params = self.model.params(msg.sampling)
             iid = self.ids.new(client, msg.request_id)
         except InvalidRequest as e:
             await self._refuse(client, msg.request_id, e, version)
@@ -153,7 +148,7 @@ class Frontend:
         try:
             prompt_ids = await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, self.prompts.token_ids, msg)
             if (spec := params.structured_outputs) is not None:  # parsed once, in _enqueue
-                await bounded(self.tokenize_pool, self.grammars.check, spec, self.cfg.structured.compile_timeout)
+                await bounded(self.tokenize_pool, self.model.grammars.check, spec, self.cfg.structured.compile_timeout)
         except Exception as e:
             failure = e
         adm = self.admitting.pop(iid, None)
@@ -180,7 +175,7 @@ class Frontend:
     async def _admit(self, iid: str, adm: Admission, prompt_ids: list[int]) -> None:
         if self.draining:
             raise _Unavailable("server is shutting down; not accepting new requests")
-        params = admit(prompt_ids, adm.params, self.info, self.cfg)
+        params = self.model.fit(prompt_ids, adm.params)
         rid = adm.msg.request_id
         self.active[iid] = ActiveRequest(adm.client, rid, IncrementalDetokenizer(self.tokenizer), len(prompt_ids), time.time(),
                                          adm.version)

@@ -11,7 +11,7 @@ import itertools
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from orca_mq.sampling_params import InvalidRequest
+from orca_mq.errors import InvalidRequest
 
 RECENT = 10_000    # finished requests whose client ids a stats record can still show (the scheduler keeps 10,000 iterations)
 

@@ -24,6 +24,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from orca_mq.admission.served_model import ServedModel
 from orca_mq.config import Config
 from orca_mq.logs import setup_logging, summarize_ms
 from orca_mq.protocol import ProtocolError, decode, encode
@@ -35,10 +36,7 @@ from orca_mq.protocol.engine_msgs import (AbortRequest, AddRequest, ControlFrame
                                           StatsResult, TokenBatch, WorkerStats, WorkerStatsQuery)
 from orca_mq.sched import StepOutput, TokenEvent, make_scheduler
 from orca_mq.sched.request import Request
-from orca_mq.engine.model_info import read_model_info
-from orca_mq.structured.compiler import Compiler, bounded
-from orca_mq.structured.grammar import Vocabulary
-from orca_mq.tokenizer import load_tokenizer
+from orca_mq.structured.compiler import bounded
 from orca_mq.server.telemetry import Telemetry
 from orca_mq.server.process import process_main
 from orca_mq.server.nodes import worker_name
@@ -60,8 +58,8 @@ class SchedulerProcess:
     def __init__(self, cfg: Config, run_dir: str) -> None:
         self.cfg = cfg
         self.log = setup_logging("scheduler", cfg.log)
-        self.info = read_model_info(cfg.model.path, cfg.model.cache_dir)
-        self.sched = make_scheduler(cfg, self.info)
+        self.model = ServedModel(cfg)   # admission's step 4 here (orca_mq.admission): grammars and Requests
+        self.sched = make_scheduler(cfg, self.model.info)
         self.ctx = zmq.asyncio.Context()
         self.link = BrokerLink(self.ctx, cfg.server.backend_address, "scheduler")
         self.control = self.ctx.socket(zmq.PUSH)
@@ -79,7 +77,6 @@ class SchedulerProcess:
         self.result_latency: deque[float] = deque(maxlen=WINDOW)  # last stage done -> result received
         self.queries: dict[str, _StatsQuery] = {}
         self.telemetry = Telemetry()        # cumulative histograms for the API server's /metrics
-        self.grammars = Compiler(cfg.structured, self._vocabulary)   # structured outputs
         self.grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
         self.compiling: dict[str, bool] = {}    # requests waiting for their grammar -> aborted meanwhile
         self.compile_tasks: set[asyncio.Task[None]] = set()
@@ -133,7 +130,7 @@ class SchedulerProcess:
                     self.compile_tasks.add(task)
                     task.add_done_callback(self.compile_tasks.discard)
                     return
-                self._add(Request(msg.request_id, msg.prompt_token_ids, msg.params, time.monotonic()))
+                self._add(self.model.request(msg.request_id, msg.prompt_token_ids, msg.params))
             except Exception:  # the frontend validated it: a refusal here is a bug, fail only this request
                 await self._refused(msg.request_id)
                 return
@@ -158,19 +155,11 @@ class SchedulerProcess:
         self.log.error("request refused by the scheduler", request_id=request_id, exc_info=True)
         await self._emit(-1, [TokenEvent(request_id, None, "error")])
 
-    def _vocabulary(self) -> Vocabulary:
-        """The model's vocabulary for the grammars, built when the first constrained request comes."""
-        started = time.perf_counter()
-        tokenizer = load_tokenizer(self.cfg.model.path, self.cfg.model.cache_dir)
-        vocab = Vocabulary.of(tokenizer, self.info.vocab_size, self.info.eos_token_ids, self.cfg.structured.mask_threads)
-        self.log.info("structured outputs: vocabulary loaded", seconds=round(time.perf_counter() - started, 2))
-        return vocab
-
     async def _compile_and_add(self, msg: AddRequest) -> None:
         """Compile a constrained request's grammar off the event loop, then let it be scheduled."""
         rid = msg.request_id
         try:
-            grammar = await bounded(self.grammar_pool, self.grammars.compile, msg.params.structured_outputs,  # type: ignore[arg-type]
+            grammar = await bounded(self.grammar_pool, self.model.grammars.compile, msg.params.structured_outputs,  # type: ignore[arg-type]
                                     self.cfg.structured.compile_timeout)
         except Exception:  # the frontend checked it: only the vocabulary or the clock refuse it here
             self.log.exception("grammar compilation failed", request_id=rid)
@@ -181,7 +170,7 @@ class SchedulerProcess:
             elif grammar is None:
                 await self._refused(rid)
             else:
-                self._add(Request(rid, msg.prompt_token_ids, msg.params, time.monotonic(), grammar=grammar))
+                self._add(self.model.request(rid, msg.prompt_token_ids, msg.params, grammar))
                 await self._step([])
 
     async def _step(self, results: list[IterationResult]) -> bool:

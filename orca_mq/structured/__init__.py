@@ -1,7 +1,8 @@
 """Structured outputs: a request's output constrained to a JSON schema, JSON object, regex, choice or
 grammar, inside selective batching (the grammar engine is llguidance).
 
-- `params`: the constraint a request carries (`SamplingParams.structured_outputs`), shape checks only.
+The constraint a request carries (`SamplingParams.structured_outputs`, shape checks only) is a wire
+type: `orca_mq.protocol.structured`.
 - `compiler`: a constraint -> a checked grammar (cached, bounded in size and time) and, with the
   model's vocabulary, a per-request `Grammar`.
 - `grammar`: one request's matcher, advanced by its accepted tokens; lives on the scheduler's Request.

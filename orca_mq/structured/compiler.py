@@ -24,7 +24,7 @@ from llguidance import LLMatcher
 
 from orca_mq.errors import InvalidRequest
 from orca_mq.structured.grammar import LIMITS, Grammar, Vocabulary
-from orca_mq.structured.params import StructuredOutputsParams
+from orca_mq.protocol.structured import StructuredOutputsParams
 
 if TYPE_CHECKING:
     from orca_mq.config import StructuredConfig

@@ -1,6 +1,5 @@
-"""A request's prompt -> token ids, for the frontend and the offline API (the one place the chat
-template is applied): a size check in O(1) first, then the tokenizer (or chat template), which the
-frontend runs off its event loop.
+"""A request's prompt -> token ids (the one place the chat template is applied): a size check in O(1)
+first, then the tokenizer (or chat template), which the frontend runs off its event loop.
 
 The size bound is derived from the context length: no token of the vocabulary covers more than
 `longest_token` characters, so a prompt longer than max_model_len x longest_token characters
@@ -17,9 +16,26 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from orca_mq.errors import InvalidRequest
 from orca_mq.protocol.client_msgs import Generate
-from orca_mq.sampling_params import InvalidRequest
-from orca_mq.validation import check_prompt_size
+
+
+def check_prompt_size(prompt: str | None, prompt_token_ids: list[int] | None, messages: list[Any] | None,
+                      max_model_len: int, max_chars: int) -> None:
+    """Refuse, before tokenizing, what cannot fit `max_model_len` tokens: a token covers at most
+    `max_chars // max_model_len` characters (the vocabulary's longest token) and a message at least one token."""
+    if prompt_token_ids is not None and len(prompt_token_ids) > max_model_len:
+        raise InvalidRequest(f"prompt has {len(prompt_token_ids)} tokens; the context length is {max_model_len}")
+    if prompt is not None and len(prompt) > max_chars:
+        raise InvalidRequest(f"prompt of {len(prompt)} characters cannot fit the context length "
+                             f"of {max_model_len} tokens (at most {max_chars} characters)")
+    if messages is not None:
+        if len(messages) > max_model_len:
+            raise InvalidRequest(f"{len(messages)} messages cannot fit the context length of {max_model_len} tokens")
+        chars = sum(len(v) for m in messages if isinstance(m, dict) for v in m.values() if isinstance(v, str))
+        if chars > max_chars:
+            raise InvalidRequest(f"messages of {chars} characters cannot fit the context length "
+                                 f"of {max_model_len} tokens (at most {max_chars} characters)")
 
 
 def longest_token_chars(tokenizer: PreTrainedTokenizerBase) -> int:

@@ -1,11 +1,12 @@
-"""Per-request sampling parameters and their validation (the frontend and the offline API share it).
+"""Per-request sampling parameters and their validation: the wire type of a request's `sampling`
+(a client's Generate, the frontend's AddRequest), so it lives with the protocol.
 
 Validation bounds every field, so that what it accepts cannot fail later in the sampler or on
 the wire (msgpack ints are 64-bit; torch seeds are uint64; sampling runs in float32). The bounds
 are constants here so that the HTTP API's schema states the same ones.
 
 The frontend parses and validates a request's params once, resolves `max_tokens=None` (the rest
-of the context) once the prompt is tokenized (orca_mq.validation.admit), and carries the typed
+of the context) once the prompt is tokenized (orca_mq.admission), and carries the typed
 object to the scheduler inside AddRequest.
 """
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 
 from orca_mq.errors import InvalidRequest
 from orca_mq.short_repr import short_repr
-from orca_mq.structured.params import StructuredOutputsParams
+from orca_mq.protocol.structured import StructuredOutputsParams
 
 INT32_MAX = (1 << 31) - 1
 INT64_MAX = (1 << 63) - 1

@@ -2,8 +2,8 @@
 any JSON object, a regular expression, a choice of strings or a grammar (Lark or GBNF).
 
 This module checks only the shape of the constraint (cheap, on the event loop); compiling it, with
-its size and time bounds, is `orca_mq.structured.compiler`'s. It imports nothing heavy, so the
-client and the HTTP API can use it.
+its size and time bounds, is `orca_mq.structured.compiler`'s. A wire type (inside SamplingParams), it
+imports nothing heavy, so the client and the HTTP API can use it.
 """
 from __future__ import annotations
 

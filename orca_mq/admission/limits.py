@@ -1,0 +1,45 @@
+"""A request's limits, each checked once where it enters: its id (the broker), and, once its prompt is
+tokenized, the prompt against the vocabulary, the context length and the KV pool, with `max_tokens`
+resolved (`fit`). A clear message names the problem.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from orca_mq.errors import InvalidRequest
+from orca_mq.kv.pool import PoolSize
+from orca_mq.protocol.sampling import SamplingParams
+
+MAX_REQUEST_ID_CHARS = 256
+
+
+def check_request_id(request_id: str) -> None:
+    if not 0 < len(request_id) <= MAX_REQUEST_ID_CHARS:
+        raise InvalidRequest(f"request_id must have 1 to {MAX_REQUEST_ID_CHARS} characters, got {len(request_id)}")
+
+
+def fit(prompt_token_ids: list[int], params: SamplingParams, max_len: int, vocab_size: int, pool: PoolSize) -> SamplingParams:
+    """The prompt's checks, once it is tokenized, for params already validated (SamplingParams.validate):
+    the params to serve it with, `max_tokens=None` resolved to what is left of the context and the KV pool."""
+    if not isinstance(prompt_token_ids, list) or not prompt_token_ids:
+        raise InvalidRequest("empty prompt: at least one token is required")
+    if len(prompt_token_ids) > max_len:
+        raise InvalidRequest(f"prompt has {len(prompt_token_ids)} tokens; the context length is {max_len}")
+    bad = [t for t in prompt_token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequest(f"prompt token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+    n = len(prompt_token_ids)
+    if params.max_tokens is None:
+        room = min(max_len, pool.device_slots) - n
+        if room < 1:
+            raise InvalidRequest(f"prompt ({n} tokens) leaves no room to generate within the context length "
+                                 f"{max_len} and the KV pool of {pool.device_slots} slots")
+        return dataclasses.replace(params, max_tokens=room)
+    total = n + params.max_tokens
+    if total > max_len:
+        raise InvalidRequest(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {total} "
+                             f"exceeds the context length {max_len}")
+    if not pool.fits(total):
+        raise InvalidRequest(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {total} "
+                             f"exceeds the KV pool of {pool.device_slots} slots (engine.n_slots)")
+    return params

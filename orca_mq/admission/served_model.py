@@ -1,0 +1,84 @@
+"""The model as admission sees it, built once per process: its info, tokenizer and prompts, the KV
+pool's size, the grammar compiler and the vocabulary the grammars share.
+
+A request goes in by these steps, each value checked once, where it enters:
+1. `params`: its sampling parameters parsed and validated (the wire's dict, or a SamplingParams);
+2. `prompts.check` then `prompts.token_ids` (the size in O(1), then the tokenizer or chat template);
+3. `fit`: the prompt against the vocabulary, the context and the pool, `max_tokens` resolved;
+4. `request`: its grammar compiled (with the vocabulary), the scheduler's Request built.
+The offline LLM takes all four in its process (`admit`); the server splits them at its processes:
+the frontend 1-3 (its event loop, then its tokenize threads), the scheduler process 4.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from functools import cached_property
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from orca_mq.admission.limits import fit
+from orca_mq.admission.prompts import Prompts
+from orca_mq.config import Config
+from orca_mq.engine.model_info import ModelInfo, read_model_info
+from orca_mq.kv.pool import PoolSize
+from orca_mq.protocol.sampling import SamplingParams
+from orca_mq.sched.request import Request
+from orca_mq.structured.compiler import Compiler
+from orca_mq.structured.grammar import Grammar, Vocabulary
+from orca_mq.tokenizer import load_tokenizer
+
+Prompt = str | list[int]
+log = logging.getLogger(__name__)
+
+
+class ServedModel:
+    """The tokenizer is loaded when first used (the scheduler process needs it only for the first
+    constrained request's vocabulary); the vocabulary too, by the compiler, when first needed."""
+
+    def __init__(self, cfg: Config, info: ModelInfo | None = None) -> None:
+        self.cfg = cfg
+        self.info = info or read_model_info(cfg.model.path, cfg.model.cache_dir)
+        self.max_model_len = self.info.max_model_len(cfg)
+        self.pool = PoolSize.from_config(cfg)
+        self.grammars = Compiler(cfg.structured, self._vocabulary)
+
+    @cached_property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        return load_tokenizer(self.cfg.model.path, self.cfg.model.cache_dir)
+
+    @cached_property
+    def prompts(self) -> Prompts:
+        return Prompts.for_model(self.tokenizer, self.max_model_len)
+
+    def params(self, sampling: SamplingParams | dict[str, Any] | None) -> SamplingParams:
+        """Step 1: a request's sampling parameters, parsed (from the wire) and validated."""
+        params = SamplingParams() if sampling is None else (
+            sampling if isinstance(sampling, SamplingParams) else SamplingParams.from_dict(sampling))
+        params.validate(self.info.vocab_size)
+        return params
+
+    def fit(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
+        """Step 3: the tokenized prompt's checks; the params to serve it with."""
+        return fit(prompt_token_ids, params, self.max_model_len, self.info.vocab_size, self.pool)
+
+    def request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                grammar: Grammar | None = None) -> Request:
+        """Step 4: the scheduler's Request; a constrained one's grammar is compiled here unless given
+        (the scheduler process compiles on a thread, bounded in time, and passes it)."""
+        if grammar is None and params.structured_outputs is not None:
+            grammar = self.grammars.compile(params.structured_outputs)
+        return Request(request_id, prompt_token_ids, params, time.monotonic(), grammar=grammar)
+
+    def admit(self, request_id: str, prompt: Prompt, sampling: SamplingParams | None) -> Request:
+        """All four steps in this process (the offline API): a text prompt as raw completion text."""
+        ids = self.prompts.encode_text(prompt) if isinstance(prompt, str) else list(prompt)
+        params = self.fit(ids, self.params(sampling))
+        return self.request(request_id, ids, params)
+
+    def _vocabulary(self) -> Vocabulary:
+        started = time.perf_counter()
+        vocab = Vocabulary.of(self.tokenizer, self.info.vocab_size, self.info.eos_token_ids, self.cfg.structured.mask_threads)
+        log.info("structured outputs: vocabulary loaded in %.2f s", time.perf_counter() - started)
+        return vocab
