@@ -19,7 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from orca_mq.server.process import ROOT
 
 
 def checkout(rev: str, workdir: Path) -> Path:

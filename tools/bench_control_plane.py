@@ -16,11 +16,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from orca_mq.bench.control_plane import Setup, run, table  # noqa: E402
-from orca_mq.bench.trace import parse_range  # noqa: E402
+from orca_mq.bench.control_plane import Setup, run, table
+from orca_mq.bench.trace import parse_range
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,20 +14,17 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from orca_mq import LLM, SamplingParams  # noqa: E402
-from orca_mq.bench.random_models import random_llama  # noqa: E402
-from orca_mq.engine.step_inputs import build  # noqa: E402
-from orca_mq.protocol import decode, encode  # noqa: E402
-from orca_mq.protocol.codec import channel  # noqa: E402
-from orca_mq.protocol.engine_msgs import ControlFrame  # noqa: E402
-from orca_mq.protocol.iteration import IterationResult, pack  # noqa: E402
+from orca_mq import LLM, SamplingParams
+from orca_mq.bench.random_models import random_llama
+from orca_mq.engine.step_inputs import build
+from orca_mq.protocol import decode, encode
+from orca_mq.protocol.codec import channel
+from orca_mq.protocol.engine_msgs import ControlFrame
+from orca_mq.protocol.iteration import IterationResult, pack
 
 PARTS = ("step", "pack", "encode", "decode", "inputs")
 

@@ -14,15 +14,12 @@ import argparse
 import json
 import random
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from orca_mq.client import Client  # noqa: E402
-from orca_mq.server.process import free_port, spawn  # noqa: E402
+from orca_mq.client import Client
+from orca_mq.server.process import free_port, spawn
 
 VOCAB = (1000, 40000)   # ordinary tokens of the embedded model's vocabulary
 

@@ -19,17 +19,13 @@ import json
 import os
 import signal
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from orca_mq.client import AsyncClient  # noqa: E402
-from orca_mq.server.process import ServerHandle, free_port, spawn  # noqa: E402
+from orca_mq.client import AsyncClient
+from orca_mq.server.process import ServerHandle, free_port, spawn
 
 VICTIMS = {"worker": "workers.main", "broker": "orca_mq.server.broker"}
 

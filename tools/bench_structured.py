@@ -37,24 +37,22 @@ from typing import Any
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from orca_mq.client import AsyncClient  # noqa: E402
-from orca_mq.config import load_config  # noqa: E402
-from orca_mq.engine.model_info import read_model_info  # noqa: E402
-from orca_mq.engine.model_runner import ModelRunner  # noqa: E402
-from orca_mq.protocol import decode, encode  # noqa: E402
-from orca_mq.protocol.codec import channel  # noqa: E402
-from orca_mq.protocol.engine_msgs import ControlFrame  # noqa: E402
-from orca_mq.protocol.iteration import IterationPlan, SeqWork, pack  # noqa: E402
-from orca_mq.structured.bitmask import fill_masks  # noqa: E402
-from orca_mq.structured.compiler import Compiler  # noqa: E402
-from orca_mq.structured.grammar import Grammar, Vocabulary  # noqa: E402
-from orca_mq.protocol.structured import StructuredOutputsParams as SO  # noqa: E402
-from orca_mq.tokenizer import load_tokenizer  # noqa: E402
-from tools.bench_engine import interleaved_medians, plan_for  # noqa: E402
-from tools.bench_overhead import Server  # noqa: E402
+from orca_mq.bench.bench_server import Server
+from orca_mq.bench.plans import plan_for
+from orca_mq.bench.timing import interleaved_medians
+from orca_mq.client import AsyncClient
+from orca_mq.config import load_config
+from orca_mq.engine.model_info import read_model_info
+from orca_mq.engine.model_runner import ModelRunner
+from orca_mq.protocol import decode, encode
+from orca_mq.protocol.codec import channel
+from orca_mq.protocol.engine_msgs import ControlFrame
+from orca_mq.protocol.iteration import IterationPlan, SeqWork, pack
+from orca_mq.structured.bitmask import fill_masks
+from orca_mq.structured.compiler import Compiler
+from orca_mq.structured.grammar import Grammar, Vocabulary
+from orca_mq.protocol.structured import StructuredOutputsParams as SO
+from orca_mq.tokenizer import load_tokenizer
 
 PET = {
     "type": "object",

@@ -24,12 +24,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from orca_mq.config import load_config  # noqa: E402
-from orca_mq.engine.model_runner import ModelRunner  # noqa: E402
-from orca_mq.protocol.iteration import IterationPlan, SeqWork  # noqa: E402
-from workers.local_grid import Step, run_grid  # noqa: E402
+from orca_mq.config import load_config
+from orca_mq.engine.model_runner import ModelRunner
+from orca_mq.protocol.iteration import IterationPlan, SeqWork
+from workers.local_grid import Step, run_grid
 
 # (name, [(new tokens, cached tokens before)] per request)
 CASES: list[tuple[str, list[tuple[int, int]]]] = [

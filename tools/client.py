@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Send one request to an orca-mq server and stream the text: `orca-mq client` from a source checkout.
+"""Send one request to an orca-mq server and stream the text: `orca-mq client` from an installed
+checkout (tools/install.sh).
 
     python tools/client.py --prompt "Hello" [--chat] [--max-tokens N] [--temperature T] [--top-p P]
                            [--seed S] [--ignore-eos] [--json] [--address ADDR]
@@ -8,11 +9,8 @@ With --json, prints one final JSON line {"request_id", "text", "token_ids", "fin
 Exit status 1 when the request ends with an error.
 """
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from orca_mq.cli import main  # noqa: E402
+from orca_mq.cli import main
 
 if __name__ == "__main__":
     sys.exit(main(["client", *sys.argv[1:]]))

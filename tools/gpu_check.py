@@ -21,6 +21,8 @@ import argparse
 import sys
 from pathlib import Path
 
+# the one tool that puts the tree on sys.path: the device machine runs it from a bare copy of the tree, where
+# orca-mq is not installed (its children get the tree through PYTHONPATH: orca_mq/bench/gpu_check.py child_env)
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from orca_mq.bench.gpu_check import SECTIONS, run  # noqa: E402

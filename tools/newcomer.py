@@ -33,11 +33,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from orca_mq.client import AsyncClient  # noqa: E402
-from orca_mq.server.process import ServerHandle, free_port, spawn  # noqa: E402
+from orca_mq.client import AsyncClient
+from orca_mq.server.process import ROOT, ServerHandle, free_port, spawn
 
 SETUP = ["bash tools/install.sh && python tools/launch.py", "bash tools/install.sh && python3 -m pytest -q"]
 SKIP = {"/path/to/": "a placeholder path", "--node-rank 1": "another host's launcher", "tp_size": "tensor parallelism "

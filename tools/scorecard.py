@@ -36,17 +36,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from orca_mq.bench.metrics import summarize  # noqa: E402
-from orca_mq.bench.replay import open_client, replay  # noqa: E402
-from orca_mq.bench.scorecard import (CONTROL, METRICS, TRACES, aggregate, composition, full_batch_capacity,  # noqa: E402
+from orca_mq.bench.metrics import summarize
+from orca_mq.bench.replay import open_client, replay
+from orca_mq.bench.scorecard import (CONTROL, METRICS, TRACES, aggregate, composition, full_batch_capacity,
                                      judge, mean_lengths, round_order, server_of, shape_cost_ratio, trace_spec)
-from orca_mq.bench.trace import TraceSpec, load_corpus, make_trace, spec_dict  # noqa: E402
-from orca_mq.config import load_config  # noqa: E402
-from orca_mq.server.process import ServerHandle, free_port, spawn  # noqa: E402
+from orca_mq.bench.trace import TraceSpec, load_corpus, make_trace, spec_dict
+from orca_mq.config import load_config
+from orca_mq.server.process import ServerHandle, free_port, spawn
 
 LABEL = {"srpt": "srpt (oracle)", "request": "request-level", CONTROL: "orca again (A/A)"}   # else the label itself
 

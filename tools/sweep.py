@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from orca_mq.server.process import ROOT
 
 
 def floats(text: str) -> list[float]:

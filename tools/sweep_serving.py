@@ -18,7 +18,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+from orca_mq.server.process import ROOT
+
 METRICS = (("makespan_s", "makespan s"), ("jct_mean_s", "mean JCT s"), ("tpot_p99_s", "p99 TPOT s"), ("ttft_p99_s", "p99 TTFT s"))
 
 
