@@ -21,6 +21,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from orca_mq.bench.plans import block_tables
 from orca_mq.bench.weights import weight_bytes
 from orca_mq.config import load_config
 from orca_mq.engine.step_inputs import build, metadata
@@ -50,7 +51,7 @@ TEXT = (  # public domain: the opening of Jane Austen's Pride and Prejudice (181
 
 def all_logits(runner: ModelRunner, tokens: list[int]) -> torch.Tensor:
     """Logits [T, vocab] of every position of one prefill (the LM head on every row, not just the last)."""
-    plan = IterationPlan(0, [SeqWork("x", tokens, 0, list(range(-(-len(tokens) // runner.block_size))))])
+    plan = IterationPlan(0, [SeqWork("x", tokens, 0, block_tables([len(tokens)], runner.block_size)[0])])
     step = build(pack(plan).arrays(), runner.geometry)
     step.fields["logit_rows"] = np.arange(len(tokens))
     lay = step.layout()

@@ -20,11 +20,12 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import math
 import os
 import platform
 import sys
 import time
+
+from orca_mq.bench.plans import blocks_for  # imports neither torch nor triton (see --interpret)
 
 
 def parse_args(argv=None):
@@ -69,7 +70,7 @@ def build(reqs, shape, block_size, dtype, device, gen):
 
     H, KVH, d = shape["n_heads"], shape["n_kv_heads"], shape["head_dim"]
     seq = [c + q for c, q in reqs]
-    nblk = [math.ceil(s / block_size) for s in seq]
+    nblk = [blocks_for(s, block_size) for s in seq]
     num_blocks = sum(nblk) + 1
     perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()  # shuffled, non-contiguous
     B = len(reqs)

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from orca_mq.bench.plans import block_tables
 from orca_mq.config import load_config
 from orca_mq.engine.model_runner import ModelRunner
 from orca_mq.protocol.iteration import IterationPlan, SeqWork
@@ -40,12 +41,9 @@ GRIDS = [(1, 1), (1, 2), (2, 1), (2, 2)]   # (pipeline stages, tp_size)
 
 
 def _plan(case: list[tuple[int, int]], block_size: int, iteration: int) -> IterationPlan:
-    seqs, next_block = [], 0
-    for i, (new, cached) in enumerate(case):
-        n_blocks = -(-(new + cached) // block_size)
-        seqs.append(SeqWork(str(i), [7] * new, cached, list(range(next_block, next_block + n_blocks))))
-        next_block += n_blocks
-    return IterationPlan(iteration, seqs)
+    tables = block_tables((new + cached for new, cached in case), block_size)
+    return IterationPlan(iteration, [SeqWork(str(i), [7] * new, cached, table)
+                                     for i, ((new, cached), table) in enumerate(zip(case, tables))])
 
 
 def _bench_job(step: Step, runner: ModelRunner, repeat: int) -> dict[str, Any]:

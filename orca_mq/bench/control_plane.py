@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from orca_mq.bench.client_procs import replay_in_processes
+from orca_mq.bench.plans import blocks_for
 from orca_mq.bench.random_models import random_llama
 from orca_mq.bench.trace import TraceRequest, TraceSpec, load_corpus, make_trace
 from orca_mq.server.process import ServerHandle, free_port, spawn
@@ -47,7 +48,7 @@ class Setup:
 
     def config(self) -> dict[str, Any]:
         """What both runs share: KV room for max_bs requests at their longest, so none waits for a block."""
-        slots = -(-self.max_bs * self.max_len // 16) * 16
+        slots = blocks_for(self.max_bs * self.max_len, 16) * 16   # whole blocks of config.toml's block_size
         return {"scheduler.max_bs": self.max_bs, "scheduler.max_num_batched_tokens": self.budget,
                 "engine.n_slots": slots, "engine.threads_per_worker": self.threads, "model.dtype": "float32",
                 "model.max_model_len": self.max_len}

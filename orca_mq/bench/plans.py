@@ -1,7 +1,9 @@
-"""Iteration plans built by hand for engine measurements and exactness checks (no scheduler)."""
+"""Iteration plans built by hand for engine measurements and exactness checks (no scheduler), and
+the block-table arithmetic the benchmarks share (`blocks_for`, `block_tables`)."""
 from __future__ import annotations
 
 import random
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from orca_mq.kv.block_manager import BlockManager
@@ -13,16 +15,29 @@ if TYPE_CHECKING:
     from orca_mq.engine.model_runner import ModelRunner
 
 
+def blocks_for(n_tokens: int, block_size: int) -> int:
+    """Blocks that hold n_tokens tokens (the KV pool's PoolSize.blocks_for, for a bare block size)."""
+    return -(-n_tokens // block_size)
+
+
+def block_tables(lengths: Iterable[int], block_size: int) -> list[list[int]]:
+    """A table per request of lengths[i] tokens, each on consecutive blocks of its own: request 0 from
+    block 0, request 1 from the block after request 0's last, and so on."""
+    tables, next_block = [], 0
+    for n_tokens in lengths:
+        n = blocks_for(n_tokens, block_size)
+        tables.append(list(range(next_block, next_block + n)))
+        next_block += n
+    return tables
+
+
 def plan_for(reqs: list[tuple[int, int]], block_size: int) -> IterationPlan:
     """One iteration of [(new tokens, cached tokens before)] per request, each on blocks of its own.
     Its cached context is left as the pool's zeros: what attention reads costs the same whatever the
     values, and computing 64 x 255 tokens of real context took minutes on a loaded machine."""
-    seqs, next_block = [], 0
-    for r, (q, ctx) in enumerate(reqs):
-        n = -(-(ctx + q) // block_size)
-        seqs.append(SeqWork(f"r{r}", [7 + (r % 50)] * q, ctx, list(range(next_block, next_block + n))))
-        next_block += n
-    return IterationPlan(1, seqs)
+    tables = block_tables((ctx + q for q, ctx in reqs), block_size)
+    return IterationPlan(1, [SeqWork(f"r{r}", [7 + (r % 50)] * q, ctx, table)
+                             for r, ((q, ctx), table) in enumerate(zip(reqs, tables))])
 
 
 def mixed_iteration_logits(runner: "ModelRunner", prefills: list[list[int]], decodes: list[list[int]],
