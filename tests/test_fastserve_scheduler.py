@@ -15,7 +15,7 @@ import pytest
 from orca_mq.kv.block_manager import BlockManager
 from orca_mq.kv.pool import PoolSize
 from orca_mq.config import Config
-from orca_mq.sched.fastserve import FastServeScheduler
+from orca_mq.sched.fastserve import FastServeScheduler, select_batch
 from orca_mq.protocol.iteration import IterationPlan, IterationResult
 from orca_mq.kv.policy import ProactiveKV, ReactiveKV
 from orca_mq.sched.mlfq import SkipJoinMLFQ
@@ -247,26 +247,26 @@ def test_offload_picks_the_largest_enst_and_upload_the_smallest():
     """A job that needs room takes it from idle resident jobs of lower priority, largest ENST first;
     proactive uploads the smallest-ENST job on the host ahead of time, while room stays reserved."""
     bm = BlockManager(PoolSize(BS, 12, 100))
-    kv = ReactiveKV(bm, max_bs=4, expect=Expect({"n": 1.0}), margin=2.0)
+    kv = ReactiveKV(bm, expect=Expect({"n": 1.0}), margin=2.0)
     x, y, z = _resident(bm, ("x", 10), ("y", 10), ("z", 10))   # 3 blocks each, 4 reserved each: no room left
     for r in (x, y, z):
         bm.reserve(r, 4)
     new, y_blocks = req("n", 8, 4), bm.table("y")
-    batch = kv.select([new, x, y, z], {"n": 0.0, "x": 5.0, "y": 9.0, "z": 1.0}, reserve=0)
+    batch = select_batch(kv, [new, x, y, z], {"n": 0.0, "x": 5.0, "y": 9.0, "z": 1.0}, max_bs=4, reserve=0)
     assert batch == [new, x, z] and bm.on_host("y") and not bm.on_host("x") and not bm.on_host("z")
     assert y.reserved_blocks == 0 and bm.n_rsrv == 4 + 4 + 3   # y no longer resident; n reserved its 3
     swap_out, swap_in = kv.take_swaps()
     assert swap_out == list(zip(y_blocks, bm.host.tables["y"])) and not swap_in
 
     bm = BlockManager(PoolSize(BS, 12, 100))
-    kv = ProactiveKV(bm, max_bs=1, expect=Expect(), margin=2.0)
+    kv = ProactiveKV(bm, expect=Expect(), margin=2.0)
     a, b, c = _resident(bm, ("a", 10), ("b", 10), ("c", 10))
     for r in (a, b, c):
         bm.reserve(r, 4)
     for r in (b, c):
         kv.offload(r)
     kv.take_swaps()
-    batch = kv.select([a, b, c], {"a": 0.0, "b": 3.0, "c": 1.0}, reserve=2)
+    batch = select_batch(kv, [a, b, c], {"a": 0.0, "b": 3.0, "c": 1.0}, max_bs=1, reserve=2)
     assert batch == [a]
     assert bm.on_host("b") and not bm.on_host("c")  # c (smaller ENST) uploaded ahead; room for one only
     swap_out, swap_in = kv.take_swaps()
@@ -277,22 +277,22 @@ def test_a_lower_priority_job_never_takes_room_from_a_higher_one():
     """Victims come only from below the job that needs room; with none there it waits (and, new, stops
     later new jobs from starting ahead of it)."""
     bm = BlockManager(PoolSize(BS, 8, 100))
-    kv = ReactiveKV(bm, max_bs=4, expect=Expect({"big": 1.0, "small": 1.0}), margin=2.0)
+    kv = ReactiveKV(bm, expect=Expect({"big": 1.0, "small": 1.0}), margin=2.0)
     (x,) = _resident(bm, ("x", 10))
     bm.reserve(x, 8)                                      # the whole pool
     big, small = req("big", 8, 4), req("small", 2, 1)
-    batch = kv.select([x, big, small], {"x": 0.0, "big": 1.0, "small": 2.0}, reserve=0)
+    batch = select_batch(kv, [x, big, small], {"x": 0.0, "big": 1.0, "small": 2.0}, max_bs=4, reserve=0)
     assert batch == [x] and not bm.on_host("x") and not big.reserved_blocks and not small.reserved_blocks
 
 
 def test_proactive_keeps_free_blocks_for_arrivals_reactive_does_not():
     for cls, offloaded in ((ProactiveKV, True), (ReactiveKV, False)):
         bm = BlockManager(PoolSize(BS, 12, 100))
-        kv = cls(bm, max_bs=1, expect=Expect(), margin=2.0)
+        kv = cls(bm, expect=Expect(), margin=2.0)
         a, b, c = _resident(bm, ("a", 10), ("b", 10), ("c", 10))
         for r in (a, b, c):
             bm.reserve(r, 4)
-        assert kv.select([a, b, c], {"a": 0.0, "b": 2.0, "c": 1.0}, reserve=3) == [a]
+        assert select_batch(kv, [a, b, c], {"a": 0.0, "b": 2.0, "c": 1.0}, max_bs=1, reserve=3) == [a]
         assert bm.on_host("b") is offloaded and not bm.on_host("c")
         assert (kv.room >= 3) is offloaded
 

@@ -25,10 +25,11 @@ one (sched/lengths.py learns the law of output lengths): that is when preemption
 where preempting only made both jobs finish later (2x ORCA's mean JCT with 4096 device slots).
 Measured with tools/simulate.py; BENCHMARKS.md.
 
-The policies decide; the block manager (block_manager.py) moves blocks between its tiers and
-collects the plan's copies, which every stage applies before computing (swapper.py). A job offloaded
-by a plan waits for a later one. Nothing is ever lost: a job is offloaded only where the host pool
-has room for it, and a job on the host is uploaded before it runs.
+The scheduler chooses the batch in priority order (sched/fastserve.py) and asks the policy to make
+each job in it resident (`admit`); the policies decide; the block manager (block_manager.py) moves
+blocks between its tiers and collects the plan's copies, which every stage applies before computing
+(swapper.py). A job offloaded by a plan waits for a later one. Nothing is ever lost: a job is
+offloaded only where the host pool has room for it, and a job on the host is uploaded before it runs.
 
 With prefix caching a new job starts with the cached head of its prompt (held while it is
 considered, so no offload frees it) and reserves only the blocks it does not share; an offload
@@ -36,6 +37,7 @@ frees only the blocks no other job holds: preemption never frees a block another
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from orca_mq.kv.block_manager import BlockManager, Match
@@ -53,8 +55,8 @@ class Remaining(Protocol):
 
 
 class DeferKV:
-    def __init__(self, bm: BlockManager, max_bs: int, expect: Remaining, margin: float) -> None:
-        self.bm, self.max_bs, self.expect, self.margin = bm, max_bs, expect, margin
+    def __init__(self, bm: BlockManager, expect: Remaining, margin: float) -> None:
+        self.bm, self.expect, self.margin = bm, expect, margin
         self._evicted: set[str] = set()   # jobs the plan being built offloads: they wait for a later one
 
     @property
@@ -65,54 +67,40 @@ class DeferKV:
     def resident(self, req: "Request") -> bool:
         return req.reserved_blocks > 0
 
-    def select(self, order: list["Request"], enst: dict[str, float], reserve: int,
-               budget: int | None = None) -> list["Request"]:
-        """The batch: jobs in priority order, up to max_bs, each resident for this iteration (made
-        resident by this plan if need be: started, or uploaded). A new job may not start ahead of an
-        earlier one that is waiting for room: big jobs are not starved by small ones. Under a token
-        budget a prompt the budget cannot feed any more is passed over, so that decodes fill the batch:
-        arrivals never take the running jobs' places for nothing."""
-        bm = self.bm
-        batch: list[Request] = []
-        taken: set[str] = set()
-        admitting = True
-        for i, req in enumerate(order):
-            if len(batch) == self.max_bs:
-                break
-            rid = req.request_id
-            if rid in self._evicted or (budget is not None and budget <= 0 and req.prompt_pending):
-                continue
-            if not self.resident(req):
-                new = not bm.on_host(rid)
-                if new and not admitting:
-                    continue
-                size = bm.blocks_for(req.max_total_tokens)
-                m = bm.match(req) if new else Match()
-                bm.hold(m)                 # a block it shares counts once, and no offload frees it meanwhile
-                need = size - m.n_device
-                if need > self.room and not (new and self.make_room(need, req, order[i + 1:], taken, enst)):
-                    bm.let_go(m)
-                    admitting = admitting and not new
-                    continue
-                if new:
-                    bm.start(req, m, size)
-                else:
-                    self.upload(req)
-            taken.add(rid)
-            batch.append(req)
-            if budget is not None:
-                budget -= min(req.prompt_left, budget) if req.prompt_pending else 1
-        if batch:  # swaps ride on a plan: none without one
-            self.ahead_of_time(order, taken, enst, reserve)
-        return batch
+    def on_host(self, req: "Request") -> bool:
+        return self.bm.on_host(req.request_id)
 
-    def make_room(self, size: int, job: "Request", lower: list["Request"], taken: set[str],
+    def waits(self, req: "Request") -> bool:
+        """Offloaded by the plan being built: it may run in a later one."""
+        return req.request_id in self._evicted
+
+    def admit(self, req: "Request", lower: Sequence["Request"], taken: set[str], enst: dict[str, float]) -> bool:
+        """Make a job that is not resident resident for the plan being built: a new one starts (with
+        its cached prefix, held while it is considered: a block it shares counts once, and no offload
+        frees it meanwhile), one on the host is uploaded. A new one that needs room may take it from
+        idle jobs among `lower` (make_room); False: it waits for room."""
+        bm = self.bm
+        new = not bm.on_host(req.request_id)
+        size = bm.blocks_for(req.max_total_tokens)
+        m = bm.match(req) if new else Match()
+        bm.hold(m)
+        need = size - m.n_device
+        if need > self.room and not (new and self.make_room(need, req, lower, taken, enst)):
+            bm.let_go(m)
+            return False
+        if new:
+            bm.start(req, m, size)
+        else:
+            self.upload(req)
+        return True
+
+    def make_room(self, size: int, job: "Request", lower: Sequence["Request"], taken: set[str],
                   enst: dict[str, float]) -> bool:
         """Free `size` unreserved device blocks for `job` by offloading idle jobs among `lower` (priority)."""
         return False
 
-    def ahead_of_time(self, order: list["Request"], taken: set[str], enst: dict[str, float], reserve: int) -> None:
-        pass
+    def ahead_of_time(self, order: Sequence["Request"], taken: set[str], enst: dict[str, float], reserve: int) -> None:
+        """After the batch is chosen (a plan carries the swaps): offloads and uploads ahead of time."""
 
     def take_swaps(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """The swap lists of the plan being sent; offloaded jobs may run again in later plans."""
@@ -137,7 +125,7 @@ class DeferKV:
 
 
 class ReactiveKV(DeferKV):
-    def victims(self, jobs: list["Request"], taken: set[str], enst: dict[str, float], than: float) -> list["Request"]:
+    def victims(self, jobs: Sequence["Request"], taken: set[str], enst: dict[str, float], than: float) -> list["Request"]:
         """Idle resident jobs among `jobs`, not in this batch, expected to need `margin` times more
         service than `than` seconds (preempting one that is likely closer to its end only delays both,
         and a small gain does not pay for the copies and the churn), largest ENST first."""
@@ -145,7 +133,7 @@ class ReactiveKV(DeferKV):
                 and self.resident(r) and self.bm.movable(r.request_id) and self.expect.remaining_s(r) > self.margin * than]
         return [jobs[i] for _, i in sorted(idle, reverse=True)]
 
-    def make_room(self, size: int, job: "Request", lower: list["Request"], taken: set[str],
+    def make_room(self, size: int, job: "Request", lower: Sequence["Request"], taken: set[str],
                   enst: dict[str, float]) -> bool:
         """Offload victims until `size` blocks are unreserved; none if that cannot be reached."""
         chosen, room, host_free = [], self.room, self.bm.num_free_host_blocks
@@ -165,7 +153,7 @@ class ReactiveKV(DeferKV):
 
 
 class ProactiveKV(ReactiveKV):
-    def ahead_of_time(self, order: list["Request"], taken: set[str], enst: dict[str, float], reserve: int) -> None:
+    def ahead_of_time(self, order: Sequence["Request"], taken: set[str], enst: dict[str, float], reserve: int) -> None:
         bm = self.bm
         for victim in self.victims(order, taken, enst, self.expect.new_job_s()):
             if self.room >= reserve:

@@ -4,7 +4,7 @@ The policy over the shared Scheduler base (base.py):
 * add: skip-join, a job enters the highest queue whose quantum covers its predicted first
   (initiation) iteration, from the start-up profile (profiler.py).
 * select: starved jobs go to Q1; then the highest-priority jobs, FCFS inside a queue, up to max_bs,
-  each with its KV placed on the device by the KV policy (orca_mq/kv/policy.py).
+  each with its KV placed on the device by the KV policy (orca_mq/kv/policy.py; `select_batch`).
 * after_iteration: every job of the iteration is preempted back to its queue and charged the
   predicted time of the iteration it ran; one that used its queue's quantum is demoted.
 * schedule: the plan carries the KV policy's offloads/uploads, which every stage applies first.
@@ -21,7 +21,7 @@ import structlog
 
 from orca_mq.engine.dtype import DTYPE_BYTES, resolve_dtype
 from orca_mq.protocol.iteration import IterationPlan
-from orca_mq.kv.policy import KV_POLICIES
+from orca_mq.kv.policy import KV_POLICIES, DeferKV
 from orca_mq.sched.lengths import OutputLengths
 from orca_mq.sched.mlfq import SkipJoinMLFQ
 from orca_mq.sched.profiler import IterationProfile
@@ -41,6 +41,38 @@ def _logger() -> Any:
     return structlog.wrap_logger(structlog.PrintLogger(), wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
 
 
+def select_batch(kv: DeferKV, order: list[Request], enst: dict[str, float], max_bs: int, reserve: int,
+                 budget: int | None = None) -> list[Request]:
+    """The batch: jobs in priority order, up to max_bs, each resident for this iteration (made
+    resident by this plan if need be, by the KV policy: started, or uploaded). A new job may not start
+    ahead of an earlier one that is waiting for room: big jobs are not starved by small ones. Under a
+    token budget a prompt the budget cannot feed any more is passed over, so that decodes fill the
+    batch: arrivals never take the running jobs' places for nothing. `reserve`: the device blocks the
+    policy keeps unreserved ahead of time (`free_target`)."""
+    batch: list[Request] = []
+    taken: set[str] = set()
+    admitting = True
+    for i, req in enumerate(order):
+        if len(batch) == max_bs:
+            break
+        if kv.waits(req) or (budget is not None and budget <= 0 and req.prompt_pending):
+            continue
+        if not kv.resident(req):
+            new = not kv.on_host(req)
+            if new and not admitting:
+                continue
+            if not kv.admit(req, order[i + 1:], taken, enst):
+                admitting = admitting and not new
+                continue
+        taken.add(req.request_id)
+        batch.append(req)
+        if budget is not None:
+            budget -= min(req.prompt_left, budget) if req.prompt_pending else 1
+    if batch:  # swaps ride on a plan: none without one
+        kv.ahead_of_time(order, taken, enst, reserve)
+    return batch
+
+
 @register("fastserve")
 class FastServeScheduler(Scheduler):
     swaps_kv = True
@@ -54,7 +86,7 @@ class FastServeScheduler(Scheduler):
         if fs.min_free_blocks < 0 or fs.burst_queues < 0 or fs.preempt_margin < 0:
             raise ValueError("fastserve.min_free_blocks, fastserve.burst_queues and fastserve.preempt_margin must be >= 0")
         self.fs = fs
-        self.kv = KV_POLICIES[fs.kv_policy](self.block_manager, self.max_bs, self, fs.preempt_margin)
+        self.kv = KV_POLICIES[fs.kv_policy](self.block_manager, self, fs.preempt_margin)
         self.lengths = OutputLengths(info.max_model_len(cfg), fs.length_window, fs.prior_jobs)
         dtype = resolve_dtype(cfg.model.dtype, eng.device)
         self.block_bytes = 2 * info.n_layers * eng.block_size * info.n_kv_heads * info.head_dim * DTYPE_BYTES[dtype]
@@ -126,7 +158,7 @@ class FastServeScheduler(Scheduler):
             if self.mlfq.promote_starved(req, self.next_iteration_time(req), now):
                 self.log.debug("starvation promotion", request_id=req.request_id, queue=1)
         enst = self.mlfq.enst(list(self.pool.values()), self.max_bs, now)
-        return self.kv.select(self.mlfq.order(idle), enst, self.free_target(), self.token_budget or None)
+        return select_batch(self.kv, self.mlfq.order(idle), enst, self.max_bs, self.free_target(), self.token_budget or None)
 
     def admitted(self, batch: list[Request], now: float) -> None:
         for req in batch:
