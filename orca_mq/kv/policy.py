@@ -38,18 +38,16 @@ frees only the blocks no other job holds: preemption never frees a block another
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from orca_mq.kv.block_manager import BlockManager, Match
-
-if TYPE_CHECKING:
-    from orca_mq.sched.request import Request
+from orca_mq.kv.request import KVRequest
 
 
 class Remaining(Protocol):
     """Expected remaining service in seconds (FastServe's scheduler: sched/lengths.py)."""
 
-    def remaining_s(self, req: "Request") -> float: ...
+    def remaining_s(self, req: KVRequest) -> float: ...
 
     def new_job_s(self) -> float: ...
 
@@ -64,17 +62,17 @@ class DeferKV:
         """Device blocks no resident job has reserved."""
         return self.bm.num_blocks - self.bm.n_rsrv
 
-    def resident(self, req: "Request") -> bool:
+    def resident(self, req: KVRequest) -> bool:
         return req.reserved_blocks > 0
 
-    def on_host(self, req: "Request") -> bool:
+    def on_host(self, req: KVRequest) -> bool:
         return self.bm.on_host(req.request_id)
 
-    def waits(self, req: "Request") -> bool:
+    def waits(self, req: KVRequest) -> bool:
         """Offloaded by the plan being built: it may run in a later one."""
         return req.request_id in self._evicted
 
-    def admit(self, req: "Request", lower: Sequence["Request"], taken: set[str], enst: dict[str, float]) -> bool:
+    def admit(self, req: KVRequest, lower: Sequence[KVRequest], taken: set[str], enst: dict[str, float]) -> bool:
         """Make a job that is not resident resident for the plan being built: a new one starts (with
         its cached prefix, held while it is considered: a block it shares counts once, and no offload
         frees it meanwhile), one on the host is uploaded. A new one that needs room may take it from
@@ -94,12 +92,12 @@ class DeferKV:
             self.upload(req)
         return True
 
-    def make_room(self, size: int, job: "Request", lower: Sequence["Request"], taken: set[str],
+    def make_room(self, size: int, job: KVRequest, lower: Sequence[KVRequest], taken: set[str],
                   enst: dict[str, float]) -> bool:
         """Free `size` unreserved device blocks for `job` by offloading idle jobs among `lower` (priority)."""
         return False
 
-    def ahead_of_time(self, order: Sequence["Request"], taken: set[str], enst: dict[str, float], reserve: int) -> None:
+    def ahead_of_time(self, order: Sequence[KVRequest], taken: set[str], enst: dict[str, float], reserve: int) -> None:
         """After the batch is chosen (a plan carries the swaps): offloads and uploads ahead of time."""
 
     def take_swaps(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
@@ -107,7 +105,7 @@ class DeferKV:
         self._evicted = set()
         return self.bm.take_swaps()
 
-    def offload(self, req: "Request") -> None:
+    def offload(self, req: KVRequest) -> None:
         """Its KV to the host, its reservation released: it is no longer resident. (A job that was
         made resident but has written no KV yet only gives its reservation back.)"""
         self.bm.unreserve(req)
@@ -116,7 +114,7 @@ class DeferKV:
             req.swaps.offloads += 1
             req.swaps.offload_blocks += self.bm.offload(req.request_id)
 
-    def upload(self, req: "Request") -> None:
+    def upload(self, req: KVRequest) -> None:
         """Its KV back to the device, its whole KV reserved again: resident."""
         self.bm.reserve(req, self.bm.blocks_for(req.max_total_tokens))
         n = self.bm.upload(req.request_id)
@@ -125,7 +123,7 @@ class DeferKV:
 
 
 class ReactiveKV(DeferKV):
-    def victims(self, jobs: Sequence["Request"], taken: set[str], enst: dict[str, float], than: float) -> list["Request"]:
+    def victims(self, jobs: Sequence[KVRequest], taken: set[str], enst: dict[str, float], than: float) -> list[KVRequest]:
         """Idle resident jobs among `jobs`, not in this batch, expected to need `margin` times more
         service than `than` seconds (preempting one that is likely closer to its end only delays both,
         and a small gain does not pay for the copies and the churn), largest ENST first."""
@@ -133,7 +131,7 @@ class ReactiveKV(DeferKV):
                 and self.resident(r) and self.bm.movable(r.request_id) and self.expect.remaining_s(r) > self.margin * than]
         return [jobs[i] for _, i in sorted(idle, reverse=True)]
 
-    def make_room(self, size: int, job: "Request", lower: Sequence["Request"], taken: set[str],
+    def make_room(self, size: int, job: KVRequest, lower: Sequence[KVRequest], taken: set[str],
                   enst: dict[str, float]) -> bool:
         """Offload victims until `size` blocks are unreserved; none if that cannot be reached."""
         chosen, room, host_free = [], self.room, self.bm.num_free_host_blocks
@@ -153,7 +151,7 @@ class ReactiveKV(DeferKV):
 
 
 class ProactiveKV(ReactiveKV):
-    def ahead_of_time(self, order: Sequence["Request"], taken: set[str], enst: dict[str, float], reserve: int) -> None:
+    def ahead_of_time(self, order: Sequence[KVRequest], taken: set[str], enst: dict[str, float], reserve: int) -> None:
         bm = self.bm
         for victim in self.victims(order, taken, enst, self.expect.new_job_s()):
             if self.room >= reserve:

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from orca_mq.kv.request import SwapCounts
 from orca_mq.protocol.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -38,16 +39,8 @@ class Waits:
 
 
 @dataclass(slots=True)
-class SwapCounts:
-    """Its KV copies between the device and the host pool (FastServe's KV policies)."""
-    offloads: int = 0
-    uploads: int = 0
-    offload_blocks: int = 0
-    upload_blocks: int = 0
-
-
-@dataclass(slots=True)
 class Request:
+    """The KV layer reads and writes what orca_mq/kv/request.py's KVRequest names of it."""
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
