@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from orca_mq import SamplingParams
+from orca_mq.bench.metrics import percentile
 from orca_mq.bench.scorecard import CONTROL, trace_spec
 from orca_mq.bench.trace import TraceSpec, make_trace
 from orca_mq.config import Config
@@ -38,9 +39,10 @@ def profile_cost(profile: IterationProfile) -> Cost:
     return cost
 
 
-def _pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
+def _pct(values: list[float], p: float) -> float:
+    """The served statistic (metrics.percentile: a simulated p99 is a served p99), NaN over nothing."""
+    value = percentile(values, p)
+    return float("nan") if value is None else value
 
 
 def simulate(sched: Scheduler, requests: list[Request], cost: Cost) -> dict[str, float]:
@@ -83,9 +85,9 @@ def simulate(sched: Scheduler, requests: list[Request], cost: Cost) -> dict[str,
     norm = [(finish[r] - arrival[r]) / tokens[r] for r in finish]   # ORCA's Fig. 10 latency: per generated token
     ttft = [first[r] - arrival[r] for r in first]
     start = min(arrival.values(), default=0.0)
-    return {"jct_mean_s": statistics.mean(jct), "jct_p50_s": _pct(jct, 0.5), "jct_p99_s": _pct(jct, 0.99),
-            "ttft_mean_s": statistics.mean(ttft) if ttft else float("nan"), "itl_p50_s": _pct(itl, 0.5),
-            "norm_latency_p50_s": _pct(norm, 0.5), "makespan_s": now - start, "throughput_req_s": len(finish) / max(now - start, 1e-9)}
+    return {"jct_mean_s": statistics.mean(jct), "jct_p50_s": _pct(jct, 50), "jct_p99_s": _pct(jct, 99),
+            "ttft_mean_s": statistics.mean(ttft) if ttft else float("nan"), "itl_p50_s": _pct(itl, 50),
+            "norm_latency_p50_s": _pct(norm, 50), "makespan_s": now - start, "throughput_req_s": len(finish) / max(now - start, 1e-9)}
 
 
 def trace_requests(spec: TraceSpec) -> list[Request]:
