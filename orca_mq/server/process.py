@@ -168,10 +168,11 @@ class ServerHandle:
 
 def spawn(sets: Mapping[str, Any], stderr_path: Path, *, config: str | None = None, ready_timeout: float = 600.0,
           cwd: Path | None = None, env: Mapping[str, str] | None = None) -> ServerHandle:
-    """Start `tools/launch.py --set k=v ...` and return once it prints its ready line; `env` adds to (and
-    only it may set the API key of) the environment it starts in.
+    """Start `orca-mq serve --set k=v ...` (the installed module, `python -m orca_mq.cli`: nothing of the
+    tools folder) and return once it prints its ready line; `env` adds to (and only it may set the API
+    key of) the environment it starts in.
     Raises RuntimeError (with the tail of its stderr) if it exits or is not ready in time."""
-    cmd = [sys.executable, "-u", str(ROOT / "tools" / "launch.py"), *(["--config", config] if config else [])]
+    cmd = [sys.executable, "-u", "-m", "orca_mq.cli", "serve", *(["--config", config] if config else [])]
     for k, v in sets.items():
         cmd += ["--set", f"{k}={v}"]
     stderr_path.parent.mkdir(parents=True, exist_ok=True)
