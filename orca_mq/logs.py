@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-import statistics
 import sys
 from collections.abc import Iterable
 from pathlib import Path
@@ -18,6 +17,7 @@ from typing import Any, TextIO
 import structlog
 
 from orca_mq.config import LogConfig
+from orca_mq.percentile import percentile
 
 
 class _TeeLogger:
@@ -83,10 +83,8 @@ def setup_logging(role: str, cfg: LogConfig, **context: Any) -> structlog.typing
 
 def summarize_ms(samples: Iterable[float]) -> dict[str, Any]:
     """Count, median, p90 and sum (in ms) of durations in seconds, for the stats replies."""
-    ms = sorted(x * 1000 for x in samples)
-    if not ms:
-        return {"n": 0, "median_ms": None, "p90_ms": None, "sum_ms": 0.0}
-    return {"n": len(ms), "median_ms": statistics.median(ms), "p90_ms": ms[int(0.9 * (len(ms) - 1))], "sum_ms": sum(ms)}
+    ms = [x * 1000 for x in samples]
+    return {"n": len(ms), "median_ms": percentile(ms, 50), "p90_ms": percentile(ms, 90), "sum_ms": float(sum(ms))}
 
 
 def server_marker(log_dir: str) -> Path:

@@ -5,7 +5,10 @@ value x[floor r] + (r - floor r)·(x[floor r + 1] - x[floor r]).
 """
 from __future__ import annotations
 
+import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from orca_mq.bench.metrics import format_table, is_ok, percentile, summarize
 
@@ -97,6 +100,12 @@ def test_percentile_is_numpy_linear():
     assert percentile([4, 1, 3, 2], 50) == pytest.approx(2.5)
     assert percentile([1, 2, 3, 4], 25) == pytest.approx(1.75)  # r = 0.75
     assert percentile([7], 99) == 7 and percentile([], 50) is None
+
+
+@given(st.lists(st.floats(-1e6, 1e6), min_size=1, max_size=60), st.floats(0, 100))
+def test_the_one_percentile_equals_numpys(values, p):
+    """orca_mq.percentile (pure Python: the stats replies and the simulator use it too) is numpy's linear."""
+    assert percentile(values, p) == pytest.approx(float(np.percentile(values, p)), rel=1e-9, abs=1e-6)
 
 
 def test_required_keys_and_table():

@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from orca_mq.bench.bench_server import Server
-from orca_mq.bench.metrics import percentile
+from orca_mq.percentile import percentile
 from orca_mq.bench.plans import plan_for
 from orca_mq.bench.timing import interleaved_medians
 from orca_mq.client import AsyncClient

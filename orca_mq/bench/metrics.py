@@ -45,6 +45,8 @@ from typing import Any
 
 import numpy as np
 
+from orca_mq.percentile import percentile
+
 OK_REASONS = ("stop", "length")
 STATS = (("mean", None), ("p50", 50.0), ("p90", 90.0), ("p99", 99.0))
 LATENCY_METRICS = ("jct", "ttft", "tpot", "itl", "norm_latency")
@@ -52,12 +54,6 @@ LATENCY_METRICS = ("jct", "ttft", "tpot", "itl", "norm_latency")
 
 def is_ok(rec: Mapping[str, Any]) -> bool:
     return rec.get("error") is None and rec.get("finish_reason") in OK_REASONS and rec.get("finish_s") is not None
-
-
-def percentile(values: Sequence[float], p: float) -> float | None:
-    if len(values) == 0:
-        return None
-    return float(np.percentile(np.asarray(values, dtype=np.float64), p, method="linear"))
 
 
 def _stats(name: str, values: Sequence[float]) -> dict[str, float | None]:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from orca_mq import SamplingParams
-from orca_mq.bench.metrics import percentile
+from orca_mq.percentile import percentile
 from orca_mq.bench.scorecard import CONTROL, trace_spec
 from orca_mq.bench.trace import TraceSpec, make_trace
 from orca_mq.config import Config
