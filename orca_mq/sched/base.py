@@ -287,7 +287,9 @@ class Scheduler:
 
     def check(self, req: Request) -> None:
         """Refuse a request this policy can never run (raise ValueError): one whose whole KV (prompt
-        and max_tokens) exceeds the device pool would wait forever for its reservation."""
+        and max_tokens) exceeds the device pool would wait forever for its reservation. Admission
+        (`ServedModel.fit`) refuses those with a message for the client; this is the scheduler's own
+        invariant, for what feeds it Requests directly (the simulator, benchmarks, tests)."""
         if self.block_manager.blocks_for(req.max_total_tokens) > self.block_manager.num_blocks:
             raise ValueError(f"request {req.request_id}: {req.max_total_tokens} tokens exceed the device KV pool")
 
