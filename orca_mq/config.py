@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import tomllib
@@ -31,6 +32,8 @@ class ModelConfig:
     dtype: DType = "auto"
     max_model_len: int = 2048
     cache_dir: str = "~/.cache/orca_mq"
+    max_logprobs: int = 20
+    max_logit_bias: int = 1024
 
 
 @dataclass(slots=True)
@@ -88,6 +91,7 @@ class ServerConfig:
     max_waiting: int = 1024
     max_frame_bytes: int = 64 << 20
     http_address: str = "127.0.0.1:8000"
+    served_model_name: str = ""
     http_max_connections: int = 1024
     http_max_body_bytes: int = 4_194_304
     nnodes: int = 1
@@ -100,6 +104,10 @@ class ServerConfig:
     def api_keys(self) -> tuple[str, ...]:
         """The accepted keys: `api_key` split at commas; none = no authentication."""
         return tuple(k for k in self.api_key.split(",") if k)
+
+    def served_names(self) -> tuple[str, ...]:
+        """The names the HTTP API serves the model as (`served_model_name` split at commas); none = its file's name."""
+        return tuple(n for n in (n.strip() for n in self.served_model_name.split(",")) if n)
 
 
 @dataclass(slots=True)
@@ -218,12 +226,67 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | list
     return cfg
 
 
+@dataclass(frozen=True, slots=True)
+class Range:
+    """A numeric knob's allowed values: low <= v (low < v when `above`), v <= high when high is set; finite."""
+
+    low: float
+    high: float | None = None
+    above: bool = False
+    note: str = ""      # what the edge value means, said with the error
+
+    def __contains__(self, v: float) -> bool:
+        return math.isfinite(v) and (v > self.low if self.above else v >= self.low) and (self.high is None or v <= self.high)
+
+    def __str__(self) -> str:
+        text = (f"in [{self.low:g}, {self.high:g}]" if self.high is not None
+                else f"{'>' if self.above else '>='} {self.low:g}")
+        return text + (f" ({self.note})" if self.note else "")
+
+
+_POSITIVE = Range(0, above=True)
+_COUNT = Range(0)
+_ONE = Range(1)
+# every int and float knob's range, checked once when a config is loaded (tests hold it complete)
+RANGES: dict[str, Range] = {
+    "model.max_model_len": _ONE, "model.max_logprobs": Range(0, 1 << 20),
+    "model.max_logit_bias": Range(0, 4096, note="protocol.sampling.MAX_LOGIT_BIAS_ENTRIES"),
+    "engine.n_workers": _ONE, "engine.tp_size": _ONE, "engine.threads_per_worker": _ONE, "engine.n_slots": _ONE,
+    "engine.block_size": _ONE, "engine.host_slots": _COUNT, "engine.deterministic_rows": _ONE,
+    "engine.cuda_graph_max_bs": Range(0, note="0: scheduler.max_bs"),
+    "scheduler.max_bs": _ONE, "scheduler.max_num_batched_tokens": Range(0, note="0: whole prompts"),
+    "fastserve.n_queues": _ONE, "fastserve.quantum": Range(0, note="0: one profiled iteration"),
+    "fastserve.quantum_ratio": _ONE, "fastserve.starve_limit": _POSITIVE, "fastserve.length_window": _COUNT,
+    "fastserve.prior_jobs": _POSITIVE, "fastserve.preempt_margin": _COUNT, "fastserve.min_free_blocks": _COUNT,
+    "fastserve.burst_queues": _COUNT, "fastserve.profile_max_len": _ONE,
+    "server.worker_base_port": Range(0, 65535, note="0: a free port"), "server.drain_timeout": _COUNT,
+    "server.ready_timeout": _POSITIVE, "server.stop_grace": _COUNT, "server.stats_timeout": _POSITIVE,
+    "server.max_restarts": _COUNT, "server.restart_window": _POSITIVE, "server.max_waiting": _COUNT,
+    "server.max_frame_bytes": _ONE, "server.http_max_connections": _ONE, "server.http_max_body_bytes": _ONE,
+    "server.nnodes": _ONE, "server.node_rank": _COUNT, "server.node_timeout": _POSITIVE,
+    "structured.max_spec_bytes": _ONE, "structured.compile_timeout": _POSITIVE, "structured.cache_size": _COUNT,
+    "structured.mask_threads": Range(0, note="0: llguidance's default"),
+}
+
+
+def numeric_keys() -> list[str]:
+    """Every `section.key` whose value is an int or a float."""
+    return [f"{s}.{k}" for s, hints in _HINTS.items() for k, kind in hints.items() if kind in (int, float)]
+
+
 def check(cfg: Config) -> None:
     """Checks across keys or inside a string, once per load: a mistake is a one-line ValueError."""
-    if cfg.engine.deterministic_rows < 1:
-        raise ValueError(f"engine.deterministic_rows must be >= 1, got {cfg.engine.deterministic_rows}")
-    if cfg.engine.cuda_graph_max_bs < 0:
-        raise ValueError(f"engine.cuda_graph_max_bs must be >= 0 (0: scheduler.max_bs), got {cfg.engine.cuda_graph_max_bs}")
+    for dotted in numeric_keys():
+        section, key = dotted.split(".")
+        value, allowed = getattr(getattr(cfg, section), key), RANGES.get(dotted)
+        if allowed is not None and value not in allowed:
+            raise ValueError(f"{dotted} must be {allowed}, got {value!r}")
+    if cfg.server.node_rank >= cfg.server.nnodes:
+        raise ValueError(f"server.node_rank must be below server.nnodes ({cfg.server.nnodes}), got {cfg.server.node_rank}")
+    for name in cfg.server.served_names():
+        if len(name) > 256 or not name.isprintable():
+            raise ValueError(f"server.served_model_name: each name (comma-separated) must be 1 to 256 printable "
+                             f"characters, got {name[:80]!r}")
     if cfg.scheduler.async_scheduling == "on" and cfg.engine.n_workers * cfg.engine.tp_size != 1:
         raise ValueError("scheduler.async_scheduling = on needs one worker (engine.n_workers = engine.tp_size = 1): "
                          "the next iteration's tokens are read where the last one sampled them")
