@@ -1,6 +1,7 @@
 """The `orca-mq` command: serve, client, logs, keys, bench. Imports nothing heavy until a command runs.
 
-    orca-mq serve [--model PATH] [--port N] [--http-port N] [--api-key KEY] [--config FILE] [--set section.key=value ...]
+    orca-mq serve [--model PATH] [--port N] [--host H] [--http-port N] [--served-model-name NAME ...] [--api-key KEY]
+                  [--config FILE] [--set section.key=value ...]
     orca-mq client --prompt "Hello" [--port N | --address ADDR] [--api-key KEY] [--chat] [--max-tokens N] ...
     orca-mq logs [--port N] [-f] [-n N] [--json]
     orca-mq keys DIR             (a CurveZMQ key pair for server.curve_secret_key)
@@ -45,6 +46,12 @@ def _port(text: str) -> int:
     return int(text)
 
 
+def _model_name(text: str) -> str:
+    if not text or "," in text:
+        raise argparse.ArgumentTypeError(f"a model name is non-empty, without commas: got {text!r}")
+    return text
+
+
 def _config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, help=f"config file (default: {DEFAULT_CONFIG_PATH})")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config key (repeatable)")
@@ -59,7 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
     _config_args(serve)
     serve.add_argument("--model", help="GGUF file or Hugging Face directory (model.path)")
     serve.add_argument("--port", type=_port, help="ZeroMQ client port on 127.0.0.1 (server.frontend_address)")
-    serve.add_argument("--http-port", type=_port, help="OpenAI-compatible HTTP port on 127.0.0.1 (server.http_address)")
+    serve.add_argument("--http-port", type=_port, help="OpenAI-compatible HTTP port, on --host (server.http_address)")
+    serve.add_argument("--host", help="the HTTP API's host: 0.0.0.0 = every interface (server.http_address; default 127.0.0.1)")
+    serve.add_argument("--served-model-name", nargs="+", metavar="NAME", type=_model_name,
+                       help="the model's names on the HTTP API, the first listed first (server.served_model_name; "
+                            "default: the model file's name)")
     serve.add_argument("--api-key", help=f"API key(s), comma-separated (server.api_key; ${API_KEY_ENV} keeps it off the command line)")
     for flag, key in NODE_FLAGS.items():  # torchrun-style shorthands of [server] keys, for many hosts
         serve.add_argument(flag, dest=key, default=None, metavar=flag[2:].upper(), help=f"= --set {key}=...")
@@ -98,13 +109,22 @@ def _config(args: argparse.Namespace, expand_log_dir: bool = True) -> Config:
         sets.append(f"model.path={Path(args.model).expanduser().resolve()}")
     if getattr(args, "port", None):
         sets.append(f"server.frontend_address=tcp://127.0.0.1:{args.port}")
-    if getattr(args, "http_port", None):
-        sets.append(f"server.http_address=127.0.0.1:{args.http_port}")
+    if getattr(args, "served_model_name", None):
+        sets.append(f"server.served_model_name={','.join(args.served_model_name)}")
     if getattr(args, "api_key", None) is not None:
         sets.append(f"server.api_key={args.api_key}")
     sets += [f"{key}={v}" for key in NODE_FLAGS.values() if (v := getattr(args, key, None)) is not None]
     try:
         return load_config(args.config, sets, expand_log_dir)
+        host, http_port = getattr(args, "host", None), getattr(args, "http_port", None)
+        if host is not None and http_port is None:  # the configured port on another host
+            configured = load_config(args.config, sets, expand_log_dir).server.http_address
+            if not configured:
+                raise SystemExit("orca-mq: --host needs the HTTP API, which server.http_address turns off: give --http-port too")
+            http_port = host_port(configured, "server.http_address")[1]
+        if http_port is not None:
+            host = host or "127.0.0.1"
+            sets.append(f"server.http_address={f'[{host}]' if ':' in host else host}:{http_port}")
     except (KeyError, ValueError, OSError, tomllib.TOMLDecodeError) as e:
         raise SystemExit(f"orca-mq: config: {e.args[0] if isinstance(e, KeyError) else e}") from None
 

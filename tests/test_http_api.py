@@ -211,6 +211,25 @@ def test_health_and_models(server, model):
     assert [m["id"] for m in models] == [model] and models[0]["max_model_len"] == 2048
 
 
+def test_retrieve_tokenize_and_the_ready_line(server, oai, model):
+    """models.retrieve through the openai client; /tokenize counts what a generation of the same prompt
+    reports as its prompt tokens (completion text and chat); the ready line names the HTTP address."""
+    assert oai.models.retrieve(model).id == model
+    with pytest.raises(openai.NotFoundError):
+        oai.models.retrieve("gpt-4")
+    out = oai.completions.create(model=model, prompt=PROMPT, max_tokens=1, temperature=0)
+    chat = oai.chat.completions.create(model=model, messages=CHAT, max_tokens=1, temperature=0)
+    for body, usage in (({"prompt": PROMPT}, out.usage), ({"messages": CHAT, "model": model}, chat.usage)):
+        r = httpx.post(server.base_url + "/tokenize", json=body, timeout=60)
+        assert r.status_code == 200 and r.json()["count"] == usage.prompt_tokens, r.text
+    ids = httpx.post(server.base_url + "/tokenize", json={"prompt": PROMPT}, timeout=60).json()["tokens"]
+    assert httpx.post(server.base_url + "/detokenize", json={"tokens": ids}, timeout=60).json() == {"prompt": PROMPT}
+    assert httpx.get(server.base_url + "/version", timeout=30).json()["version"]
+    assert server.handle.ready_line == f"orca-mq ready on {server.address} and {server.base_url}"
+    from orca_mq.logs import _running
+    assert _running(server.log_dir)   # `orca-mq logs` finds it by its marker (pid and start time)
+
+
 def test_health_is_503_until_the_server_answers(tmp_path):
     """The API process alone, with no broker behind it: it listens, but is not healthy."""
     port = free_port()

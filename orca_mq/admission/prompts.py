@@ -19,6 +19,8 @@ from transformers import PreTrainedTokenizerBase
 from orca_mq.errors import InvalidRequest
 from orca_mq.protocol.client_msgs import Generate
 
+ROLES = ("system", "user", "assistant", "tool", "developer")   # OpenAI's chat roles; the template renders them
+
 
 def check_prompt_size(prompt: str | None, prompt_token_ids: list[int] | None, messages: list[Any] | None,
                       max_model_len: int, max_chars: int) -> None:
@@ -63,30 +65,39 @@ class Prompts:
             raise InvalidRequest("empty prompt")
         check_prompt_size(msg.prompt, msg.prompt_token_ids, msg.messages, self.max_model_len, self.max_chars)
 
-    def token_ids(self, msg: Generate) -> list[int]:
-        """The tokenizer's work: call it off the event loop, after `check`."""
+    def token_ids(self, msg: Generate, special: bool | None = None) -> list[int]:
+        """The tokenizer's work: call it off the event loop, after `check`. `special` (/tokenize's
+        add_special_tokens) says whether the tokenizer adds its special tokens; None: to raw text, not to a
+        chat template's."""
         if msg.prompt_token_ids is not None:
             return msg.prompt_token_ids
         if msg.messages is None and not msg.chat:
-            return self.encode_text(msg.prompt or "")
-        return self.encode_chat(msg.messages if msg.messages is not None else [{"role": "user", "content": msg.prompt}])
+            return self.encode_text(msg.prompt or "", special is not False)
+        return self.encode_chat(msg.messages if msg.messages is not None else [{"role": "user", "content": msg.prompt}],
+                                special is True)
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], special: bool = False) -> list[int]:
         """The model's chat template, with the generation prompt (the one place it is applied)."""
         if not messages or not all(
             isinstance(m, dict) and set(m) == {"role", "content"} and isinstance(m["role"], str)
             and isinstance(m["content"], str) for m in messages
         ):
             raise InvalidRequest("messages must be a non-empty list of {'role': str, 'content': str}")
+        if bad := next((m["role"] for m in messages if m["role"] not in ROLES), None):
+            raise InvalidRequest(f"message role {bad[:40]!r} is not one of {', '.join(ROLES)}")
         try:
             text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         except Exception as e:  # jinja raises for roles or orders the template forbids
             raise InvalidRequest(f"chat template: {e}") from None
-        return self._encode(text, special=False)  # the template already holds any BOS
+        return self._encode(text, special)  # by default not: the template already holds any BOS
 
-    def encode_text(self, text: str) -> list[int]:
+    def encode_text(self, text: str, special: bool = True) -> list[int]:
         """Raw completion text: the model's special tokens (BOS) only where its tokenizer adds them."""
-        return self._encode(text, special=True)
+        return self._encode(text, special)
+
+    def decode(self, token_ids: list[int]) -> str:
+        """Token ids -> text, special tokens kept (vLLM's /detokenize), without holding the GIL."""
+        return self.tokenizer.backend_tokenizer.decode_batch([token_ids], skip_special_tokens=False)[0]
 
     def _encode(self, text: str, special: bool) -> list[int]:
         """= tokenizer.encode(text, add_special_tokens=special), without holding the GIL."""

@@ -1,10 +1,12 @@
 """The OpenAI-compatible HTTP API: one more client of the broker (FastAPI on uvicorn + uvloop).
 
     POST /v1/completions, POST /v1/chat/completions   (stream or not)
-    GET  /v1/models, GET /health, GET /metrics
+    GET  /v1/models, GET /v1/models/{id}, GET /health, GET /metrics, GET /version
+    POST /tokenize, POST /detokenize                   (vLLM's; orca_mq.api.tokenize)
 
 Generation requests go over the normal ZeroMQ protocol (orca_mq.client.AsyncClient), so the
-frontend tokenizes, applies the chat template and validates exactly as for ZeroMQ clients.
+frontend tokenizes, applies the chat template and validates exactly as for ZeroMQ clients; /tokenize
+runs that same path here (its tokenizer loaded on the first call).
 Run by the launcher as `python -m orca_mq.api.server --config-json ...` when
 `server.http_address` is set; it reports Ready once it listens. Requests are checked at the edge
 (orca_mq.api.edge: API key, body size) and by the strict schemas (orca_mq.api.schemas); errors are
@@ -30,6 +32,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
+from orca_mq import __version__
 from orca_mq.auth import KeyCheck, server_keys
 from orca_mq.client import AsyncClient
 from orca_mq.config import Config, host_port
@@ -43,6 +46,7 @@ from orca_mq.api.stream import Generation, StopStrings, join, until_disconnect
 from orca_mq.api.metrics import ApiMetrics
 from orca_mq.api.schemas import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,
                                            ChatCompletionChunk, ChatCompletionRequest, ChatDelta, Completion,
+from orca_mq.api.tokenize import DetokenizeRequest, DetokenizeResponse, Tokenization, TokenizeRequest, TokenizeResponse
                                            CompletionChoice, CompletionRequest, ModelCard, ModelList, PromptTokensDetails,
                                            Usage, new_id)
 from orca_mq.server.process import process_main
@@ -66,8 +70,12 @@ class Api:
         self.cfg = cfg
         self.log = setup_logging("http", cfg.log)
         path = resolve_model_path(cfg.model.path)
-        self.model_name = path.stem if path.is_file() else path.name
-        self.max_model_len = read_model_info(cfg.model.path, cfg.model.cache_dir).max_model_len(cfg)
+        # the names requests may use (server.served_model_name), the first in responses and metrics
+        self.model_names = cfg.server.served_names() or (path.stem if path.is_file() else path.name,)
+        self.model_name = self.model_names[0]
+        info = read_model_info(cfg.model.path, cfg.model.cache_dir)
+        self.max_model_len = info.max_model_len(cfg)
+        self.tokenization = Tokenization(cfg, self.max_model_len, info.vocab_size)
         keys = cfg.server.api_keys()
         curve = cfg.server.curve_secret_key
         self.client = AsyncClient(cfg.server.frontend_address, api_key=keys[0] if keys else None,
@@ -105,6 +113,10 @@ class Api:
         app.get("/v1/models")(self.models)
         app.get("/health")(self.health)
         app.get("/metrics")(self.scrape)
+        app.get("/v1/models/{model_id:path}")(self.retrieve_model)
+        app.post("/tokenize")(self.tokenize)
+        app.post("/detokenize")(self.detokenize)
+        app.get("/version")(self.version)
         return app
 
     # ---------------------------------------------------------------- generation
@@ -134,8 +146,7 @@ class Api:
 
     async def _serve(self, body: CompletionRequest | ChatCompletionRequest, request: Request, prefix: str,
                      chunk: Callable[..., BaseModel], whole: Callable[..., BaseModel]) -> Response:
-        if body.model is not None and body.model != self.model_name:
-            raise ApiError(404, f"The model `{body.model[:100]}` does not exist.", "model_not_found", "model")
+        self._check_model(body.model)
         gen = Generation(self.client, body.prompt_args(), body.sampling(), StopStrings(body.stop_strings), self.metrics)
         rid = new_id(prefix)
         pieces = gen.pieces()
@@ -175,7 +186,26 @@ class Api:
     # ---------------------------------------------------------------- state
 
     async def models(self) -> ModelList:
-        return ModelList(data=[ModelCard(id=self.model_name, created=self.created, max_model_len=self.max_model_len)])
+        return ModelList(data=[self._card(name) for name in self.model_names])
+
+    async def retrieve_model(self, model_id: str) -> ModelCard:
+        """The openai client's `models.retrieve`."""
+        self._check_model(model_id)
+        return self._card(model_id)
+
+    def _card(self, name: str) -> ModelCard:
+        return ModelCard(id=name, created=self.created, max_model_len=self.max_model_len)
+
+    async def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
+        self._check_model(body.model)
+        return await self.tokenization.tokenize(body)
+
+    async def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
+        self._check_model(body.model)
+        return await self.tokenization.detokenize(body)
+
+    async def version(self) -> dict[str, str]:
+        return {"version": __version__}
 
     async def health(self) -> JSONResponse:
         await self._refresh()
@@ -187,6 +217,10 @@ class Api:
         return JSONResponse({"status": status}, status_code=200 if status == "ok" else 503)
 
     async def scrape(self) -> Response:
+    def _check_model(self, name: str | None) -> None:
+        if name is not None and name not in self.model_names:
+            raise ApiError(404, f"The model `{name[:100]}` does not exist.", "model_not_found", "model")
+
         await self._refresh()
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -253,3 +287,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    api.tokenization.close()

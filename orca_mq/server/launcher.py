@@ -1,7 +1,7 @@
 """The launcher: starts every process of a server, supervises them, drains and stops them.
 
 Start: the broker, then the workers, the scheduler and the frontend; once every one reports
-`ready` it prints `orca-mq ready on <frontend_address>` on stdout (progress goes to stderr).
+`ready` it prints `orca-mq ready on <frontend_address> and http://<http_address>` on stdout (progress goes to stderr).
 Supervision (systemd's `Restart=on-failure` with a start limit, torchrun's elastic restarts):
 - a worker, the scheduler or the frontend dies: the broker gives every in-flight request an
   `error` final and answers new ones `unavailable` at once, while the launcher restarts that
@@ -113,7 +113,9 @@ class Launcher:
     # ------------------------------------------------------------ start
 
     def _ready_line(self) -> str:
-        return f"{READY_LINE}{self.cfg.server.frontend_address}"
+        """`orca-mq ready on tcp://H:P`, and ` and http://H:P` when the HTTP API runs."""
+        http = self.cfg.server.http_address
+        return f"{READY_LINE}{self.cfg.server.frontend_address}" + (f" and http://{http}" if http else "")
 
     def _spawn(self, role: str, group: str, module: str, *extra: str) -> None:
         error_file = self._error_file(role)
