@@ -115,7 +115,6 @@ def _config(args: argparse.Namespace, expand_log_dir: bool = True) -> Config:
         sets.append(f"server.api_key={args.api_key}")
     sets += [f"{key}={v}" for key in NODE_FLAGS.values() if (v := getattr(args, key, None)) is not None]
     try:
-        return load_config(args.config, sets, expand_log_dir)
         host, http_port = getattr(args, "host", None), getattr(args, "http_port", None)
         if host is not None and http_port is None:  # the configured port on another host
             configured = load_config(args.config, sets, expand_log_dir).server.http_address
@@ -125,6 +124,7 @@ def _config(args: argparse.Namespace, expand_log_dir: bool = True) -> Config:
         if http_port is not None:
             host = host or "127.0.0.1"
             sets.append(f"server.http_address={f'[{host}]' if ':' in host else host}:{http_port}")
+        return load_config(args.config, sets, expand_log_dir)
     except (KeyError, ValueError, OSError, tomllib.TOMLDecodeError) as e:
         raise SystemExit(f"orca-mq: config: {e.args[0] if isinstance(e, KeyError) else e}") from None
 

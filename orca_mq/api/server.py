@@ -44,9 +44,9 @@ from orca_mq.api.edge import ApiKeyGuard, BodyLimit, Handled
 from orca_mq.api.errors import INTERNAL_TEXT, ApiError, error_body, from_validation
 from orca_mq.api.stream import Generation, StopStrings, join, until_disconnect
 from orca_mq.api.metrics import ApiMetrics
+from orca_mq.api.tokenize import DetokenizeRequest, DetokenizeResponse, Tokenization, TokenizeRequest, TokenizeResponse
 from orca_mq.api.schemas import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,
                                            ChatCompletionChunk, ChatCompletionRequest, ChatDelta, Completion,
-from orca_mq.api.tokenize import DetokenizeRequest, DetokenizeResponse, Tokenization, TokenizeRequest, TokenizeResponse
                                            CompletionChoice, CompletionRequest, ModelCard, ModelList, PromptTokensDetails,
                                            Usage, new_id)
 from orca_mq.server.process import process_main
@@ -111,12 +111,12 @@ class Api:
         app.post("/v1/completions", response_model=None)(self.completions)
         app.post("/v1/chat/completions", response_model=None)(self.chat)
         app.get("/v1/models")(self.models)
-        app.get("/health")(self.health)
-        app.get("/metrics")(self.scrape)
         app.get("/v1/models/{model_id:path}")(self.retrieve_model)
         app.post("/tokenize")(self.tokenize)
         app.post("/detokenize")(self.detokenize)
         app.get("/version")(self.version)
+        app.get("/health")(self.health)
+        app.get("/metrics")(self.scrape)
         return app
 
     # ---------------------------------------------------------------- generation
@@ -185,6 +185,10 @@ class Api:
 
     # ---------------------------------------------------------------- state
 
+    def _check_model(self, name: str | None) -> None:
+        if name is not None and name not in self.model_names:
+            raise ApiError(404, f"The model `{name[:100]}` does not exist.", "model_not_found", "model")
+
     async def models(self) -> ModelList:
         return ModelList(data=[self._card(name) for name in self.model_names])
 
@@ -217,10 +221,6 @@ class Api:
         return JSONResponse({"status": status}, status_code=200 if status == "ok" else 503)
 
     async def scrape(self) -> Response:
-    def _check_model(self, name: str | None) -> None:
-        if name is not None and name not in self.model_names:
-            raise ApiError(404, f"The model `{name[:100]}` does not exist.", "model_not_found", "model")
-
         await self._refresh()
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -278,6 +278,7 @@ async def _main(cfg: Config) -> int:
     link.close()
     ctx.term()
     await api.client.close()
+    api.tokenization.close()
     return 0 if server.started else 1
 
 
@@ -287,4 +288,3 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    api.tokenization.close()
