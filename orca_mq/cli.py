@@ -222,10 +222,12 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit("orca-mq bench needs a source checkout (tools/bench.py)")
         os.execv(sys.executable, [sys.executable, str(bench), *argv[1:]])
     args = build_parser().parse_args(argv)
-    if args.command == "serve":
-        return _serve(args)
-    if args.command == "client":
-        return _client(args)
+    if args.command in ("serve", "client"):
+        try:
+            return _serve(args) if args.command == "serve" else _client(args)
+        except KeyboardInterrupt:  # Ctrl-C: one line, the shell's status for it (the launcher drains by itself)
+            print(f"\norca-mq {args.command}: interrupted", file=sys.stderr)
+            return 130
     if args.command == "logs":
         from orca_mq.logs import choose_log_dir, show_logs
 

@@ -9,7 +9,10 @@ again with the vocabulary): a bad one ends the stream with an `invalid_request` 
 sent. Leaving a stream early (break, exception, cancellation) aborts the request.
 `api_key=` is sent with every request and stats query (servers with `server.api_key`);
 `server_key=` (the server's CurveZMQ public key, or its key file) encrypts the connection. If the server stops answering — even its broker's pings — for `liveness_timeout`
-seconds, every open stream ends with an `error` event.
+seconds, every open stream ends with an `error` event; if no server ever answered there (a wrong
+port, the HTTP port), after `connect_timeout` seconds, saying so. The address may be `host:port`
+(`tcp://` is added); an http:// URL is a ValueError. Ctrl-C in the blocking `Client` aborts the
+request it waits on and raises KeyboardInterrupt to the caller.
 
 An event that ends with "error" (or "abort") carries `code`, one of orca_mq.protocol.common_msgs'
 stable codes (invalid_request, overloaded, unavailable, internal, protocol, aborted, unauthorized):
@@ -37,7 +40,22 @@ from orca_mq.errors import InvalidRequest
 from orca_mq.protocol.sampling import SamplingParams
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:5555"
+SCHEMES = ("tcp://", "ipc://", "inproc://")
 T = TypeVar("T")
+
+
+def client_address(address: str) -> str:
+    """The ZeroMQ address to connect to: `host:port` gains `tcp://`; an http(s):// URL (the HTTP API's,
+    for OpenAI clients) or another scheme is a ValueError that says what to give instead."""
+    if address.startswith(SCHEMES):
+        return address
+    if address.startswith(("http://", "https://")):
+        raise ValueError(f"{address} is an HTTP URL (the OpenAI-compatible API's, for OpenAI clients); this client "
+                         "speaks ZeroMQ: give tcp://HOST:PORT with the server's --port (orca-mq client --port N)")
+    host, sep, port = address.rpartition(":")
+    if "://" in address or not sep or not host or not port.isdigit():
+        raise ValueError(f"server address {address!r}: expected tcp://HOST:PORT (or HOST:PORT)")
+    return f"tcp://{address}"
 
 
 @dataclass(slots=True)
@@ -58,8 +76,9 @@ def _final_error(request_id: str, error: str, code: str) -> StreamEvent:
 
 class AsyncClient:
     def __init__(self, address: str = DEFAULT_ADDRESS, *, api_key: str | None = None, server_key: str | None = None,
-                 liveness_timeout: float = 15.0, ping_interval: float = 2.0) -> None:
-        self.address = address
+                 liveness_timeout: float = 15.0, ping_interval: float = 2.0, connect_timeout: float = 5.0) -> None:
+        self.address = client_address(address)
+        self.connect_timeout = connect_timeout   # no reply ever from this address within it: no server there
         self.api_key = api_key or ""
         self.server_key = server_key
         self.liveness_timeout = liveness_timeout
@@ -165,7 +184,8 @@ class AsyncClient:
     async def _read(self) -> None:
         assert self._sock is not None
         while True:
-            if not await self._sock.poll(int(self.ping_interval * 1000)):
+            interval = self.ping_interval if self._server else min(self.ping_interval, 0.5)  # until the first pong
+            if not await self._sock.poll(int(interval * 1000)):
                 await self._check_liveness()
                 continue
             self._last_heard = time.monotonic()
@@ -198,7 +218,12 @@ class AsyncClient:
             self._last_heard = time.monotonic()
             return
         silent = time.monotonic() - self._last_heard
-        if silent >= self.liveness_timeout:
+        if not self._server and silent >= self.connect_timeout:  # never a pong: nothing of ours listens there
+            self._fail_all(f"no orca-mq server answers at {self.address} after {silent:.0f} s: is it running, and is "
+                           "this its client port (--port, not --http-port)" + (", and server_key its public key"
+                                                                             if self.server_key else "") + "?", UNAVAILABLE)
+            self._last_heard = time.monotonic()
+        elif silent >= self.liveness_timeout:
             self._fail_all(f"server unreachable: no reply for {silent:.0f} s", UNAVAILABLE)
             self._last_heard = time.monotonic()
         else:
@@ -220,14 +245,23 @@ class AsyncClient:
                 fut.set_exception(ConnectionError(error))
 
 
+async def _cancel(running: list[asyncio.Task[Any]]) -> None:
+    """Cancel the task `running` holds (it started before this one: the loop runs callbacks in order) and wait for it."""
+    for task in running:
+        task.cancel()
+        await asyncio.wait([task])
+
+
 class Client:
-    """Blocking client: the AsyncClient on an event loop in a private thread."""
+    """Blocking client: the AsyncClient on an event loop in a private thread. Ctrl-C during a call
+    (or while a stream waits for tokens) cancels it on that loop (aborting its request) and raises
+    KeyboardInterrupt to the caller, as any blocking call does."""
 
     def __init__(self, address: str = DEFAULT_ADDRESS, **kwargs: Any) -> None:
+        self._client = AsyncClient(address, **kwargs)   # a bad address raises before any thread starts
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="orca-mq-client", daemon=True)
         self._thread.start()
-        self._client = AsyncClient(address, **kwargs)
         self._call(self._client.connect())
 
     def __enter__(self) -> Client:
@@ -237,7 +271,22 @@ class Client:
         self.close()
 
     def _call(self, coro: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        """Run `coro` on the client's loop and wait for it. Interrupted while waiting (Ctrl-C: the
+        KeyboardInterrupt lands here, in the caller's thread), the coroutine is cancelled there and
+        waited for (a stream it was reading aborts its request), then the interrupt goes on to the caller."""
+        running: list[asyncio.Task[Any]] = []
+
+        async def run() -> T:
+            running.append(asyncio.current_task())  # type: ignore[arg-type]
+            return await coro
+
+        fut = asyncio.run_coroutine_threadsafe(run(), self._loop)
+        try:
+            return fut.result()
+        except BaseException:
+            if not fut.done():
+                asyncio.run_coroutine_threadsafe(_cancel(running), self._loop).result()
+            raise
 
     def stream(self, prompt: str | None = None, **kwargs: Any) -> Iterator[StreamEvent]:
         agen = self._client.stream(prompt, **kwargs)
@@ -251,7 +300,7 @@ class Client:
         try:
             while (ev := self._call(step())) is not None:
                 yield ev
-        finally:
+        finally:  # also after Ctrl-C: _call has stopped the step, so the stream can close (and abort)
             self._call(agen.aclose())
 
     def generate(self, prompt: str | None = None, **kwargs: Any) -> RequestOutput:
