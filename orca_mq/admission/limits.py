@@ -34,6 +34,9 @@ def fit(prompt_token_ids: list[int], params: SamplingParams, max_len: int, vocab
         if room < 1:
             raise InvalidRequest(f"prompt ({n} tokens) leaves no room to generate within the context length "
                                  f"{max_len} and the KV pool of {pool.device_slots} slots")
+        if params.min_tokens > room:
+            raise InvalidRequest(f"min_tokens ({params.min_tokens}) exceeds the {room} tokens the prompt ({n} tokens) "
+                                 f"leaves within the context length {max_len} and the KV pool")
         return dataclasses.replace(params, max_tokens=room)
     total = n + params.max_tokens
     if total > max_len:

@@ -57,6 +57,8 @@ class ServedModel:
         params = SamplingParams() if sampling is None else (
             sampling if isinstance(sampling, SamplingParams) else SamplingParams.from_dict(sampling))
         params.validate(self.info.vocab_size)
+        params.validate_logprobs(self.cfg.model.max_logprobs)
+        params.validate_logit_bias(self.cfg.model.max_logit_bias, self.info.vocab_size - 1)
         return params
 
     def fit(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
