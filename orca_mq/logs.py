@@ -88,18 +88,31 @@ def summarize_ms(samples: Iterable[float]) -> dict[str, Any]:
 
 
 def server_marker(log_dir: str) -> Path:
-    """The file a running launcher keeps in its log dir: {"pid", "frontend_address", "http_address"}."""
+    """The file a running launcher keeps in its log dir: {"pid", "started", "frontend_address", "http_address"}."""
     return Path(log_dir) / "server.json"
 
 
+def process_started(pid: int) -> int | None:
+    """When process `pid` started (clock ticks since boot, Linux /proc): with the pid, a process's identity."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return int(stat[stat.rindex(")") + 2:].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def _running(log_dir: Path) -> bool:
+    """Its launcher still runs: the marker's pid is alive and, where the marker says when it started, the
+    same process (not a later one given the pid). Not by its command line: `python tools/launch.py` and
+    `python -m orca_mq.cli serve` need not name orca-mq."""
     import json
 
     try:
-        pid = int(json.loads(server_marker(str(log_dir)).read_text())["pid"])
-        return b"orca" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        marker = json.loads(server_marker(str(log_dir)).read_text())
+        started = process_started(int(marker["pid"]))
     except (OSError, ValueError, KeyError, TypeError):
         return False
+    return started is not None and marker.get("started", started) == started
 
 
 def choose_log_dir(template: str) -> Path:

@@ -34,7 +34,7 @@ from typing import Any
 import zmq
 
 from orca_mq.config import Config
-from orca_mq.logs import server_marker, setup_logging
+from orca_mq.logs import process_started, server_marker, setup_logging
 from orca_mq.protocol import ProtocolError, decode
 from orca_mq.protocol.client_msgs import Error, Ping, Pong
 from orca_mq.protocol.codec import channel
@@ -85,7 +85,8 @@ class Launcher:
         marker = server_marker(self.cfg.log.dir)
         try:
             if self.cfg.log.dir:  # `orca-mq logs` finds the running servers by it
-                marker.write_text(json.dumps({"pid": os.getpid(), "frontend_address": self.cfg.server.frontend_address,
+                marker.write_text(json.dumps({"pid": os.getpid(), "started": process_started(os.getpid()),
+                                              "frontend_address": self.cfg.server.frontend_address,
                                               "http_address": self.cfg.server.http_address}))
             self._start("broker")
             print(self._ready_line(), flush=True)
