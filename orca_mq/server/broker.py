@@ -83,6 +83,7 @@ class Broker:
         self.versions: dict[bytes, int] = {}       # client in `waiting` -> the protocol version it writes
         self.gone: dict[bytes, None] = {}
         self.fatal: str | None = None              # why the engine side is down (logged, never sent to clients)
+        self.frontend_seen = False                 # once it has been heard from, its absence is a failure, not the start
         self.server_id = uuid.uuid4().hex[:12]
         self.restarts = restarts
         self.capacity = cfg.server.max_waiting + cfg.scheduler.max_bs * cfg.engine.n_workers
@@ -149,16 +150,18 @@ class Broker:
             try:
                 await self.backend.send_multipart([FRONTEND, CLIENT, client, parts[0]])
             except zmq.ZMQError:  # the frontend is not connected (still starting, or gone)
+                text = STARTING_TEXT if self.restarts == 0 and not self.frontend_seen else UNAVAILABLE_TEXT
                 if isinstance(msg, Generate):
                     self._settle(client, msg.request_id)
-                    await self._reply(client, _failed(msg.request_id, UNAVAILABLE, UNAVAILABLE_TEXT), version)
+                    await self._reply(client, _failed(msg.request_id, UNAVAILABLE, text), version)
                 else:
-                    await self._reply(client, Error(UNAVAILABLE_TEXT, None, UNAVAILABLE), version)
+                    await self._reply(client, Error(text, None, UNAVAILABLE), version)
 
     async def _backend_loop(self) -> None:
         while True:
             frames = await self.backend.recv_multipart()
             source = frames[0]
+            self.frontend_seen = self.frontend_seen or source == FRONTEND
             try:
                 envelopes = parse_to_broker(frames[1:])
             except ProtocolError as e:
@@ -267,6 +270,7 @@ class Broker:
 
 
 UNAVAILABLE_TEXT = "server unavailable: restarting after a failure; retry shortly"
+STARTING_TEXT = "server unavailable: starting (the model is loading); retry shortly"
 OVERLOADED_TEXT = "server overloaded: too many requests waiting; retry later"
 
 

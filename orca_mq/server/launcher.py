@@ -15,7 +15,8 @@ and its share of the workers, the others only theirs (node_launcher.py). There a
 node fails the in-flight requests and stops the server (exit 1): workers on other hosts are not
 restarted from here.
 SIGINT/SIGTERM: drain (new requests refused, in-flight ones may finish for `server.drain_timeout`
-seconds, then aborted), stop every child, exit 0. A second signal stops at once.
+seconds, then aborted), stop every child, exit 0. A second signal stops at once. During start-up a
+signal stops every child and exits 128 + its number (130 for Ctrl-C): the server never served.
 """
 from __future__ import annotations
 
@@ -75,6 +76,7 @@ class Launcher:
 
     def _on_signal(self, signum: int, _frame: object) -> None:
         self.signals += 1
+        self.first_signal = self.first_signal or signum
         self.log.info("signal received", signal=signal.Signals(signum).name)
 
     def say(self, text: str) -> None:
@@ -94,7 +96,7 @@ class Launcher:
         except StartupError as e:
             self.log.error("start-up failed", error=str(e))
             self.say(f"error: {e}")
-            return 0 if self.signals else 1
+            return 128 + self.first_signal if self.signals else 1   # interrupted before serving: 130 for Ctrl-C
         except NodeError as e:
             self.log.error("nodes failed to meet", error=str(e))
             self.say(f"error: {e}")
