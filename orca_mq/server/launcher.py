@@ -68,6 +68,7 @@ class Launcher:
         self.ctx: zmq.Context[Any] = zmq.Context()
         self.link: SyncBrokerLink | None = None
         self.signals = 0
+        self.first_signal = 0
         self.restarts: deque[float] = deque()
         self.n_restarts = 0
         self.t0 = time.monotonic()
@@ -100,7 +101,7 @@ class Launcher:
         except NodeError as e:
             self.log.error("nodes failed to meet", error=str(e))
             self.say(f"error: {e}")
-            return 1
+            return 128 + self.first_signal if self.signals else 1
         finally:
             if self.nodes is not None and self.node_rank == 0:
                 self.nodes.report(STOPPED)
