@@ -114,3 +114,171 @@ def test_logs_reads_the_server_named_or_the_only_running_one(tmp_path):
     finally:
         launcher.kill()
         launcher.wait()
+
+
+def test_numeric_knobs_are_checked_at_once():
+    from orca_mq.config import RANGES, numeric_keys
+
+    assert set(RANGES) == set(numeric_keys()), "every int and float knob needs its range in orca_mq/config.py RANGES"
+    for args, words in ((["--set", "scheduler.max_bs=-3"], "scheduler.max_bs must be >= 1, got -3"),
+                        (["--set", "server.drain_timeout=nan"], "server.drain_timeout must be >= 0"),
+                        (["--set", "server.node_rank=1"], "below server.nnodes")):
+        _one_line(_run(*LAUNCH, *args), 1, words)
+
+
+def test_serve_flags_for_the_http_api():
+    from orca_mq.cli import _config, build_parser
+
+    def cfg(*argv: str):
+        return _config(build_parser().parse_args(["serve", *argv])).server
+
+    assert cfg("--host", "0.0.0.0").http_address == "0.0.0.0:8000"   # the configured port on that host
+    assert cfg("--host", "::", "--http-port", "8100").http_address == "[::]:8100"
+    assert cfg("--http-port", "8100").http_address == "127.0.0.1:8100"
+    assert cfg("--served-model-name", "smol", "org/model").served_names() == ("smol", "org/model")
+    assert cfg().served_names() == ()
+    _one_line(_run(*LAUNCH, "--served-model-name", "a,b"), 2, "without commas")
+    _one_line(_run(*LAUNCH, "--host", "0.0.0.0", "--set", "server.http_address="), 1, "--host needs the HTTP API")
+
+
+def test_model_directory_and_hub_id_mistakes_say_what_is_wrong(tmp_path):
+    import json
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 10, "hidden_size": 8}))
+    logs = f"log.dir={tmp_path}/logs/{{port}}"
+    _one_line(_run(*LAUNCH, "--model", str(hf), "--port", str(free_port()), "--set", logs), 1,
+              f"{hf / 'config.json'} lacks the key 'num_attention_heads'")
+    _one_line(_run(*LAUNCH, "--model", "HuggingFaceTB/SmolLM2-135M", "--port", str(free_port()), "--set", logs), 1,
+              "does not exist: HuggingFaceTB/SmolLM2-135M", "hub id", "does not download")
+
+
+def test_ctrl_c_during_start_up_exits_130(tmp_path):
+    import signal
+    import time
+
+    proc = subprocess.Popen([*LAUNCH, "--port", str(free_port()), "--set", "server.http_address=",
+                             "--set", f"log.dir={tmp_path}/{{port}}"], cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert proc.stderr is not None
+        deadline = time.monotonic() + 60
+        while "loading the model" not in proc.stderr.readline():   # the broker is up, the workers are starting
+            assert time.monotonic() < deadline and proc.poll() is None
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 130
+        out, err = proc.communicate()
+        assert "ready on" not in out and "interrupted during start-up" in err and "Traceback" not in err, err
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_client_address_mistakes_are_one_line_and_quick():
+    import time
+
+    client = [*LAUNCH[:-1], str(ROOT / "tools" / "client.py"), "--prompt", "x"]
+    _one_line(_run(*client, "--address", "http://127.0.0.1:8000/v1"), 1, "HTTP URL", "--port")
+    _one_line(_run(*client, "--address", "localhost"), 1, "expected tcp://HOST:PORT")
+    t0 = time.monotonic()   # host:port without tcp://, and nothing there: said within seconds
+    out = _run(*client, "--address", f"localhost:{free_port()}")
+    assert time.monotonic() - t0 < 12, "the client waited for its liveness timeout"
+    assert out.returncode == 1 and "no orca-mq server answers at tcp://localhost:" in out.stderr and "--port" in out.stderr
+    assert "Traceback" not in out.stderr, out.stderr
+
+
+class _FakeBroker:
+    """A ROUTER on a free port that answers pings, records what clients send and never answers a request."""
+
+    def __init__(self) -> None:
+        import threading
+
+        import zmq
+
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.seen: list[str] = []
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        from orca_mq.protocol import encode, unpack
+        from orca_mq.protocol.client_msgs import Pong
+
+        while not self.stopping.is_set():
+            if not self.sock.poll(100):
+                continue
+            client, payload = self.sock.recv_multipart()
+            body = unpack(payload)
+            self.seen.append(body["type"])
+            if body["type"] == "ping":
+                self.sock.send_multipart([client, encode(Pong(body["nonce"], "fake", 0))])
+
+    def wait_for(self, kind: str, timeout: float = 30) -> None:
+        import time
+
+        deadline = time.monotonic() + timeout
+        while kind not in self.seen:
+            assert time.monotonic() < deadline, (kind, self.seen)
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        self.stopping.set()
+        self.thread.join()
+        self.sock.close(linger=0)
+        self.ctx.term()
+
+
+def test_ctrl_c_in_the_client_is_one_line_and_status_130():
+    """Ctrl-C while a request waits: `orca-mq client` (streaming or --json) prints one line and exits 130,
+    the request is aborted; a program around Client.stream gets the KeyboardInterrupt itself."""
+    import signal
+
+    library = ("import sys\nfrom orca_mq.client import Client\n"
+               "with Client(sys.argv[1]) as c:\n"
+               "    try:\n"
+               "        for ev in c.stream('x', max_tokens=4):\n"
+               "            pass\n"
+               "    except KeyboardInterrupt:\n"
+               "        print('caught KeyboardInterrupt')\n")
+    runs = {"stream": ["--port"], "json": ["--json", "--port"], "library": None}
+    for name, flags in runs.items():
+        broker = _FakeBroker()
+        try:
+            cmd = ([sys.executable, "-c", library, f"tcp://127.0.0.1:{broker.port}"] if flags is None else
+                   [sys.executable, "-m", "orca_mq.cli", "client", "--prompt", "x", *flags, str(broker.port)])
+            proc = subprocess.Popen(cmd, cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            broker.wait_for("generate")
+            proc.send_signal(signal.SIGINT)
+            out, err = proc.communicate(timeout=30)
+            broker.wait_for("abort", timeout=10)   # the request was aborted on the way out
+        finally:
+            broker.close()
+        assert "Traceback" not in err, (name, err)
+        if flags is None:
+            assert (proc.returncode, out.strip(), err) == (0, "caught KeyboardInterrupt", ""), (name, proc.returncode, out, err)
+        else:
+            assert proc.returncode == 130 and err.strip() == "orca-mq client: interrupted", (name, proc.returncode, err)
+
+
+def test_logs_knows_a_launcher_whatever_its_command_line(tmp_path):
+    """`python tools/launch.py` names no orca-mq on its command line: the marker's pid and start time say it
+    runs; a marker whose pid now belongs to another process (another start time) is not a running server."""
+    import json
+
+    from orca_mq.logs import _running, process_started
+
+    stand_in = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        (tmp_path / "server.json").write_text(json.dumps({"pid": stand_in.pid, "started": process_started(stand_in.pid)}))
+        assert _running(tmp_path)
+        (tmp_path / "server.json").write_text(json.dumps({"pid": stand_in.pid, "started": 1}))
+        assert not _running(tmp_path)
+    finally:
+        stand_in.kill()
+        stand_in.wait()
+    (tmp_path / "server.json").write_text(json.dumps({"pid": stand_in.pid, "started": process_started(stand_in.pid)}))
+    assert not _running(tmp_path)

@@ -179,3 +179,35 @@ def test_one_message_carries_frames_for_many_clients(broker):
         assert decode(_recv(client)[0], TO_CLIENT) == Outputs([f"r{i}"], [[i]], ["x"], [Final("length")])
     assert "not a client message" in decode(_recv(frontend, 3)[2], channel(Error)).error
     assert _tracked(clients[0], frontend) == 0
+
+
+def test_without_a_frontend_the_broker_says_starting_until_one_was_there(tmp_path):
+    """A first start is not a failure: until the frontend has been heard from, requests are refused as
+    `starting`; once it was there and is gone, as a restart after a failure."""
+    cfg = Config()
+    cfg.server.frontend_address = f"tcp://127.0.0.1:{free_port()}"
+    cfg.server.backend_address = f"ipc://{tmp_path}/backend"
+    cfg.log.dir = str(tmp_path / "logs")
+    proc = subprocess.Popen([sys.executable, "-m", "orca_mq.server.broker", "--config-json", json.dumps(cfg.to_dict())], cwd=ROOT)
+    ctx = zmq.Context()
+    try:
+        client = _client(ctx, cfg)
+        client.send(encode(Generate("r1", prompt="hi")))
+        first = decode(_recv(client)[0], TO_CLIENT)
+        assert (first.finish_reason, first.code) == ("error", "unavailable") and "starting" in first.error, first
+        frontend = ctx.socket(zmq.DEALER)
+        frontend.setsockopt(zmq.ROUTING_ID, b"frontend")
+        frontend.setsockopt(zmq.LINGER, 0)
+        frontend.connect(cfg.server.backend_address)
+        frontend.send_multipart([BROKER, b"", encode(Ping(1))])
+        _recv(frontend, 3)
+        frontend.close()
+        time.sleep(0.3)  # the broker's ROUTER notices the close
+        client.send(encode(Generate("r2", prompt="hi")))
+        later = decode(_recv(client)[0], TO_CLIENT)
+        assert later.code == "unavailable" and "restarting after a failure" in later.error, later
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        ctx.destroy(linger=0)
+    assert proc.returncode == 0

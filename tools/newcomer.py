@@ -11,8 +11,8 @@ every example of the README against that server, then make the mistakes a new us
    answer an error object. Skipped, and said so: placeholders (`/path/to/`), other hosts'
    launchers, tensor parallelism, benchmarks and their peer, the test suite (tests/ runs it).
 3. The mistakes: `max_tokens` 1e30 over HTTP and from the Python client, a misspelt field, empty
-   and corrupt .gguf files, a directory without config.json, a port out of range, each busy port,
-   two clients with one request id; and after all of it, no traceback on any server's terminal, the
+   and corrupt .gguf files, a directory without config.json, a hub id, a negative max_bs, a port out
+   of range, each busy port, a client given an http:// URL or the HTTP port, two clients with one request id; and after all of it, no traceback on any server's terminal, the
    dtype choice in the logs.
 
 Prints a table (ok / FAIL / skip per step) and writes JSON (`--out`); exit status 1 if a step failed.
@@ -174,9 +174,17 @@ class Newcomer:
                             ("--set server.http_address=localhost:99999", "1-65535"),
                             (f"--model {bad / 'empty.gguf'} {elsewhere}", "not a readable GGUF"),
                             (f"--model {bad / 'corrupt.gguf'} {elsewhere}", "not a readable GGUF"),
-                            (f"--model {bad / 'hf'} {elsewhere}", "without config.json")):
+                            (f"--model {bad / 'hf'} {elsewhere}", "without config.json"),
+                            (f"--model HuggingFaceTB/SmolLM2-135M {elsewhere}", "does not download"),
+                            (f"--set scheduler.max_bs=-3 {elsewhere}", "scheduler.max_bs must be >= 1")):
             self.step(f"orca-mq serve {args.split(' --port')[0] if '--model' in args else args}: one line", self.one_line,
                       f"{_orca_mq()} serve {args}", words)
+        client = f"{_orca_mq()} client --prompt hi --max-tokens 2"
+        self.step("orca-mq client --address http://...: one line naming --port", self.one_line,
+                  f"{client} --address http://127.0.0.1:{http_port}/v1", "--port")
+        self.step("orca-mq client --address at the HTTP port: one line within seconds", self.one_line,
+                  f"{client} --address 127.0.0.1:{http_port}", "no orca-mq server answers")
+        self.step("orca-mq client --address host:port (no tcp://)", self.shell, f"{client} --address 127.0.0.1:{zmq_port}", 60)
         after = {p.name: p.stat().st_size for p in log_dir.glob("*.log")}
         self.step("the refused launches wrote nothing into the running server's logs", _same, after, before)
         self.step("the model.dtype=auto choice is in the logs", self.dtype_logged, log_dir)
