@@ -1,8 +1,8 @@
 """The CPU kernels of csrc/ (the paged decode attention, a Llama layer's elementwise ops, few-row GEMMs), one
 extension built on first use.
 
-torch.utils.cpp_extension compiles it once per machine and source (about 40 s, with the machine's
-own vector width) into torch's extension cache; later processes load the cached build, and
+torch.utils.cpp_extension compiles it once per machine, environment and source (about 40 s, with the
+machine's own vector width; one line on stderr says so) into torch's extension cache; later processes load the cached build, and
 concurrent builders wait on its lock. The sources are built inline (copied into the cache's own
 directory) under a name carrying their hash: checkouts at other paths or with another version of the
 kernels share or keep their builds instead of rebuilding over each other. `load()` returns None when
@@ -16,6 +16,9 @@ import hashlib
 import logging
 import os
 import platform
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -24,17 +27,38 @@ SOURCES = [CSRC / "paged_decode_cpu.cpp", CSRC / "layer_ops_cpu.cpp", CSRC / "li
 # -ffast-math lets gcc vectorize exp and the dot-product reductions; the kernel keeps its
 # arithmetic finite (no inf sentinel) so that flag is safe
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
+LDFLAGS = ["-fopenmp"]
 
 
 def _build_name(source: str) -> str:
     """-march=native code must not load on another CPU sharing the cache (a network home, an image):
-    the name, hence the cache directory, carries the CPU's instruction-set flags and the source's hash."""
+    the name, hence the cache directory, carries the CPU's instruction-set flags and the source's hash;
+    and the environment's build (`_environment`), so that two environments on one machine keep a build
+    each instead of rebuilding over each other at every start (ninja rebuilds when its command changes)."""
     try:
         flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
     except (OSError, StopIteration):
         flags = platform.processor()
-    digest = hashlib.sha1((flags + source).encode()).hexdigest()[:12]
+    digest = hashlib.sha1("\0".join([flags, _environment(), source]).encode()).hexdigest()[:12]
     return f"orca_mq_cpu_kernels_{platform.machine()}_{digest}"
+
+
+@functools.cache
+def _environment() -> str:
+    """What the build command depends on beside the source: torch (version and install, whose headers and
+    libraries it names), Python's headers, the compiler (torch's choice: $CXX or c++, and its version) and
+    the flags."""
+    import sysconfig
+
+    import torch
+
+    compiler = os.environ.get("CXX", "c++")
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        version = ""   # no compiler: the build fails and says so
+    return repr((torch.__version__, str(Path(torch.__file__).parent), sysconfig.get_paths().get("include"),
+                 compiler, shutil.which(compiler), version, CFLAGS, LDFLAGS))
 
 
 @functools.cache
@@ -61,8 +85,11 @@ def load() -> ModuleType | None:
         with open(build_dir.parent / f".{name}.flock", "w") as baton:
             fcntl.flock(baton, fcntl.LOCK_EX)
             (build_dir / "lock").unlink(missing_ok=True)
+            if not (build_dir / f"{name}.so").exists():
+                print(f"orca-mq: building the CPU kernels for this CPU and environment (once, 20-40 s; cached in "
+                      f"{build_dir})", file=sys.stderr, flush=True)
             module = load_inline(name=name, cpp_sources=[source], extra_cflags=CFLAGS,
-                                 extra_ldflags=["-fopenmp"], no_implicit_headers=True, verbose=False)
+                                 extra_ldflags=LDFLAGS, no_implicit_headers=True, verbose=False)
     except Exception as e:  # noqa: BLE001 - any build failure means: use the torch path
         logging.getLogger(__name__).warning("CPU kernels unavailable, using torch's ops (gather + SDPA): %s", e)
         return None

@@ -74,3 +74,27 @@ def test_a_builder_killed_mid_build_does_not_hang_later_loads():
                            capture_output=True, text=True, timeout=300, cwd=Path(cpu_kernels.__file__).parents[1])
     assert probe.stdout.strip() == "True", probe.stderr
     assert not stale.exists()
+
+
+def test_the_build_is_keyed_by_its_environment_and_says_when_it_builds(tmp_path, monkeypatch, capsys):
+    """Two environments on one machine (another torch, compiler or flags) keep a build each instead of
+    rebuilding over each other; a build prints one line (it takes a while)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import torch.utils.cpp_extension as cpp_extension
+
+    name = cpu_kernels._build_name(cpu_kernels.source_text())
+    probe = "from kernels import cpu_kernels as k; print(k._build_name(k.source_text()))"
+    for env in ({}, {"CXX": "another-c++"}):
+        other = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                               env=os.environ | env, cwd=Path(cpu_kernels.__file__).parents[1])
+        assert (other.stdout.strip() == name) == (not env), other.stderr
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))   # nothing built there: load() builds
+    built = []
+    monkeypatch.setattr(cpp_extension, "load_inline", lambda **kw: built.append(kw["name"]) or "the extension")
+    assert cpu_kernels.load.__wrapped__() == "the extension" and built == [name]
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "building the CPU kernels" in lines[0] and str(tmp_path) in lines[0], lines
