@@ -37,6 +37,7 @@ from orca_mq.protocol import ProtocolError, decode, encode
 from orca_mq.protocol.client_msgs import TO_CLIENT, Abort, Generate, Output, Outputs, Ping, Pong, Stats, StatsReply, events
 from orca_mq.protocol.common_msgs import ABORTED, INVALID_REQUEST, UNAUTHORIZED, UNAVAILABLE, Error
 from orca_mq.errors import InvalidRequest
+from orca_mq.protocol.logprobs import Logprobs
 from orca_mq.protocol.sampling import SamplingParams
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:5555"
@@ -68,10 +69,18 @@ class StreamEvent:
     error: str | None = None
     metrics: dict[str, Any] | None = None  # final event: server-side timings and token counts
     code: str | None = None               # final "error" / "abort" event: a stable common_msgs code
+    logprobs: Logprobs | None = None      # token_ids' log probabilities (sampling `logprobs=k`)
+    prompt_logprobs: Logprobs | None = None  # with the first tokens: the prompt's (`prompt_logprobs=k`)
 
 
 def _final_error(request_id: str, error: str, code: str) -> StreamEvent:
     return StreamEvent(request_id, [], "", True, "error", error, code=code)
+
+
+def _checked(out: Output) -> tuple[Logprobs | None, Logprobs | None]:
+    """An output's log probabilities, dropped when their columns disagree (a frame from the wire)."""
+    return tuple(lp if lp is not None and lp.consistent() else None  # type: ignore[return-value]
+                 for lp in (out.logprobs, out.prompt_logprobs))
 
 
 class AsyncClient:
@@ -152,11 +161,17 @@ class AsyncClient:
         """Run a request to the end and return everything it produced."""
         text: list[str] = []
         ids: list[int] = []
+        logprobs: Logprobs | None = None
+        prompt_logprobs: Logprobs | None = None
         async for ev in self.stream(prompt, **kwargs):
             text.append(ev.text)
             ids.extend(ev.token_ids)
+            if ev.logprobs is not None:
+                logprobs = ev.logprobs if logprobs is None else (logprobs.extend(ev.logprobs) or logprobs)
+            prompt_logprobs = ev.prompt_logprobs or prompt_logprobs
             if ev.finished:
-                return RequestOutput(ev.request_id, "".join(text), ids, ev.finish_reason, ev.error, ev.metrics, ev.code)
+                return RequestOutput(ev.request_id, "".join(text), ids, ev.finish_reason, ev.error, ev.metrics, ev.code,
+                                     logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         raise RuntimeError("stream ended without a final event")
 
     async def abort(self, request_id: str) -> None:
@@ -196,7 +211,8 @@ class AsyncClient:
             if isinstance(msg, (Output, Outputs)):  # `outputs`: one iteration, a row per request of ours it moved
                 for out in events(msg):
                     self._deliver(out.request_id, StreamEvent(out.request_id, out.token_ids, out.text, out.finished,
-                                                              out.finish_reason, out.error, out.metrics, out.code))
+                                                              out.finish_reason, out.error, out.metrics, out.code,
+                                                              *_checked(out)))
             elif isinstance(msg, Error) and msg.request_id is not None:
                 self._deliver(msg.request_id, _final_error(msg.request_id, msg.error, msg.code))
             elif isinstance(msg, StatsReply):

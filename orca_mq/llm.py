@@ -13,6 +13,7 @@ from orca_mq.engine.model_runner import Launched, ModelRunner
 from orca_mq.errors import InvalidRequest
 from orca_mq.outputs import RequestOutput
 from orca_mq.protocol.iteration import IterationResult
+from orca_mq.protocol.logprobs import Logprobs, TokenLogprobs
 from orca_mq.protocol.sampling import SamplingParams
 from orca_mq.sched import make_scheduler
 
@@ -30,6 +31,8 @@ class LLM:
         self.info, self.tokenizer = self.model.info, self.model.tokenizer
         self.runner = ModelRunner(self.cfg, info=self.info)
         self.scheduler = make_scheduler(self.cfg, self.info)
+        self._logprobs: dict[str, list[TokenLogprobs | None]] = {}   # the events' (sampled, prompt), by request
+        self._texts: dict[int, str] = {}
         self.run_until_done()   # a policy that needs this engine's iteration profile times its probes now
         self._ids = itertools.count()
 
@@ -48,9 +51,34 @@ class LLM:
         return [
             RequestOutput(r.request_id, self.tokenizer.decode(r.output_token_ids, skip_special_tokens=True),
                           r.output_token_ids, r.finish_reason, prompt_token_ids=r.prompt_token_ids,
-                          metrics=None if r.grammar is None else {"structured_output": r.grammar.report()})
+                          metrics=None if r.grammar is None else {"structured_output": r.grammar.report()},
+                          **self._outputs_logprobs(r.request_id, r.params, r.prompt_token_ids))
             for r in reqs
         ]
+
+    def _outputs_logprobs(self, rid: str, params: SamplingParams, prompt: list[int]) -> dict[str, Logprobs | None]:
+        """A finished request's log probabilities, as the server's client gets them."""
+        sampled, prompt_lp = self._logprobs.pop(rid, [None, None])
+        return {"logprobs": None if params.logprobs is None else Logprobs.decoded(sampled or TokenLogprobs(), self._text),
+                "prompt_logprobs": None if params.prompt_logprobs is None or not prompt
+                else Logprobs.prompt(prompt[0], prompt_lp, self._text)}
+
+    def _text(self, token_id: int) -> str:
+        if (text := self._texts.get(token_id)) is None:
+            text = self._texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False) or ""
+        return text
+
+    def _keep_logprobs(self, events: list[Any]) -> None:
+        for e in events:
+            if e.logprobs is None and e.prompt_logprobs is None:
+                continue
+            kept = self._logprobs.setdefault(e.request_id, [None, None])
+            if e.logprobs is not None:
+                if kept[0] is None:
+                    kept[0] = TokenLogprobs()
+                kept[0].extend(e.logprobs)
+            if e.prompt_logprobs is not None:
+                kept[1] = e.prompt_logprobs
 
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
              params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
@@ -66,6 +94,8 @@ class LLM:
         launched: deque[Launched] = deque()
         while True:
             out = self.scheduler.step(time.monotonic(), results)
+            if out.events:
+                self._keep_logprobs(out.events)
             launched.extend(self.runner.launch(plan) for plan in out.plans)
             if not launched:
                 if self.scheduler.has_work():

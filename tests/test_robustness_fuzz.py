@@ -16,6 +16,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from orca_mq.engine.logprobs import sampled_logprobs
 from orca_mq.engine.sampler import SamplingRows, failed_rows, sample
 from orca_mq.protocol import ProtocolError, decode, encode
 from orca_mq.protocol import client_msgs, control_msgs, engine_msgs
@@ -43,7 +44,7 @@ VALUES = st.recursive(SCALARS, lambda inner: st.one_of(
 def near_valid_frames(draw: st.DrawFn) -> bytes:
     """A header of a real type (or a broken one) and that type's field names with arbitrary values."""
     name = draw(st.sampled_from(sorted(_REGISTRY)))
-    body: dict[object, object] = {"v": draw(st.one_of(st.sampled_from([1, 2, 3, 4, 4, 4]), VALUES)),
+    body: dict[object, object] = {"v": draw(st.one_of(st.sampled_from([1, 2, 3, 4, 4, 5, 5]), VALUES)),
                                   "type": draw(st.one_of(st.just(name), st.just(name), VALUES))}
     for f in dataclasses.fields(_REGISTRY[name]):
         if draw(st.integers(0, 9)):  # mostly present
@@ -72,11 +73,13 @@ def test_any_frame_decodes_or_raises_protocol_error(frame: bytes, accepted: froz
 
 ANY = st.one_of(INTS, FLOATS, st.booleans(), st.none(), st.text(max_size=5), st.lists(st.one_of(INTS, FLOATS), max_size=3))
 TYPED = {"max_tokens": INTS, "temperature": FLOATS, "top_k": INTS, "top_p": FLOATS, "seed": st.one_of(st.none(), INTS),
-         "ignore_eos": st.booleans(), "stop_token_ids": st.lists(st.one_of(st.integers(0, 600), INTS, st.booleans()), max_size=4)}
+         "ignore_eos": st.booleans(), "stop_token_ids": st.lists(st.one_of(st.integers(0, 600), INTS, st.booleans()), max_size=4),
+         "logprobs": st.one_of(st.none(), st.integers(-2, 25), INTS), "prompt_logprobs": st.one_of(st.none(), st.integers(-2, 25), INTS)}
 SAMPLING = st.one_of(
-    st.fixed_dictionaries({k: TYPED[k] for k in ("temperature", "top_k", "top_p", "seed")}),  # what the sampler reads
+    st.fixed_dictionaries({k: TYPED[k] for k in ("temperature", "top_k", "top_p", "seed", "logprobs")}),  # what the sampler reads
     st.fixed_dictionaries({}, optional={**{k: st.one_of(v, ANY) for k, v in TYPED.items()}, "best_of": INTS}))
 VOCAB = 512
+MAX_LOGPROBS = 20   # model.max_logprobs' default
 
 
 @settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -85,9 +88,11 @@ def test_what_validation_accepts_the_sampler_runs(data: dict[str, object], seed:
     try:
         params = SamplingParams.from_dict(data)
         params.validate(VOCAB)
+        params.validate_logprobs(MAX_LOGPROBS)   # admission's bound (model.max_logprobs)
     except InvalidRequest:
         return  # rejected: InvalidRequest and nothing else
     seq = SeqWork("r", [1], seq_len - 1, [0], params.temperature, params.top_k, params.top_p, params.seed)
+    seq.logprobs = -1 if params.logprobs is None else params.logprobs
     plan = IterationPlan(1, [seq, SeqWork("other", [2], 0, [1], 0.8, 40, 0.9, 7)])
     wire = decode(encode(engine_msgs.ControlFrame(pack(plan), 0.0)), channel(engine_msgs.ControlFrame)).plan
     rows = SamplingRows.of(wire.arrays())   # it travels to the worker unchanged, as float32 / int32 / int64
@@ -101,4 +106,11 @@ def test_what_validation_accepts_the_sampler_runs(data: dict[str, object], seed:
         assert tokens[0] in logits[0].topk(min(params.top_k, VOCAB)).indices.tolist()
     if params.temperature > 0:  # one the requested distribution can draw (a NaN overflow picks any)
         assert (logits[0].double() / params.temperature).softmax(-1)[tokens[0]] > 0
+    lp = sampled_logprobs(logits, drawn.tokens, wire.arrays(), np.arange(2))   # the last stage's, where asked
+    if params.logprobs is None:
+        assert lp is None
+    else:
+        (entry,) = lp.copy().entries([tokens[0]])
+        assert entry.token_ids == [tokens[0]] and len(entry.top_ids[0]) == params.logprobs
+        assert math.isfinite(entry.logprobs[0]) and entry.logprobs[0] <= 0
     assert math.isfinite(params.temperature) and (params.max_tokens is None or params.max_tokens >= 1)  # None: the rest of the context

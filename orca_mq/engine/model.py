@@ -2,7 +2,8 @@
 
 All tokens of the iteration flow as one [T, hidden] tensor through embeddings, norms, QKV/out
 projections, MLP and residual adds; only attention is split per request (the backend of attention/); the LM
-head runs only on the last token of each request that samples (a prompt chunk with more to come does not).
+head runs only on the last token of each request that samples (a prompt chunk with more to come does not),
+and on the prompt positions of a request that asks for prompt logprobs (a call of its own).
 """
 from __future__ import annotations
 
@@ -58,7 +59,13 @@ class StageModel:
             h, delta = layer(h, delta, w, meta, *kv.layer(i))
         if not self.last:
             return h if delta is None else h + delta
-        rows = meta.logit_rows
+        logits = self._head(h, delta, meta.logit_rows)
+        if meta.prompt_rows is not None:   # prompt logprobs: their rows in an LM-head call of their own, after
+            logits = torch.cat((logits, self._head(h, delta, meta.prompt_rows)))
+        return logits
+
+    def _head(self, h: Tensor, delta: Tensor | None, rows: Tensor) -> Tensor:
+        """The final norm and the LM head over the token rows `rows`: logits [len(rows), vocab]."""
         norm = self.w.final_norm
         assert norm is not None
         h, delta = h.index_select(0, rows), None if delta is None else delta.index_select(0, rows)

@@ -28,6 +28,7 @@ from orca_mq.kv.swapper import KVSwapper
 from orca_mq.engine.model import StageModel
 from orca_mq.engine.parallel import TensorParallel, TPGroup
 from orca_mq.engine.sampler import SamplingRows, failed_rows, greedy, sample
+from orca_mq.engine.logprobs import LogprobsOut, fill_result, prompt_logprobs, prompt_positions, sampled_logprobs
 from orca_mq.runtime.threads import use_threads
 from orca_mq.engine.model_info import ModelInfo, read_model_info
 from orca_mq.engine.weights import MATRICES, StageWeights, load_stage_weights
@@ -147,15 +148,28 @@ class ModelRunner:
                 swapper.computed(packed)
         if not self.last or self.tp.where.rank != 0:
             return Launched(a, out if not self.last else None)
-        drawn = sample(out, SamplingRows.of(a), first)
+        rows = SamplingRows.of(a)
+        logits, extra = (out, None) if out.shape[0] == len(rows) else (out[:len(rows)], out[len(rows):])
+        drawn = sample(logits, rows, first)
         self._prev = (packed.iteration, drawn.tokens)
+        logprobs = self._logprobs(a, logits, drawn.tokens, extra)
         back, event = drawn.back, None
         if back.is_cuda:
             host = torch.empty(back.shape, dtype=back.dtype, pin_memory=True)   # the caching host allocator's
             back = host.copy_(back, non_blocking=True)
+            logprobs = [None if x is None else x.copy() for x in logprobs]
             event = torch.cuda.Event()
             event.record()
-        return Launched(a, back, event, drawn.failed, unfilled)
+        return Launched(a, back, event, drawn.failed, unfilled, logprobs)
+
+    @staticmethod
+    def _logprobs(a: PlanArrays, logits: Tensor, tokens: Tensor, extra: Tensor | None) -> list[LogprobsOut | None]:
+        """The rows' log probabilities where asked (sampled tokens', prompt positions'), issued on the device."""
+        if a.logprobs is None:
+            return []
+        positions = prompt_positions(a)
+        prompt = None if positions is None or extra is None else prompt_logprobs(extra, positions)
+        return [sampled_logprobs(logits, tokens, a, np.flatnonzero(a.sample)), prompt]
 
     def collect(self, launched: Launched) -> Tensor | IterationResult | None:
         """The launched iteration's hidden states or tokens (waits for the device)."""
@@ -171,7 +185,10 @@ class ModelRunner:
         for k, r in enumerate(sampling):
             ids[r] = tokens[k]
         failed = sorted({sampling[k] for k in failed_rows(ok, launched.failed)} | set(launched.unfilled))
-        return IterationResult(a.plan.iteration, list(rids), ids, [rids[r] for r in failed])
+        result = IterationResult(a.plan.iteration, list(rids), ids, [rids[r] for r in failed])
+        if launched.logprobs:
+            fill_result(result, *launched.logprobs)
+        return result
 
     def prepare(self, plan: PackedPlan) -> None:
         """Start the plan's KV copies ahead of its compute (the controller calls it on frame arrival)."""
@@ -200,11 +217,15 @@ class ModelRunner:
         prev, unfilled = self._filler(a)
         if unfilled:
             step.fields["fill_dst"] = step.fields["fill_src"] = np.zeros(0, np.int64)
-        if self.first and hidden_in is None and self.graphs is not None and (bucket := self.graphs.fits(step)) is not None:
+        positions = prompt_positions(a) if self.last else None   # prompt logprobs: extra LM-head rows, eagerly
+        if (positions is None and self.first and hidden_in is None and self.graphs is not None
+                and (bucket := self.graphs.fits(step)) is not None):
             logits, first = self.graphs.run(step, bucket, prev)
             return logits[: len(step.fields["logit_rows"])], first, unfilled
         lay = step.layout()
         dev = metadata(step, lay, self.stager.stage(step, lay))
+        if positions is not None:
+            dev.meta.prompt_rows = torch.from_numpy(positions.token_rows).to(self.device)
         fill(dev.token_ids, dev.fill_dst, dev.fill_src, prev)
         if self.first:
             inputs = dev.token_ids
@@ -264,3 +285,4 @@ class Launched:
     event: "torch.cuda.Event | None" = None
     failed: list[int] = field(default_factory=list)     # sampling rows whose sampling raised
     unfilled: list[int] = field(default_factory=list)   # plan rows whose token could not be filled
+    logprobs: list[LogprobsOut | None] = field(default_factory=list)   # (sampled, prompt) where rows ask

@@ -220,8 +220,9 @@ class BlockManager(BlockTables):
             self.pending -= n
 
     def _prompt_hashes(self, req: KVRequest) -> list[bytes]:
-        """Hashes of its prompt's blocks before the one holding its last token."""
-        if self.seed is None:
+        """Hashes of its prompt's blocks before the one holding its last token (none to look up
+        for a request that computes its whole prompt)."""
+        if self.seed is None or not req.reads_prefix_cache:
             return []
         cap = (len(req.prompt_token_ids) - 1) // self.block_size
         return extend_chain(req.kv_hashes, req.prompt_token_ids, self.block_size, cap, self.seed)[:cap]

@@ -33,3 +33,9 @@ class KVRequest(Protocol):
 
     @property
     def prompt_pending(self) -> bool: ...
+
+    @property
+    def reads_prefix_cache(self) -> bool:
+        """Whether it may take its prompt's K/V from the prefix cache (not when every prompt
+        position's logits are asked for: those are computed)."""
+        ...

@@ -10,7 +10,9 @@ carry a stable `code`.
 Streaming is per iteration (protocol v4): a client whose `generate` said v4 gets one `outputs` frame
 per iteration holding every one of its requests that the iteration moved. The server answers each
 frame in the version the client wrote it in, so an older client (v1-v3) gets per-request `output`
-frames, without the fields added after its version.
+frames, without the fields added after its version. Version 5 adds log probabilities (a request's
+`logprobs` / `prompt_logprobs` sampling fields): `output.logprobs`, `output.prompt_logprobs` and the
+same as optional columns of `outputs` (orca_mq.protocol.logprobs.Logprobs, each token's text beside its id).
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from typing import Any
 
 from orca_mq.protocol.codec import added, channel, message
 from orca_mq.protocol.common_msgs import Error
+from orca_mq.protocol.logprobs import Logprobs
 
 
 @message("generate")
@@ -65,6 +68,8 @@ class Output:
     error: str | None = None
     metrics: dict[str, Any] | None = None
     code: str | None = added(2, default=None)   # a common_msgs code on an "error" or "abort" final
+    logprobs: Logprobs | None = added(5, default=None)          # token_ids' log probabilities, when asked
+    prompt_logprobs: Logprobs | None = added(5, default=None)   # the prompt's, with the first tokens, when asked
 
 
 @dataclass(slots=True)
@@ -77,7 +82,8 @@ class Final:
     code: str | None = None               # a common_msgs code on an "error" or "abort" final
 
 
-@message("outputs", since=4, columns=("request_ids", "token_ids", "texts", "finals"))
+@message("outputs", since=4, columns=("request_ids", "token_ids", "texts", "finals"),
+         optional_columns=("logprobs", "prompt_logprobs"))
 @dataclass(slots=True)
 class Outputs:
     """One iteration's news for one client, a row per request it moved: request_ids[i] got
@@ -87,10 +93,18 @@ class Outputs:
     token_ids: list[list[int]]
     texts: list[str]
     finals: list[Final | None]
+    # v5, where a row asks: empty (no row has any) or a column (None in the rows without)
+    logprobs: list[Logprobs | None] = added(5, default_factory=list)
+    prompt_logprobs: list[Logprobs | None] = added(5, default_factory=list)
 
     def rows(self) -> list[Output]:
         """Each row as the `output` frame it stands for (and an older client reads)."""
-        return [as_output(*row) for row in zip(self.request_ids, self.token_ids, self.texts, self.finals)]
+        outs = [as_output(*row) for row in zip(self.request_ids, self.token_ids, self.texts, self.finals)]
+        for out, lp in zip(outs, self.logprobs):
+            out.logprobs = lp
+        for out, lp in zip(outs, self.prompt_logprobs):
+            out.prompt_logprobs = lp
+        return outs
 
 
 def events(msg: Any) -> list[Any]:

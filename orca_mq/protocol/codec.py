@@ -13,7 +13,8 @@ dataclasses, found from the annotations), so a list of token ids costs msgpack's
 
 Version 2 added optional fields (Error.code, Output.code); version 3 added Generate.api_key and
 Stats.api_key (and the code `unauthorized`); version 4 added `outputs` (one frame per client per
-iteration, client_msgs). An older frame still decodes, with the newer fields' defaults, and
+iteration, client_msgs); version 5 added log probabilities to `output` and `outputs`
+(orca_mq.protocol.logprobs). An older frame still decodes, with the newer fields' defaults, and
 `encode(msg, version)` writes a frame an older peer reads: without the fields added after it.
 """
 from __future__ import annotations
@@ -29,8 +30,8 @@ import msgpack
 
 from orca_mq.short_repr import short_repr
 
-PROTOCOL_VERSION = 4
-SUPPORTED_VERSIONS = (1, 2, 3, 4)
+PROTOCOL_VERSION = 5
+SUPPORTED_VERSIONS = (1, 2, 3, 4, 5)
 MAX_FRAME_BYTES = 64 << 20
 
 Conv = Callable[[Any, str], Any]
@@ -42,6 +43,7 @@ _SCALARS = frozenset({bool, int, str, bytes, type(None)})   # checked by exact t
 _REGISTRY: dict[str, type] = {}
 _SINCE: dict[str, int] = {}                                 # type -> the protocol version that added it
 _COLUMNS: dict[type, tuple[str, ...]] = {}                  # cls -> fields that must be equally long
+_OPTIONAL_COLUMNS: dict[type, tuple[str, ...]] = {}         # cls -> fields empty or as long as those
 _DECODERS: dict[type, dict[str, tuple[Conv, bool]]] = {}   # cls -> field -> (converter, required)
 _ENCODERS: dict[tuple[type, int], Callable[[Any], dict[str, Any]]] = {}   # (cls, version) -> body builder
 _POSITIONAL: dict[type, Wire] = {}                          # nested dataclass -> its positional form
@@ -55,9 +57,11 @@ class ProtocolError(ValueError):
         self.request_id = request_id
 
 
-def message(name: str, *, since: int = 1, columns: tuple[str, ...] = ()) -> Callable[[type[T]], type[T]]:
+def message(name: str, *, since: int = 1, columns: tuple[str, ...] = (),
+            optional_columns: tuple[str, ...] = ()) -> Callable[[type[T]], type[T]]:
     """Register a dataclass as the message type `name`, added in protocol version `since`;
-    `columns` name list fields that must be equally long (a columnar message: row i across them)."""
+    `columns` name list fields that must be equally long (a columnar message: row i across them),
+    `optional_columns` list fields that are empty (none of the rows has one) or as long as the first column."""
 
     def wrap(cls: type[T]) -> type[T]:
         if name in _REGISTRY:
@@ -65,6 +69,7 @@ def message(name: str, *, since: int = 1, columns: tuple[str, ...] = ()) -> Call
         _REGISTRY[name] = cls
         _SINCE[name] = since
         _COLUMNS[cls] = columns
+        _OPTIONAL_COLUMNS[cls] = optional_columns
         cls.TYPE = name  # type: ignore[attr-defined]
         return cls
 
@@ -204,6 +209,9 @@ def from_dict(body: dict[str, Any], accepted: frozenset[str]) -> Any:
                 raise ProtocolError(f"missing field {field!r}")
         if len({len(kwargs.get(c, ())) for c in _COLUMNS[cls]}) > 1:
             raise ProtocolError(f"columns {', '.join(_COLUMNS[cls])} differ in length")
+        if (opt := _OPTIONAL_COLUMNS[cls]) and any(
+                len(kwargs.get(c, ())) not in (0, len(kwargs.get(_COLUMNS[cls][0], ()))) for c in opt):
+            raise ProtocolError(f"columns {', '.join(opt)} are neither empty nor as long as {_COLUMNS[cls][0]}")
     except ProtocolError as e:
         raise ProtocolError(f"{name}: {e}", rid) from None
     return cls(**kwargs)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from orca_mq.protocol.iteration import IterationResult, PackedPlan
+from orca_mq.protocol.logprobs import TokenLogprobs
 from orca_mq.protocol.sampling import SamplingParams
 from orca_mq.protocol.codec import message
 
@@ -28,7 +29,7 @@ class AbortRequest:
     request_id: str
 
 
-@message("tokens", columns=("request_ids", "token_ids"))
+@message("tokens", columns=("request_ids", "token_ids"), optional_columns=("logprobs",))
 @dataclass(slots=True)
 class TokenBatch:
     """One scheduler step's tokens, in columns and in order (request_ids[i] got token_ids[i]; a request
@@ -39,6 +40,9 @@ class TokenBatch:
     token_ids: list[int]
     finals: dict[str, str] = field(default_factory=dict)   # request id -> "stop" | "length" | "abort" | "error"
     metrics: dict[str, dict[str, Any]] = field(default_factory=dict)  # per finished request, from the policy
+    # log probabilities, where requests ask: empty, or a column beside token_ids (None: not asked)...
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    prompt_logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # ...and a prompt's, with its first token
 
 
 @message("stats_query")

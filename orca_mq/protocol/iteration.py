@@ -10,10 +10,13 @@ and derives every per-token input with array arithmetic (orca_mq/engine/step_inp
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import chain
 
 import numpy as np
+
+from orca_mq.protocol.logprobs import TokenLogprobs
 
 MASK_WORD_BITS = 32   # an allowed-token bitmask is little-endian 32-bit words: bit i of word j allows token 32 j + i
 NO_ROW = -1           # SeqWork.prev_row: its first token is given, not taken from the previous iteration
@@ -41,6 +44,12 @@ class SeqWork:
     # async scheduling: token_ids[0] is the token the previous iteration (IterationPlan.follows) samples
     # for its sampling row `prev_row` (planned before that token came back); token_ids[0] is -1 then
     prev_row: int = NO_ROW
+    # log probabilities (orca_mq/protocol/logprobs.py), -1: not asked. `logprobs`: of the sampled token
+    # and its k most likely; `prompt_logprobs`: of each prompt token after this row's first, whose
+    # targets are token_ids[1:] then `next_token` (the prompt's token after this chunk; -1 on its last)
+    logprobs: int = -1
+    prompt_logprobs: int = -1
+    next_token: int = -1
 
     @property
     def seq_len(self) -> int:
@@ -86,6 +95,10 @@ class PackedPlan:
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     follows: int = 0
+    # log probabilities: int32 [S] each (SeqWork's), all three empty when no row asks for any
+    logprobs: bytes = b""
+    prompt_logprobs: bytes = b""
+    next_tokens: bytes = b""
 
     def arrays(self) -> "PlanArrays":
         """The columns as arrays, checked for consistent sizes (ValueError otherwise); the engine checks
@@ -108,6 +121,7 @@ class PackedPlan:
             raise ValueError("plan masks do not match their rows")
         if ((a.prev_rows < NO_ROW) | ((a.prev_rows >= 0) & (self.follows <= 0))).any():
             raise ValueError("plan rows follow no earlier iteration")
+        _logprob_columns(self, a, col)
         return a
 
     @property
@@ -141,10 +155,35 @@ class PlanArrays:
     top_p: np.ndarray
     seeds: np.ndarray
     mask_rows: np.ndarray
+    logprobs: np.ndarray | None = None          # int32 [S] when a row asks (PackedPlan's), else None
+    prompt_logprobs: np.ndarray | None = None
+    next_tokens: np.ndarray | None = None
 
     @property
     def num_rows(self) -> int:
         return len(self.q_lens)
+
+
+def _logprob_columns(plan: PackedPlan, a: PlanArrays, col: "Callable[[bytes, np.dtype, str], np.ndarray]") -> None:
+    """The log-probability columns, when the plan has them: all three or none, a row each."""
+    given = [bool(plan.logprobs), bool(plan.prompt_logprobs), bool(plan.next_tokens)]
+    if not any(given):
+        return
+    s = len(plan.request_ids)
+    cols = [col(getattr(plan, n), I32, n) for n in ("logprobs", "prompt_logprobs", "next_tokens")]
+    if not all(given) or any(len(c) != s for c in cols):
+        raise ValueError(f"plan log-probability columns do not have the plan's {s} rows")
+    if any(bool((c < -1).any()) for c in cols):
+        raise ValueError("plan log-probability columns hold a value below -1")
+    a.logprobs, a.prompt_logprobs, a.next_tokens = cols
+
+
+def _pack_logprobs(seqs: list[SeqWork]) -> tuple[bytes, bytes, bytes]:
+    """The log-probability columns, or nothing when no row asks (what every other plan costs)."""
+    if all(s.logprobs < 0 and s.prompt_logprobs < 0 for s in seqs):
+        return b"", b"", b""
+    return (np.array([s.logprobs for s in seqs], I32).tobytes(), np.array([s.prompt_logprobs for s in seqs], I32).tobytes(),
+            np.array([s.next_token for s in seqs], I32).tobytes())
 
 
 def pack(plan: IterationPlan) -> PackedPlan:
@@ -163,7 +202,7 @@ def pack(plan: IterationPlan) -> PackedPlan:
         col([s.sample for s in seqs], U8), col([s.temperature for s in seqs], F32), col([s.top_k for s in seqs], I32),
         col([s.top_p for s in seqs], F32), col([-1 if s.seed is None else s.seed for s in seqs], I64),
         col([i for i, _ in masked], I32), [m for _, m in masked],  # type: ignore[misc]
-        list(plan.swap_out), list(plan.swap_in), plan.follows,
+        list(plan.swap_out), list(plan.swap_in), plan.follows, *_pack_logprobs(seqs),
     )
 
 
@@ -173,3 +212,9 @@ class IterationResult:
     request_ids: list[str]
     token_ids: list[int]          # one sampled token per request, same order as the plan (-1 where it samples nothing)
     failed: list[str] = field(default_factory=list)  # requests whose work failed: they end with an error
+    # log probabilities where the plan asked: plan rows, and each one's entry (one position: its
+    # sampled token) or its prompt positions (prompt_logprobs)
+    logprob_rows: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_rows: list[int] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)

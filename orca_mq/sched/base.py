@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from orca_mq.protocol.iteration import NO_ROW, IterationPlan, IterationResult, SeqWork
+from orca_mq.protocol.logprobs import TokenLogprobs
 from orca_mq.engine.dtype import resolve_dtype
 from orca_mq.kv.block_manager import BlockManager
 from orca_mq.kv.pool import PoolSize
@@ -36,6 +37,8 @@ class TokenEvent:
     token_id: int | None            # None on a final event that carries no new token (abort)
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" when the request is done
     metrics: dict[str, Any] | None = None  # on a final event: what the final message reports (structured outputs)
+    logprobs: TokenLogprobs | None = None         # the token's log probabilities, when its request asks
+    prompt_logprobs: TokenLogprobs | None = None  # on its first token: its prompt's, positions 1.. (prompt_logprobs)
 
 
 @dataclass(slots=True)
@@ -186,6 +189,7 @@ class Scheduler:
                                 sample=not req.prompt_pending, prev_row=prev))
             req.in_flight += 1
         fill_masks(seqs, [None if r.prompt_pending else r.grammar for r in batch])  # only rows that sample
+        ask_logprobs(seqs, batch)
         self.iteration += 1
         row = 0
         for req, s in zip(batch, seqs):
@@ -245,6 +249,8 @@ class Scheduler:
                 self._finish(req, reason, now)
             report = {"structured_output": req.grammar.report()} if reason and req.grammar else None
             events.append(TokenEvent(req.request_id, token, reason, report))
+        if result.logprob_rows or result.prompt_rows:
+            attach_logprobs(batch, result, events)
         self.after_iteration(batch, now)
         return self.emit(events)
 
@@ -335,3 +341,38 @@ class Scheduler:
             return self.finished[request_id]
         req = self.pool.get(request_id)
         return None if req is None else self.metrics(req)
+
+
+def ask_logprobs(seqs: list[SeqWork], batch: list[Request]) -> None:
+    """The rows' log-probability asks (SeqWork.logprobs, prompt_logprobs and next_token): a
+    sampling row asks for its token's, a prompt row for its positions' next tokens'."""
+    for s, req in zip(seqs, batch):
+        p = req.params
+        if p.logprobs is None and p.prompt_logprobs is None:
+            continue
+        if s.sample and p.logprobs is not None:
+            s.logprobs = p.logprobs
+        end, prompt = s.start_pos + len(s.token_ids), req.prompt_token_ids
+        if p.prompt_logprobs is not None and s.prev_row == NO_ROW and end <= len(prompt):
+            s.prompt_logprobs = p.prompt_logprobs
+            s.next_token = prompt[end] if end < len(prompt) else -1
+
+
+def attach_logprobs(batch: list[Request], result: IterationResult, events: list[TokenEvent]) -> None:
+    """An iteration's log probabilities onto its events: a prompt's positions gather on the request
+    (its chunks may span iterations) until its first token's event carries them."""
+    for r, entry in zip(result.prompt_rows, result.prompt_logprobs):
+        req = batch[r]
+        if req.prompt_logprobs is None:
+            req.prompt_logprobs = entry
+        else:
+            req.prompt_logprobs.extend(entry)
+    sampled = {batch[r].request_id: entry for r, entry in zip(result.logprob_rows, result.logprobs)}
+    by_id = {req.request_id: req for req in batch}
+    for e in events:
+        if e.token_id is None:
+            continue
+        e.logprobs = sampled.get(e.request_id)
+        req = by_id[e.request_id]
+        if req.prompt_logprobs is not None and req.params.prompt_logprobs is not None:
+            e.prompt_logprobs, req.prompt_logprobs = req.prompt_logprobs, None

@@ -12,6 +12,7 @@ from orca_mq.protocol.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from orca_mq.structured.grammar import Grammar
+    from orca_mq.protocol.logprobs import TokenLogprobs
 
 
 class Phase(enum.Enum):
@@ -65,6 +66,7 @@ class Request:
     grammar: "Grammar | None" = None   # structured outputs: its matcher, advanced by each accepted token
     planned: int = 0               # the iteration it was last planned in...
     sample_row: int = -1           # ...and its row among that iteration's sampling rows (-1: none)
+    prompt_logprobs: "TokenLogprobs | None" = None   # its prompt's log probabilities so far, until its first token carries them
 
     @property
     def running(self) -> bool:
@@ -87,6 +89,12 @@ class Request:
     @property
     def prompt_pending(self) -> bool:
         return self.n_prompt_fed < len(self.prompt_token_ids)
+
+    @property
+    def reads_prefix_cache(self) -> bool:
+        """Prompt logprobs need every prompt position's logits: such a request computes its whole
+        prompt (as vLLM), though it still publishes its blocks for others."""
+        return self.params.prompt_logprobs is None
 
     def next_tokens(self, max_prompt_tokens: int | None = None) -> tuple[list[int], int]:
         """(tokens to feed, their start position): the rest of the prompt (or its next

@@ -29,6 +29,7 @@ class ActiveRequest:
     arrival: float
     version: int
     first_token: float | None = None
+    prompt_head: int | None = None   # prompt logprobs asked: its prompt's first token, until they are sent
 
     def step(self, new_ids: list[int], now: float) -> str:
         """Take an iteration's new tokens (received at `now`); return their new text."""

@@ -35,6 +35,7 @@ from orca_mq.protocol.common_msgs import ABORTED, INTERNAL, INVALID_REQUEST, OVE
 from orca_mq.protocol.codec import channel, from_dict
 from orca_mq.protocol.control_msgs import AbortAll, ClientGone, Drain, Drained, Ready
 from orca_mq.protocol.engine_msgs import AbortRequest, AddRequest, StatsQuery, StatsResult, TokenBatch
+from orca_mq.protocol.logprobs import Logprobs, TokenLogprobs
 from orca_mq.errors import InvalidRequest
 from orca_mq.protocol.sampling import SamplingParams
 from orca_mq.server.active_request import ActiveRequest, Admission
@@ -70,6 +71,7 @@ class Frontend:
         self.active: dict[str, ActiveRequest] = {}       # by internal id
         self.stats_waiting: dict[str, tuple[bytes, str, int]] = {}  # our query id -> (client, its query id, version)
         self.draining = False
+        self.token_texts: dict[int, str] = {}            # a token id decoded alone (log probabilities), at most the vocabulary
 
     async def run(self) -> int:
         await self.link.to_peer("launcher", Ready("frontend", os.getpid()))
@@ -179,6 +181,8 @@ class Frontend:
         rid = adm.msg.request_id
         self.active[iid] = ActiveRequest(adm.client, rid, IncrementalDetokenizer(self.tokenizer), len(prompt_ids), time.time(),
                                          adm.version)
+        if params.prompt_logprobs is not None:
+            self.active[iid].prompt_head = prompt_ids[0]
         self.log.info("request admitted", request_id=iid, client_request_id=rid, prompt_tokens=len(prompt_ids),
                       max_tokens=params.max_tokens)
         await self.link.to_peer("scheduler", AddRequest(iid, prompt_ids, params))
@@ -199,6 +203,7 @@ class Frontend:
                 ids.append(token_id)
         for iid in batch.finals:
             new.setdefault(iid, [])
+        logprobs = _per_request(batch) if batch.logprobs else {}
         out = Outbox()
         for iid, ids in new.items():
             req = self.active.get(iid)
@@ -213,7 +218,10 @@ class Frontend:
                 self._forget(iid)
                 self.log.info("request finished", request_id=iid, finish_reason=reason,
                               completion_tokens=len(req.detok.ids), iteration=batch.iteration)
-            out.add(req, ids, text, final)
+            if iid in logprobs or req.prompt_head is not None:
+                out.add(req, ids, text, final, *self._logprobs(req, logprobs.get(iid), batch.prompt_logprobs.get(iid)))
+            else:
+                out.add(req, ids, text, final)
         await out.send(self.link)
         await self._maybe_drained()
 
@@ -237,6 +245,22 @@ class Frontend:
                 await self.link.to_peer("scheduler", AbortRequest(iid))
         await self._maybe_drained()
 
+    def _logprobs(self, req: ActiveRequest, sampled: TokenLogprobs | None,
+                  prompt: TokenLogprobs | None) -> tuple[Logprobs | None, Logprobs | None]:
+        """A row's log probabilities for its client, each token's text beside its id; the prompt's go
+        with its first token (or its final), its first position without a log probability."""
+        head = None
+        if req.prompt_head is not None and (sampled is not None or prompt is not None or req.detok.ids):
+            head = Logprobs.prompt(req.prompt_head, prompt, self._text)
+            req.prompt_head = None
+        return None if sampled is None else Logprobs.decoded(sampled, self._text), head
+
+    def _text(self, token_id: int) -> str:
+        """A token decoded alone, special tokens kept (as vLLM shows a log probability's token)."""
+        if (text := self.token_texts.get(token_id)) is None:
+            text = self.token_texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False) or ""
+        return text
+
     def _forget(self, iid: str) -> None:
         del self.active[iid]
         self.ids.release(iid)
@@ -244,6 +268,19 @@ class Frontend:
     async def _maybe_drained(self) -> None:
         if self.draining and not self.active and not self.admitting:
             await self.link.to_peer("launcher", Drained())
+
+
+def _per_request(batch: TokenBatch) -> dict[str, TokenLogprobs]:
+    """The batch's log-probability column gathered by request (a request may have several tokens)."""
+    out: dict[str, TokenLogprobs] = {}
+    for iid, lp in zip(batch.request_ids, batch.logprobs):
+        if lp is None:
+            continue
+        if (have := out.get(iid)) is None:
+            out[iid] = TokenLogprobs(list(lp.token_ids), list(lp.logprobs), list(lp.top_ids), list(lp.top_logprobs))
+        else:
+            have.extend(lp)
+    return out
 
 
 def main() -> None:

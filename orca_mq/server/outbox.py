@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from orca_mq.protocol import encode
 from orca_mq.protocol.client_msgs import Final, Output, Outputs, as_output
+from orca_mq.protocol.logprobs import Logprobs
 from orca_mq.server.active_request import ActiveRequest
 from orca_mq.server.zmq_queue import BrokerLink
 
@@ -17,21 +18,40 @@ BATCHED_VERSION = 4   # the protocol version that added `outputs`
 
 class Outbox:
     def __init__(self) -> None:
-        self.batches: dict[bytes, Outputs] = {}                # v4 clients: their one frame
+        self.batches: dict[bytes, Outputs] = {}                # v4 clients: their one frame...
+        self.versions: dict[bytes, int] = {}                   # ...in the oldest version of their requests
         self.singles: list[tuple[bytes, int, Output]] = []     # older clients: (client, version, frame)
 
-    def add(self, req: ActiveRequest, token_ids: list[int], text: str, final: Final | None) -> None:
+    def add(self, req: ActiveRequest, token_ids: list[int], text: str, final: Final | None,
+            logprobs: Logprobs | None = None, prompt_logprobs: Logprobs | None = None) -> None:
         if req.version < BATCHED_VERSION:
             self.singles.append((req.client, req.version, as_output(req.request_id, token_ids, text, final)))
             return
         batch = self.batches.get(req.client)
         if batch is None:
             batch = self.batches[req.client] = Outputs([], [], [], [])
+            self.versions[req.client] = req.version
+        elif req.version < self.versions[req.client]:
+            self.versions[req.client] = req.version
+        if logprobs is not None or prompt_logprobs is not None:
+            _logprob_row(batch, logprobs, prompt_logprobs)
+        elif batch.logprobs:
+            batch.logprobs.append(None)
+            batch.prompt_logprobs.append(None)
         batch.request_ids.append(req.request_id)
         batch.token_ids.append(token_ids)
         batch.texts.append(text)
         batch.finals.append(final)
 
     async def send(self, link: BrokerLink) -> None:
-        await link.to_clients([(client, encode(batch)) for client, batch in self.batches.items()]
+        await link.to_clients([(client, encode(batch, self.versions[client])) for client, batch in self.batches.items()]
                               + [(client, encode(single, version)) for client, version, single in self.singles])
+
+
+def _logprob_row(batch: Outputs, logprobs: Logprobs | None, prompt_logprobs: Logprobs | None) -> None:
+    """A row's log probabilities (the row is appended next): the columns start at the first such row."""
+    if not batch.logprobs:
+        batch.logprobs = [None] * len(batch.request_ids)
+        batch.prompt_logprobs = [None] * len(batch.request_ids)
+    batch.logprobs.append(logprobs)
+    batch.prompt_logprobs.append(prompt_logprobs)

@@ -252,7 +252,16 @@ def token_batch(iteration: int, events: list[TokenEvent], request_metrics: Calla
             finals[e.request_id] = e.finish_reason
             if m := (request_metrics(e.request_id) or {}) | (e.metrics or {}):
                 metrics[e.request_id] = m
-    return TokenBatch(iteration, rids, tokens, finals, metrics)
+    batch = TokenBatch(iteration, rids, tokens, finals, metrics)
+    if any(e.logprobs is not None or e.prompt_logprobs is not None for e in events):
+        _logprob_columns(batch, events)
+    return batch
+
+
+def _logprob_columns(batch: TokenBatch, events: list[TokenEvent]) -> None:
+    """The events' log probabilities beside their tokens (only when one of them has any)."""
+    batch.logprobs = [e.logprobs for e in events if e.token_id is not None]
+    batch.prompt_logprobs = {e.request_id: e.prompt_logprobs for e in events if e.prompt_logprobs is not None}
 
 
 def main() -> None:

@@ -30,3 +30,4 @@ class AttentionMetadata:
     prefills: list[tuple[int, int, int]]  # (first token row, q_len, start_pos) of each initiation request
     prefill_slots: list[Tensor | None]    # cached slots before start_pos (None when start_pos == 0)
     decode_tiles: bool | None = None      # triton: tiles of one-token rows or of prompt chunks (None: from the shape)
+    prompt_rows: Tensor | None = None     # [P] int64 prompt positions whose logits are asked (prompt logprobs), after logit_rows'
