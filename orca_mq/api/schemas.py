@@ -12,7 +12,9 @@ Accepted as OpenAI does: `max_tokens` (chat: also `max_completion_tokens`; absen
 context), `temperature`, `top_p`, `seed`, `stop` (a string or a list of them), `n` (1 only),
 `stream`, `stream_options.include_usage`, `response_format` (text, json_object, json_schema), `user`
 (accepted, unused); as vLLM's extensions: `top_k` (-1 or 0 = off), `ignore_eos`, `stop_token_ids`,
-`structured_outputs` (its shape and grammar are checked by the frontend, as on the ZeroMQ side).
+`structured_outputs` (its shape and grammar are checked by the frontend, as on the ZeroMQ side);
+log probabilities: chat `logprobs` / `top_logprobs`, completions `logprobs` (k) and `echo` (with
+`max_tokens` 0 too), shaped by orca_mq.api.logprobs.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
+from orca_mq.api.logprobs import ChatLogprobs, CompletionLogprobs
 from orca_mq.protocol.sampling import INT32_MAX, INT64_MAX, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE
 
 MAX_STOP_STRINGS = 16           # these two bound the work of the stop-string check on every token
@@ -31,11 +34,11 @@ TokenId = Annotated[int, Field(strict=True, ge=0, le=INT32_MAX)]
 
 # OpenAI fields orca-mq does not implement -> the values that ask for nothing (null always does)
 _COMMON_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "n": (1,), "logprobs": (False,), "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},),
+    "n": (1,), "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},),
 }
-COMPLETION_UNSUPPORTED = _COMMON_UNSUPPORTED | {"best_of": (1,), "echo": (False,), "suffix": ("",)}
+COMPLETION_UNSUPPORTED = _COMMON_UNSUPPORTED | {"best_of": (1,), "suffix": ("",)}
 CHAT_UNSUPPORTED = _COMMON_UNSUPPORTED | {
-    "top_logprobs": (0,), "tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (), "functions": ([],),
+    "tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (), "functions": ([],),
     "function_call": ("none",), "audio": (), "modalities": (["text"],),
     "prediction": (), "reasoning_effort": (), "service_tier": ("auto", "default"), "store": (False,), "metadata": (),
     "web_search_options": (), "prompt_cache_key": (), "safety_identifier": (), "verbosity": (),
@@ -148,13 +151,44 @@ class _Sampling(Strict):
                  "ignore_eos": self.ignore_eos, "stop_token_ids": self.stop_token_ids,
                  "structured_outputs": self.structured_outputs if self.response_format is None
                  else self.response_format.structured_outputs()}
-        return {"max_tokens": self.limit()} | {k: v for k, v in given.items() if v is not None}
+        return {"max_tokens": self.limit()} | {k: v for k, v in given.items() if v is not None} | self.logprob_params()
+
+    def logprob_params(self) -> dict[str, Any]:
+        """The SamplingParams log-probability fields it asks for (orca_mq.api.logprobs)."""
+        return {}
 
 
 class CompletionRequest(_Sampling):
     UNSUPPORTED = COMPLETION_UNSUPPORTED
 
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
+    max_tokens: int | None = Field(None, strict=True, ge=0, le=INT32_MAX)   # 0 only with echo: the prompt alone
+    logprobs: int | None = Field(None, strict=True, ge=0, le=INT32_MAX)     # k; the frontend bounds it (model.max_logprobs)
+    echo: bool = Field(False, strict=True)                                   # the prompt before the text (and its logprobs)
+
+    @model_validator(mode="after")
+    def _echo(self) -> "CompletionRequest":
+        if self.max_tokens == 0 and not self.echo:
+            raise PydanticCustomError("value_error", "max_tokens 0 asks for nothing: it is accepted only with echo",
+                                      {"param": "max_tokens"})
+        return self
+
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0 (lm-evaluation-harness' loglikelihood, as vLLM serves it): one token is
+        generated and dropped, the answer is the prompt alone."""
+        return self.echo and self.max_tokens == 0
+
+    def limit(self) -> int | None:
+        return 1 if self.echo_only else self.max_tokens
+
+    def logprob_params(self) -> dict[str, Any]:
+        """logprobs k: each token's and its k most likely; with echo, the prompt's too (asked also
+        without logprobs for a prompt of token ids: its tokens' texts are the echoed text)."""
+        asks: dict[str, Any] = {} if self.logprobs is None else {"logprobs": self.logprobs}
+        if self.echo and (self.logprobs is not None or "prompt_token_ids" in self.prompt_args()):
+            asks["prompt_logprobs"] = self.logprobs or 0
+        return asks
 
     @model_validator(mode="after")
     def _one_prompt(self) -> "CompletionRequest":
@@ -200,9 +234,20 @@ class ChatCompletionRequest(_Sampling):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, strict=True, ge=1, le=INT32_MAX)
+    logprobs: bool | None = Field(None, strict=True)                      # each token's log probability...
+    top_logprobs: int | None = Field(None, strict=True, ge=0, le=INT32_MAX)  # ...and its k most likely (needs logprobs)
 
     def limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @model_validator(mode="after")
+    def _top_logprobs(self) -> "ChatCompletionRequest":
+        if self.top_logprobs and not self.logprobs:
+            raise PydanticCustomError("value_error", "top_logprobs needs logprobs: true", {"param": "top_logprobs"})
+        return self
+
+    def logprob_params(self) -> dict[str, Any]:
+        return {"logprobs": self.top_logprobs or 0} if self.logprobs else {}
 
     def prompt_args(self) -> dict[str, Any]:
         return {"messages": [m.plain() for m in self.messages]}
@@ -224,7 +269,7 @@ class Usage(BaseModel):
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -236,7 +281,7 @@ class AssistantMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -248,7 +293,7 @@ class ChatDelta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 

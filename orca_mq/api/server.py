@@ -43,6 +43,7 @@ from orca_mq.protocol.control_msgs import Ready
 from orca_mq.api.edge import ApiKeyGuard, BodyLimit, Handled
 from orca_mq.api.errors import INTERNAL_TEXT, ApiError, error_body, from_validation
 from orca_mq.api.stream import Generation, StopStrings, join, until_disconnect
+from orca_mq.api.logprobs import Shaper
 from orca_mq.api.metrics import ApiMetrics
 from orca_mq.api.tokenize import DetokenizeRequest, DetokenizeResponse, Tokenization, TokenizeRequest, TokenizeResponse
 from orca_mq.api.schemas import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,
@@ -148,18 +149,20 @@ class Api:
                      chunk: Callable[..., BaseModel], whole: Callable[..., BaseModel]) -> Response:
         self._check_model(body.model)
         gen = Generation(self.client, body.prompt_args(), body.sampling(), StopStrings(body.stop_strings), self.metrics)
+        gen.echo_only, shape = isinstance(body, CompletionRequest) and body.echo_only, _shaper(body)
         rid = new_id(prefix)
         pieces = gen.pieces()
         if not body.stream:
             async with contextlib.aclosing(pieces):
                 text = "".join(await until_disconnect(request, join(pieces)))
-            return JSONResponse(whole(rid, text, gen.finish_reason, _usage(gen)).model_dump())
+            return JSONResponse(shape.whole(whole(rid, text, gen.finish_reason, _usage(gen)), gen).model_dump())
         try:  # the first event before the headers: a refused request gets its HTTP status
             first = await until_disconnect(request, anext(pieces))
         except BaseException:
             await pieces.aclose()
             raise
-        events = self._events(gen, pieces, first, rid, chunk, body.include_usage, prefix == "chatcmpl")
+        shaped = lambda *args: shape.chunk(chunk(*args), gen)   # noqa: E731  each chunk with its tokens' logprobs
+        events = self._events(gen, pieces, first, rid, shaped, body.include_usage, prefix == "chatcmpl")
         return StreamingResponse(events, media_type="text/event-stream")
 
     async def _events(self, gen: Generation, pieces: AsyncIterator[str], first: str, rid: str,
@@ -241,6 +244,14 @@ class Api:
             self.stats_ok = False
             self.log.warning("stats unavailable", error=str(e))
         self.stats_at = asyncio.get_running_loop().time()
+
+
+def _shaper(body: CompletionRequest | ChatCompletionRequest) -> Shaper:
+    """How its responses carry log probabilities and, for completions, the echoed prompt."""
+    if isinstance(body, ChatCompletionRequest):
+        return Shaper(chat=True)
+    prompt = body.prompt_args().get("prompt")
+    return Shaper(chat=False, echo=body.echo, echo_text=prompt if isinstance(prompt, str) else None)
 
 
 def _usage(gen: Generation) -> Usage:

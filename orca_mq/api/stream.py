@@ -9,6 +9,7 @@ sends `abort`: the scheduler frees the request's KV at its next iteration.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
@@ -18,7 +19,8 @@ from typing import Any, TypeVar
 from starlette.requests import Request
 
 from orca_mq.protocol.common_msgs import ABORTED
-from orca_mq.client import AsyncClient
+from orca_mq.client import AsyncClient, StreamEvent
+from orca_mq.protocol.logprobs import Logprobs
 from orca_mq.api.errors import ApiError, classify
 from orca_mq.api.metrics import ApiMetrics
 
@@ -65,6 +67,10 @@ class Generation:
     completion_tokens: int = 0
     finish_reason: str | None = None
     token_times: list[float] = field(default_factory=list)
+    echo_only: bool = False                   # completions' echo with max_tokens 0: the one generated token is dropped
+    logprobs: Logprobs | None = None          # the generated tokens' (up to a stop string's), when asked
+    prompt_logprobs: Logprobs | None = None   # the prompt's, when asked (echo)
+    fresh: Logprobs | None = None             # generated tokens' not yet taken into a chunk (`take`)
 
     async def pieces(self) -> AsyncIterator[str]:
         """Text deltas (possibly empty, one per server event); raises ApiError if the server refuses."""
@@ -73,8 +79,10 @@ class Generation:
         try:
             async for ev in stream:
                 text = ""
+                ev = self._logprobs_of(ev)
                 if not stopped:
                     self._tokens(len(ev.token_ids))
+                    self._keep(ev.logprobs)
                     text, stopped = self.stops.feed(ev.text)
                     if stopped:  # keep reading: the final event brings the prompt's token count
                         await self.client.abort(self.request_id)
@@ -90,6 +98,27 @@ class Generation:
             await stream.aclose()
             if self.finish_reason is None:
                 self.metrics.outcome("abort")  # the HTTP client left
+
+    def _logprobs_of(self, ev: StreamEvent) -> StreamEvent:
+        """Keeps the prompt's log probabilities; an echo-only request's event without its token."""
+        if ev.prompt_logprobs is not None:
+            self.prompt_logprobs = ev.prompt_logprobs
+        if self.echo_only and (ev.token_ids or ev.text or ev.logprobs is not None):
+            ev = dataclasses.replace(ev, token_ids=[], text="", logprobs=None)
+        return ev
+
+    def _keep(self, lp: Logprobs | None) -> None:
+        if lp is None:
+            return
+        for kept in ("logprobs", "fresh"):
+            if getattr(self, kept) is None:
+                setattr(self, kept, Logprobs())
+            getattr(self, kept).extend(lp)
+
+    def take(self) -> Logprobs | None:
+        """The generated tokens' log probabilities since the last take (a streamed chunk's)."""
+        fresh, self.fresh = self.fresh, None
+        return fresh
 
     def _tokens(self, n: int) -> None:
         now = time.monotonic()

@@ -1,0 +1,150 @@
+"""Log probabilities in OpenAI's two shapes, built from what the client gets (orca_mq.protocol.logprobs).
+
+Chat (`logprobs: true`, `top_logprobs: k`): `choices[i].logprobs.content` is one entry per token,
+`{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}, ...k]}`. Completions (`logprobs: k`,
+the legacy shape): `tokens`, `token_logprobs`, `top_logprobs` (a dict per token: the token itself
+and the k most likely, as vLLM gives it; null with k = 0 and at a prompt's first token) and
+`text_offset` (each token's start in the choice's text, counting the tokens' texts from `offset`).
+With `echo`, the prompt's tokens come first, the first one's log probability null.
+
+A token's text is its id decoded alone, as vLLM shows it; `bytes` are that text's UTF-8. A log
+probability below -9999 (or not finite) is written as -9999.0, as vLLM and OpenAI do (JSON has no -inf).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel
+
+from orca_mq.protocol.logprobs import Logprobs
+
+if TYPE_CHECKING:
+    from orca_mq.api.stream import Generation
+
+FLOOR = -9999.0
+
+
+def _value(v: float) -> float:
+    return v if math.isfinite(v) and v > FLOOR else FLOOR
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+    refusal: None = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+def _bytes(text: str) -> list[int]:
+    return list(text.encode("utf-8", errors="replace"))
+
+
+def chat_logprobs(lp: Logprobs | None) -> ChatLogprobs | None:
+    if lp is None:
+        return None
+    content = []
+    for i, token in enumerate(lp.tokens):
+        top = [TopLogprob(token=t, logprob=_value(v), bytes=_bytes(t)) for t, v in zip(lp.top_tokens[i], lp.top_logprobs[i])]
+        content.append(ChatTokenLogprob(token=token, logprob=_value(lp.logprobs[i] if lp.logprobs[i] is not None else FLOOR),
+                                        bytes=_bytes(token), top_logprobs=top))
+    return ChatLogprobs(content=content)
+
+
+def completion_logprobs(lp: Logprobs | None, offset: int) -> CompletionLogprobs | None:
+    """The legacy shape of `lp`'s tokens, their text offsets counted from `offset`."""
+    if lp is None:
+        return None
+    offsets, at = [], offset
+    for token in lp.tokens:
+        offsets.append(at)
+        at += len(token)
+    top: list[dict[str, float] | None] = []
+    for i, value in enumerate(lp.logprobs):
+        if value is None or not lp.top_ids[i]:   # a prompt's first token; or k = 0 asks for no alternatives
+            top.append(None)
+            continue
+        entry = {lp.tokens[i]: _value(value)}
+        entry.update((t, _value(v)) for t, v in zip(lp.top_tokens[i], lp.top_logprobs[i]) if t not in entry)
+        top.append(entry)
+    return CompletionLogprobs(tokens=list(lp.tokens), token_logprobs=[None if v is None else _value(v) for v in lp.logprobs],
+                              top_logprobs=top, text_offset=offsets)
+
+
+def text_length(lp: Logprobs | None) -> int:
+    """How far its tokens' texts reach (the next chunk's text offset)."""
+    return 0 if lp is None else sum(map(len, lp.tokens))
+
+
+def joined(*parts: Logprobs | None) -> Logprobs | None:
+    """The positions of several in order (echo: the prompt's, then the generated ones)."""
+    out = None
+    for p in parts:
+        if p is None:
+            continue
+        if out is None:
+            out = Logprobs()
+        out.extend(p)
+    return out
+
+
+@dataclass(slots=True)
+class Shaper:
+    """One request's log probabilities (and completions' echo) put onto its responses: the whole
+    answer, or each streamed chunk its tokens' (what arrived since the last chunk)."""
+
+    chat: bool
+    echo: bool = False
+    echo_text: str | None = None   # a text prompt as given; None: the prompt tokens' texts (a prompt of ids)
+    offset: int = 0                # completions: the text offset the next chunk's tokens start at
+    echoed: bool = False
+
+    def whole(self, resp: Any, gen: "Generation") -> Any:
+        choice = resp.choices[0]
+        if self.chat:
+            choice.logprobs = chat_logprobs(gen.logprobs)
+            return resp
+        prompt = gen.prompt_logprobs if self.echo else None
+        choice.logprobs = completion_logprobs(joined(prompt, gen.logprobs), 0) if gen.sampling.get("logprobs") is not None else None
+        if self.echo:
+            choice.text = self._echo_text(gen) + choice.text
+        return resp
+
+    def chunk(self, resp: Any, gen: "Generation") -> Any:
+        if not resp.choices:   # the usage chunk
+            return resp
+        choice, fresh = resp.choices[0], gen.take()
+        if self.chat:
+            choice.logprobs = chat_logprobs(fresh)
+            return resp
+        prompt = None
+        if self.echo and not self.echoed:
+            self.echoed = True
+            prompt = gen.prompt_logprobs
+            choice.text = self._echo_text(gen) + choice.text
+        lp = joined(prompt, fresh)
+        if gen.sampling.get("logprobs") is not None:
+            choice.logprobs = completion_logprobs(lp or Logprobs(), self.offset)
+            self.offset += text_length(lp)
+        return resp
+
+    def _echo_text(self, gen: "Generation") -> str:
+        if self.echo_text is not None:
+            return self.echo_text
+        return "".join(gen.prompt_logprobs.tokens) if gen.prompt_logprobs is not None else ""
