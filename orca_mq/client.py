@@ -136,7 +136,10 @@ class AsyncClient:
         """Submit a request and yield its events as tokens are produced; the last has finished=True."""
         rid = request_id or uuid.uuid4().hex
         try:
-            SamplingParams.from_dict(sampling).validate()
+            params = SamplingParams.from_dict(sampling)
+            params.validate()
+            if isinstance(sampling.get("logit_bias"), dict):   # {token_id: bias}: map keys travel as strings
+                sampling = {**sampling, "logit_bias": params.logit_bias}
             frame = encode(Generate(rid, prompt, prompt_token_ids, messages, chat, sampling, self.api_key))
         except InvalidRequest as e:
             yield _final_error(rid, str(e), INVALID_REQUEST)

@@ -21,7 +21,10 @@ from orca_mq.engine.sampler import SamplingRows, failed_rows, sample
 from orca_mq.protocol import ProtocolError, decode, encode
 from orca_mq.protocol import client_msgs, control_msgs, engine_msgs
 from orca_mq.protocol.codec import _REGISTRY, channel
+from orca_mq.engine.history import TokenHistory
 from orca_mq.protocol.iteration import IterationPlan, SeqWork, pack
+from orca_mq.sched.processors import add_extras
+from orca_mq.sched.request import Phase, Request
 from orca_mq.protocol.sampling import InvalidRequest, SamplingParams
 
 CHANNELS = [
@@ -74,7 +77,10 @@ def test_any_frame_decodes_or_raises_protocol_error(frame: bytes, accepted: froz
 ANY = st.one_of(INTS, FLOATS, st.booleans(), st.none(), st.text(max_size=5), st.lists(st.one_of(INTS, FLOATS), max_size=3))
 TYPED = {"max_tokens": INTS, "temperature": FLOATS, "top_k": INTS, "top_p": FLOATS, "seed": st.one_of(st.none(), INTS),
          "ignore_eos": st.booleans(), "stop_token_ids": st.lists(st.one_of(st.integers(0, 600), INTS, st.booleans()), max_size=4),
-         "logprobs": st.one_of(st.none(), st.integers(-2, 25), INTS), "prompt_logprobs": st.one_of(st.none(), st.integers(-2, 25), INTS)}
+         "logprobs": st.one_of(st.none(), st.integers(-2, 25), INTS), "prompt_logprobs": st.one_of(st.none(), st.integers(-2, 25), INTS),
+         "presence_penalty": FLOATS, "frequency_penalty": FLOATS, "repetition_penalty": FLOATS, "min_p": FLOATS,
+         "min_tokens": INTS, "logit_bias": st.dictionaries(st.one_of(st.integers(0, 600), st.integers(0, 600).map(str),
+                                                                     st.text(max_size=3)), st.one_of(FLOATS, INTS), max_size=4)}
 SAMPLING = st.one_of(
     st.fixed_dictionaries({k: TYPED[k] for k in ("temperature", "top_k", "top_p", "seed", "logprobs")}),  # what the sampler reads
     st.fixed_dictionaries({}, optional={**{k: st.one_of(v, ANY) for k, v in TYPED.items()}, "best_of": INTS}))
@@ -114,3 +120,47 @@ def test_what_validation_accepts_the_sampler_runs(data: dict[str, object], seed:
         assert entry.token_ids == [tokens[0]] and len(entry.top_ids[0]) == params.logprobs
         assert math.isfinite(entry.logprobs[0]) and entry.logprobs[0] <= 0
     assert math.isfinite(params.temperature) and (params.max_tokens is None or params.max_tokens >= 1)  # None: the rest of the context
+
+
+PROCESSORS = st.fixed_dictionaries(
+    {"temperature": st.one_of(st.just(0.0), st.floats(1e-3, 100)), "top_k": st.integers(0, 600),
+     "top_p": st.floats(0.01, 1), "seed": st.one_of(st.none(), st.integers(0, (1 << 63) - 1))},
+    optional={"presence_penalty": st.one_of(st.floats(-2, 2), FLOATS), "frequency_penalty": st.one_of(st.floats(-2, 2), FLOATS),
+              "repetition_penalty": st.one_of(st.floats(0.01, 100), FLOATS), "min_p": st.one_of(st.floats(0, 1), FLOATS),
+              "min_tokens": st.one_of(st.integers(0, 20), INTS), "ignore_eos": st.booleans(),
+              "stop_token_ids": st.lists(st.integers(0, VOCAB - 1), max_size=4), "max_tokens": st.one_of(st.none(), st.integers(1, 40)),
+              "logit_bias": st.one_of(st.dictionaries(st.one_of(st.integers(0, 600), st.integers(0, 600).map(str), st.text(max_size=3)),
+                                                      st.one_of(st.floats(-100, 100), FLOATS, INTS), max_size=6), ANY)})
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=PROCESSORS, seed=st.integers(0, 2**32 - 1), generated=st.integers(0, 30), prompt_len=st.integers(1, 40))
+def test_what_validation_accepts_the_logits_processors_run(data: dict[str, object], seed: int, generated: int,
+                                                           prompt_len: int) -> None:
+    """Penalties, min_p, logit_bias and min_tokens: what validation accepts becomes a row's RowExtras
+    (the scheduler's), travels in a control frame and samples with a token history, never failing."""
+    try:
+        params = SamplingParams.from_dict(data)
+        params.validate(VOCAB)
+        params.validate_logit_bias(1024, VOCAB - 1)   # admission's bound (model.max_logit_bias)
+    except InvalidRequest:
+        return
+    req = Request("r", list(range(3, 3 + prompt_len)), params)
+    req.output_token_ids, req.phase = [5] * generated, Phase.INCREMENT if generated else Phase.INITIATION
+    tokens, start = req.next_tokens()
+    row = SeqWork("r", tokens, start, [0, 1, 2], params.temperature, params.top_k, params.top_p, params.seed)
+    other = SeqWork("other", [2], 0, [3], 0.8, 40, 0.9, 7)
+    add_extras([row, other], [req, Request("other", [2], SamplingParams())], {2})
+    assert (row.extra is not None) == params.processed and other.extra is None
+    wire = decode(encode(engine_msgs.ControlFrame(pack(IterationPlan(1, [row, other])), 0.0)), channel(engine_msgs.ControlFrame)).plan
+    history = TokenHistory(VOCAB, torch.device("cpu"))
+    a = wire.arrays()
+    assert history.begin(a) == []
+    logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(seed)) * 5
+    drawn = sample(logits, SamplingRows.of(a), history=history)
+    token, failed = drawn.tokens.tolist()[0], failed_rows(drawn.ok.tolist(), drawn.failed)
+    assert failed == [] and 0 <= token < VOCAB
+    if generated < params.min_tokens:   # banned until min_tokens: EOS (unless ignored) and the stop ids
+        assert token not in params.stop_token_ids and (params.ignore_eos or token != 2)
+    if params.penalized:
+        assert int(history.counts[history.slots["r"]].sum()) == 1 and bool(history.seen[history.slots["r"], token])

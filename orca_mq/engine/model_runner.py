@@ -28,6 +28,7 @@ from orca_mq.kv.swapper import KVSwapper
 from orca_mq.engine.model import StageModel
 from orca_mq.engine.parallel import TensorParallel, TPGroup
 from orca_mq.engine.sampler import SamplingRows, failed_rows, greedy, sample
+from orca_mq.engine.history import TokenHistory
 from orca_mq.engine.logprobs import LogprobsOut, fill_result, prompt_logprobs, prompt_positions, sampled_logprobs
 from orca_mq.runtime.threads import use_threads
 from orca_mq.engine.model_info import ModelInfo, read_model_info
@@ -97,6 +98,8 @@ class ModelRunner:
                                  self.info.max_model_len(cfg), self.deterministic, attention.split_decode)
         self.stager = Stager(self.device, scratch_block=self.pool.device_blocks)
         self._prev: tuple[int, Tensor] | None = None   # the last iteration sampled here: (number, its tokens on the device)
+        # the penalized requests' token histories, where this stage samples (engine/history.py)
+        self.history = TokenHistory(self.info.vocab_size, self.device) if self.last and self.tp.where.rank == 0 else None
         self.graph_error = ""   # why the CUDA graphs asked for could not be captured (the stage runs eagerly)
         self.graphs = self._graphs(cfg, layers)
         if self.device.type == "cuda":
@@ -140,17 +143,20 @@ class ModelRunner:
         iteration, so the next plan can be launched behind it before this one is collected."""
         packed = plan if isinstance(plan, PackedPlan) else pack(plan)
         a = packed.arrays()
+        lost = [] if self.history is None else self.history.begin(a)   # first: a failed forward keeps its releases
         swapper = self.swap(packed)
         try:
             out, first, unfilled = self._forward(a, hidden_in)
         finally:
             if swapper is not None:
                 swapper.computed(packed)
+        if lost:   # a row whose token history is lost fails: its penalties would be wrong
+            unfilled = sorted(set(unfilled) | set(lost))
         if not self.last or self.tp.where.rank != 0:
             return Launched(a, out if not self.last else None)
         rows = SamplingRows.of(a)
         logits, extra = (out, None) if out.shape[0] == len(rows) else (out[:len(rows)], out[len(rows):])
-        drawn = sample(logits, rows, first)
+        drawn = sample(logits, rows, first, self.history)
         self._prev = (packed.iteration, drawn.tokens)
         logprobs = self._logprobs(a, logits, drawn.tokens, extra)
         back, event = drawn.back, None

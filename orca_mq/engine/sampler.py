@@ -1,8 +1,9 @@
 """Token sampling on the last stage: one batched step for every row of an iteration, on the device.
 
-A row (one request) is greedy or sampled (temperature, top-k, top-p), and may carry an allowed-token
+A row (one request) is greedy or sampled (temperature, top-k, top-p, min-p), and may carry an allowed-token
 bitmask (a structured output's grammar state, computed by the scheduler): a masked token is never
-chosen. Sampling is inverse-CDF with one uniform per row. A seeded request's uniform is a hash of
+chosen; and logits processors (logit_bias, min_tokens' bans, the penalties: orca_mq/engine/history.py),
+applied after the mask. Sampling is inverse-CDF with one uniform per row. A seeded request's uniform is a hash of
 (seed, position), so its tokens depend only on its own logits: never on the batch, on preemption
 or on which process samples. An unseeded row draws its uniform from this process's generator.
 
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from orca_mq.engine.history import Processors, TokenHistory
 from orca_mq.protocol.iteration import IterationPlan, PlanArrays, SeqWork, mask_bytes, pack
 
 Tensor = torch.Tensor
@@ -41,6 +43,7 @@ class SamplingRows:
     seeds: np.ndarray         # int64, -1: unseeded
     seq_lens: np.ndarray      # int64, the position a row's uniform is drawn for
     masks: dict[int, bytes]   # row -> allowed-token bitmask
+    processors: Processors | None = None   # None: no row has any (what every other iteration costs)
 
     @classmethod
     def of(cls, a: PlanArrays) -> "SamplingRows":
@@ -48,7 +51,8 @@ class SamplingRows:
         index = {int(r): i for i, r in enumerate(rows)}
         masks = {index[int(r)]: m for r, m in zip(a.mask_rows, a.plan.masks) if int(r) in index}
         seq_lens = a.start_pos.astype(np.int64) + a.q_lens
-        return cls(a.temperature[rows], a.top_k[rows], a.top_p[rows], a.seeds[rows], seq_lens[rows], masks)
+        return cls(a.temperature[rows], a.top_k[rows], a.top_p[rows], a.seeds[rows], seq_lens[rows], masks,
+                   Processors.of(a, rows))
 
     def __len__(self) -> int:
         return len(self.temperature)
@@ -68,21 +72,24 @@ def greedy(logits: Tensor) -> Tensor:
     return torch.stack((logits.argmax(dim=-1), torch.isfinite(logits).all(dim=-1).long()))
 
 
-def sample(logits: Tensor, rows: SamplingRows, first: Tensor | None = None) -> Sampled:
+def sample(logits: Tensor, rows: SamplingRows, first: Tensor | None = None, history: TokenHistory | None = None) -> Sampled:
     """logits [S, vocab], row b belonging to rows[b]; `first`: greedy(logits) already computed (by a
-    CUDA graph; it may have more columns, for a bucket's padding rows)."""
+    CUDA graph; it may have more columns, for a bucket's padding rows); `history`: the penalized
+    requests' token histories (the last stage's; without it no penalty applies), which the sampled
+    tokens join. `logits` is left as it is (the raw logits, for log probabilities)."""
     first = greedy(logits) if first is None else first
     tokens, ok = first[0, :len(rows)], first[1, :len(rows)].bool()
     drawn = np.flatnonzero((rows.temperature != 0) & (rows.top_k != 1))
-    if not rows.masks and not len(drawn):   # greedy rows only: nothing here waits for the device
+    procs = rows.processors
+    if not rows.masks and not len(drawn) and procs is None:   # greedy rows only: nothing here waits for the device
         return Sampled(tokens, ok, [], first)
     logits = logits.float()
     if rows.masks:
         logits, usable = _apply_masks(logits, rows.masks)
         ok = ok & usable
-        tokens = logits.argmax(dim=-1)
-    else:
-        tokens = tokens.clone()
+    if procs is not None:   # greedy rows with processors alone wait for nothing either
+        logits = procs.apply(logits, history)
+    tokens = logits.argmax(dim=-1) if rows.masks or procs is not None else tokens.clone()
     failed: list[int] = []
     if len(drawn):
         good = ok.tolist()
@@ -95,6 +102,8 @@ def sample(logits: Tensor, rows: SamplingRows, first: Tensor | None = None) -> S
                     _sample_rows(logits, rows, [b], tokens)
                 except Exception:
                     failed.append(b)
+    if procs is not None:
+        procs.record(history, tokens)
     return Sampled(tokens, ok, failed, torch.stack((tokens, ok.long())))
 
 
@@ -146,6 +155,9 @@ def _sample_rows(logits: Tensor, rows: SamplingRows, group_rows: list[int], toke
         idx = torch.tensor(group, device=dev)
         temps = torch.from_numpy(rows.temperature[group]).to(dev)
         probs = (logits.index_select(0, idx) / temps[:, None]).softmax(dim=-1)
+        if rows.processors is not None and rows.processors.min_p[group].any():   # vLLM's min-p, after the temperature
+            min_p = torch.from_numpy(rows.processors.min_p[group]).to(dev)
+            probs = probs.masked_fill(probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True), 0.0)
         ids = None
         if group is filtered:
             probs, ids = _candidates(probs, rows.top_k[group].tolist(), rows.top_p[group])

@@ -20,11 +20,28 @@ from orca_mq.protocol.logprobs import TokenLogprobs
 
 MASK_WORD_BITS = 32   # an allowed-token bitmask is little-endian 32-bit words: bit i of word j allows token 32 j + i
 NO_ROW = -1           # SeqWork.prev_row: its first token is given, not taken from the previous iteration
+# RowExtras.history: the last stage's token history of a penalized request (orca_mq/engine/history.py)
+HISTORY_NONE, HISTORY_START, HISTORY_KEEP = 0, 1, 2   # none (no penalty) | it starts at this row | it goes on
 
 
 def mask_bytes(vocab_size: int) -> int:
     """Size of one row's allowed-token bitmask (here, not in the sampler: the scheduler fills masks without torch)."""
     return -(-vocab_size // MASK_WORD_BITS) * MASK_WORD_BITS // 8
+
+
+@dataclass(slots=True)
+class RowExtras:
+    """A row's logits processors beyond temperature / top-k / top-p (SamplingParams' penalties, min_p,
+    logit_bias, min_tokens), for a request that asks for any; the last stage applies them in
+    orca_mq/engine/history.py. What a penalty needs of the request's past tokens stays there."""
+
+    presence: float = 0.0
+    frequency: float = 0.0
+    repetition: float = 1.0
+    min_p: float = 0.0
+    bias: list[tuple[int, float]] = field(default_factory=list)  # added to the logits: logit_bias, -inf for min_tokens' bans
+    history: int = HISTORY_NONE
+    seen: list[int] = field(default_factory=list)  # repetition_penalty: prompt tokens the history has not seen and token_ids does not carry (prefix cache hits)
 
 
 @dataclass(slots=True)
@@ -50,6 +67,7 @@ class SeqWork:
     logprobs: int = -1
     prompt_logprobs: int = -1
     next_token: int = -1
+    extra: RowExtras | None = None   # its logits processors; None: none (what every other row costs)
 
     @property
     def seq_len(self) -> int:
@@ -64,6 +82,7 @@ class IterationPlan:
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device_block, host_block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)   # (host_block, device_block)
     follows: int = 0              # the iteration whose sampled tokens fill rows with a prev_row (0: none)
+    released: list[str] = field(default_factory=list)   # requests that ended with a token history on the last stage
 
     @property
     def num_tokens(self) -> int:
@@ -99,6 +118,16 @@ class PackedPlan:
     logprobs: bytes = b""
     prompt_logprobs: bytes = b""
     next_tokens: bytes = b""
+    # logits processors (RowExtras) of the rows that carry any, all empty when none does
+    x_rows: bytes = b""        # int32 [E] their plan rows, ascending
+    x_params: bytes = b""      # float32 [E, 4] presence, frequency and repetition penalties, min_p
+    x_history: bytes = b""     # uint8 [E] HISTORY_*
+    x_bias_lens: bytes = b""   # int32 [E]
+    bias_ids: bytes = b""      # int32 [sum x_bias_lens] token ids...
+    bias_vals: bytes = b""     # float32 [...] ...and what is added to their logits (-inf: min_tokens' bans)
+    x_seen_lens: bytes = b""   # int32 [E]
+    seen_ids: bytes = b""      # int32 [sum x_seen_lens] RowExtras.seen, concatenated
+    released: list[str] = field(default_factory=list)   # IterationPlan.released
 
     def arrays(self) -> "PlanArrays":
         """The columns as arrays, checked for consistent sizes (ValueError otherwise); the engine checks
@@ -122,6 +151,7 @@ class PackedPlan:
         if ((a.prev_rows < NO_ROW) | ((a.prev_rows >= 0) & (self.follows <= 0))).any():
             raise ValueError("plan rows follow no earlier iteration")
         _logprob_columns(self, a, col)
+        a.extras = _extra_columns(self, col)
         return a
 
     @property
@@ -158,6 +188,7 @@ class PlanArrays:
     logprobs: np.ndarray | None = None          # int32 [S] when a row asks (PackedPlan's), else None
     prompt_logprobs: np.ndarray | None = None
     next_tokens: np.ndarray | None = None
+    extras: "ExtraArrays | None" = None          # the rows' logits processors, when any row has them
 
     @property
     def num_rows(self) -> int:
@@ -186,6 +217,61 @@ def _pack_logprobs(seqs: list[SeqWork]) -> tuple[bytes, bytes, bytes]:
             np.array([s.next_token for s in seqs], I32).tobytes())
 
 
+@dataclass(slots=True)
+class ExtraArrays:
+    """A plan's RowExtras columns as arrays (PackedPlan's x_*, bias_*, seen_ids)."""
+
+    rows: np.ndarray          # int32 [E]
+    params: np.ndarray        # float32 [E, 4]
+    history: np.ndarray       # uint8 [E]
+    bias_lens: np.ndarray     # int32 [E]
+    bias_ids: np.ndarray
+    bias_vals: np.ndarray
+    seen_lens: np.ndarray     # int32 [E]
+    seen_ids: np.ndarray
+
+
+def _extra_columns(plan: PackedPlan, col: "Callable[[bytes, np.dtype, str], np.ndarray]") -> ExtraArrays | None:
+    """The logits processors' columns, checked for consistent sizes and values; None when no row has any."""
+    names = ("x_rows", "x_params", "x_history", "x_bias_lens", "bias_ids", "bias_vals", "x_seen_lens", "seen_ids")
+    if not any(getattr(plan, n) for n in names):
+        return None
+    x = ExtraArrays(*(col(getattr(plan, n), d, n) for n, d in zip(names, (I32, F32, U8, I32, I32, F32, I32, I32))))
+    e, s = len(x.rows), len(plan.request_ids)
+    if len(x.params) != 4 * e or len(x.history) != e or len(x.bias_lens) != e or len(x.seen_lens) != e:
+        raise ValueError(f"plan logits-processor columns do not have their {e} rows")
+    x.params = x.params.reshape(e, 4)
+    if e and (x.rows[0] < 0 or x.rows[-1] >= s or (np.diff(x.rows) <= 0).any()):
+        raise ValueError("plan logits-processor rows are not ascending plan rows")
+    if (x.bias_lens < 0).any() or (x.seen_lens < 0).any() or int(x.bias_lens.sum()) != len(x.bias_ids) \
+            or len(x.bias_vals) != len(x.bias_ids) or int(x.seen_lens.sum()) != len(x.seen_ids):
+        raise ValueError("plan logit-bias or history columns do not add up to their rows' lengths")
+    if (x.history > HISTORY_KEEP).any() or (x.bias_ids < 0).any() or (x.seen_ids < 0).any():
+        raise ValueError("plan logits-processor columns hold a negative token id or an unknown history state")
+    if not np.isfinite(x.params).all() or np.isnan(x.bias_vals).any() or (x.bias_vals == np.inf).any():
+        raise ValueError("plan logits-processor values are not finite (a bias may be -inf only)")
+    return x
+
+
+def _pack_extras(plan: IterationPlan) -> dict[str, bytes | list[str]]:
+    """PackedPlan's logits-processor fields: nothing but the released ids when no row has any."""
+    rows = [(i, s.extra) for i, s in enumerate(plan.seqs) if s.extra is not None]
+    if not rows:
+        return {"released": list(plan.released)}
+    xs = [x for _, x in rows]
+    return {
+        "x_rows": np.array([i for i, _ in rows], I32).tobytes(),
+        "x_params": np.array([(x.presence, x.frequency, x.repetition, x.min_p) for x in xs], F32).tobytes(),
+        "x_history": np.array([x.history for x in xs], U8).tobytes(),
+        "x_bias_lens": np.array([len(x.bias) for x in xs], I32).tobytes(),
+        "bias_ids": np.array([t for x in xs for t, _ in x.bias], I32).tobytes(),
+        "bias_vals": np.array([b for x in xs for _, b in x.bias], F32).tobytes(),
+        "x_seen_lens": np.array([len(x.seen) for x in xs], I32).tobytes(),
+        "seen_ids": np.array([t for x in xs for t in x.seen], I32).tobytes(),
+        "released": list(plan.released),
+    }
+
+
 def pack(plan: IterationPlan) -> PackedPlan:
     """The plan in columns: one pass per column, no per-row objects on the other side."""
     seqs = plan.seqs
@@ -202,7 +288,7 @@ def pack(plan: IterationPlan) -> PackedPlan:
         col([s.sample for s in seqs], U8), col([s.temperature for s in seqs], F32), col([s.top_k for s in seqs], I32),
         col([s.top_p for s in seqs], F32), col([-1 if s.seed is None else s.seed for s in seqs], I64),
         col([i for i, _ in masked], I32), [m for _, m in masked],  # type: ignore[misc]
-        list(plan.swap_out), list(plan.swap_in), plan.follows, *_pack_logprobs(seqs),
+        list(plan.swap_out), list(plan.swap_in), plan.follows, *_pack_logprobs(seqs), **_pack_extras(plan),
     )
 
 

@@ -21,6 +21,7 @@ from orca_mq.kv.pool import PoolSize
 from orca_mq.kv.prefix import chain_seed
 from orca_mq.sched.profiler import IterationProfile, Profiler, profile_max_len
 from orca_mq.sched.request import Phase, Request
+from orca_mq.sched.processors import add_extras
 from orca_mq.structured.bitmask import fill_masks
 
 if TYPE_CHECKING:
@@ -81,6 +82,7 @@ class Scheduler:
         self.eos_token_ids = set(info.eos_token_ids)
         self.pool: dict[str, Request] = {}            # insertion order = arrival order
         self.in_flight: dict[int, list[Request]] = {}
+        self.released: list[str] = []   # ended requests whose token history the last stage drops (the next plan's)
         self.iteration = 0
         self.record: deque[tuple[int, list[str]]] = deque(maxlen=RECORD_WINDOW)  # (iteration, request ids) for FCFS checks
         self.profile: IterationProfile | None = None   # this engine's iteration times, for policies that need them
@@ -189,13 +191,15 @@ class Scheduler:
                                 sample=not req.prompt_pending, prev_row=prev))
             req.in_flight += 1
         fill_masks(seqs, [None if r.prompt_pending else r.grammar for r in batch])  # only rows that sample
+        add_extras(seqs, batch, self.eos_token_ids)   # logits processors: penalties, min_p, logit_bias, min_tokens
         ask_logprobs(seqs, batch)
         self.iteration += 1
         row = 0
         for req, s in zip(batch, seqs):
             req.planned, req.sample_row = self.iteration, row if s.sample else NO_ROW
             row += s.sample
-        plan = IterationPlan(self.iteration, seqs, follows=follows)
+        plan = IterationPlan(self.iteration, seqs, follows=follows, released=self.released)
+        self.released = []
         self.in_flight[plan.iteration] = batch
         self.record.append((plan.iteration, [r.request_id for r in batch]))
         return plan
@@ -268,9 +272,11 @@ class Scheduler:
         self._retire(req)
 
     def _retire(self, req: Request) -> None:
-        """A finished request leaves the pool and frees its KV."""
+        """A finished request leaves the pool and frees its KV (and its token history on the last stage)."""
         del self.pool[req.request_id]
         self.block_manager.release(req)
+        if req.history_fed >= 0:
+            self.released.append(req.request_id)
         self.finished[req.request_id] = self.metrics(req)
         while len(self.finished) > KEPT_METRICS:
             self.finished.popitem(last=False)

@@ -66,6 +66,8 @@ class Request:
     grammar: "Grammar | None" = None   # structured outputs: its matcher, advanced by each accepted token
     planned: int = 0               # the iteration it was last planned in...
     sample_row: int = -1           # ...and its row among that iteration's sampling rows (-1: none)
+    history_fed: int = -1          # penalties: prompt tokens its token history on the last stage has seen (-1: none started)
+    logit_bias: list[tuple[int, float]] | None = None   # params.logit_bias as (token id, bias), parsed at its first row
     prompt_logprobs: "TokenLogprobs | None" = None   # its prompt's log probabilities so far, until its first token carries them
 
     @property
