@@ -162,10 +162,13 @@ def test_ctrl_c_during_start_up_exits_130(tmp_path):
                              "--set", f"log.dir={tmp_path}/{{port}}"], cwd=ROOT, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
+        import select
+
         assert proc.stderr is not None
-        deadline = time.monotonic() + 60
-        while "loading the model" not in proc.stderr.readline():   # the broker is up, the workers are starting
-            assert time.monotonic() < deadline and proc.poll() is None
+        deadline, line = time.monotonic() + 60, ""
+        while "loading the model" not in line:   # the broker is up, the workers are starting
+            assert time.monotonic() < deadline and proc.poll() is None, "no 'loading the model' line"
+            line = proc.stderr.readline() if select.select([proc.stderr], [], [], 0.5)[0] else ""
         proc.send_signal(signal.SIGINT)
         assert proc.wait(60) == 130
         out, err = proc.communicate()
