@@ -179,14 +179,14 @@ class Newcomer:
                             (f"--set scheduler.max_bs=-3 {elsewhere}", "scheduler.max_bs must be >= 1")):
             self.step(f"orca-mq serve {args.split(' --port')[0] if '--model' in args else args}: one line", self.one_line,
                       f"{_orca_mq()} serve {args}", words)
+        after = {p.name: p.stat().st_size for p in log_dir.glob("*.log")}
+        self.step("the refused launches wrote nothing into the running server's logs", _same, after, before)
         client = f"{_orca_mq()} client --prompt hi --max-tokens 2"
         self.step("orca-mq client --address http://...: one line naming --port", self.one_line,
                   f"{client} --address http://127.0.0.1:{http_port}/v1", "--port")
         self.step("orca-mq client --address at the HTTP port: one line within seconds", self.one_line,
                   f"{client} --address 127.0.0.1:{http_port}", "no orca-mq server answers")
         self.step("orca-mq client --address host:port (no tcp://)", self.shell, f"{client} --address 127.0.0.1:{zmq_port}", 60)
-        after = {p.name: p.stat().st_size for p in log_dir.glob("*.log")}
-        self.step("the refused launches wrote nothing into the running server's logs", _same, after, before)
         self.step("the model.dtype=auto choice is in the logs", self.dtype_logged, log_dir)
 
     def http_error(self, url: str, body: str, param: str) -> str:
