@@ -153,11 +153,14 @@ AUTH = {"authorization": f"Bearer {KEYS[0]}"}
      "unknown_parameter", "continuous"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 100000}, "invalid_request", None),   # the frontend's own check
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
-     "unsupported_parameter", "tools"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "name": "bob"}]}, "unsupported_parameter", "name"),
+     "missing_parameter", "tools.0.function"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"},
+     "invalid_value", "tool_choice"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "refusal": "no"}]}, "unsupported_parameter",
+     "refusal"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
      "unsupported_parameter", "content"),
-    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "missing_parameter", "messages.0.content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "missing_parameter", "content"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -1},
      "invalid_value", "max_completion_tokens"),
 ])

@@ -65,7 +65,7 @@ def from_validation(errors: Sequence[Any]) -> ApiError:
     return ApiError(400, f"{param or 'body'}: {err['msg']}", code, param)
 
 
-CUSTOM = ("unknown_parameter", "unsupported_parameter")
+CUSTOM = ("unknown_parameter", "unsupported_parameter", "missing_parameter")
 _TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
 
 

@@ -11,8 +11,9 @@ any magnitude reaches the wire.
 Accepted as OpenAI does: `max_tokens` (chat: also `max_completion_tokens`; absent = the rest of the
 context), `temperature`, `top_p`, `seed`, `stop` (a string or a list of them), `n` (1 only),
 `stream`, `stream_options.include_usage`, `response_format` (text, json_object, json_schema), `user`
-(accepted, unused); as vLLM's extensions: `top_k` (-1 or 0 = off), `ignore_eos`, `stop_token_ids`,
-`structured_outputs` (its shape and grammar are checked by the frontend, as on the ZeroMQ side);
+(accepted, unused), `presence_penalty` / `frequency_penalty` ([-2, 2]), `logit_bias` (token id -> [-100, 100],
+at most model.max_logit_bias entries), chat `tools` / `tool_choice` / `parallel_tool_calls` (orca_mq.api.tools); as vLLM's extensions: `top_k` (-1 or 0 = off), `ignore_eos`, `stop_token_ids`,
+`repetition_penalty`, `min_tokens`, `min_p`, `structured_outputs` (its shape and grammar are checked by the frontend, as on the ZeroMQ side);
 log probabilities: chat `logprobs` / `top_logprobs`, completions `logprobs` (k) and `echo` (with
 `max_tokens` 0 too), shaped by orca_mq.api.logprobs.
 """
@@ -25,25 +26,30 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
+from orca_mq.api.tools import MAX_TOOLS, Tool, ToolCall, ToolCallDelta, ToolChoice, constraint, render, shown
 from orca_mq.api.logprobs import ChatLogprobs, CompletionLogprobs
-from orca_mq.protocol.sampling import INT32_MAX, INT64_MAX, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE
+from orca_mq.protocol.sampling import (INT32_MAX, INT64_MAX, MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES, MAX_PENALTY,
+                                       MAX_REPETITION_PENALTY, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, MIN_REPETITION_PENALTY)
 
 MAX_STOP_STRINGS = 16           # these two bound the work of the stop-string check on every token
 MAX_STOP_LEN = 256
 TokenId = Annotated[int, Field(strict=True, ge=0, le=INT32_MAX)]
+BiasKey = Annotated[int, Field(ge=0, le=INT32_MAX)]   # a JSON object's key: the token id as a string
+Bias = Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS, allow_inf_nan=False)]
+Penalty = Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)]
 
 # OpenAI fields orca-mq does not implement -> the values that ask for nothing (null always does)
 _COMMON_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "n": (1,), "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},),
+    "n": (1,),
 }
 COMPLETION_UNSUPPORTED = _COMMON_UNSUPPORTED | {"best_of": (1,), "suffix": ("",)}
 CHAT_UNSUPPORTED = _COMMON_UNSUPPORTED | {
-    "tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (), "functions": ([],),
+    "functions": ([],),
     "function_call": ("none",), "audio": (), "modalities": (["text"],),
     "prediction": (), "reasoning_effort": (), "service_tier": ("auto", "default"), "store": (False,), "metadata": (),
     "web_search_options": (), "prompt_cache_key": (), "safety_identifier": (), "verbosity": (),
 }
-MESSAGE_UNSUPPORTED = {"name": (), "tool_calls": ([],), "tool_call_id": (), "function_call": (), "refusal": (), "audio": ()}
+MESSAGE_UNSUPPORTED = {"function_call": (), "refusal": (), "audio": ()}
 
 
 def _noop(value: Any, noops: tuple[Any, ...]) -> bool:
@@ -122,6 +128,13 @@ class _Sampling(Strict):
     stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)  # vLLM extension
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None  # vLLM extension: json | regex | choice | grammar | json_object
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    logit_bias: dict[BiasKey, Bias] | None = Field(None, max_length=MAX_LOGIT_BIAS_ENTRIES)   # the server's model.max_logit_bias: the frontend's
+    repetition_penalty: float | None = Field(None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY,
+                                             allow_inf_nan=False)   # vLLM extension
+    min_tokens: int | None = Field(None, strict=True, ge=0, le=INT32_MAX)  # vLLM extension
+    min_p: float | None = Field(None, ge=0, le=1, allow_inf_nan=False)     # vLLM extension
 
     @model_validator(mode="after")
     def _stops(self) -> "_Sampling":
@@ -150,7 +163,10 @@ class _Sampling(Strict):
                  "top_k": None if self.top_k is None else max(0, self.top_k),
                  "ignore_eos": self.ignore_eos, "stop_token_ids": self.stop_token_ids,
                  "structured_outputs": self.structured_outputs if self.response_format is None
-                 else self.response_format.structured_outputs()}
+                 else self.response_format.structured_outputs(),
+                 "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
+                 "repetition_penalty": self.repetition_penalty, "min_tokens": self.min_tokens, "min_p": self.min_p,
+                 "logit_bias": None if self.logit_bias is None else {str(k): v for k, v in self.logit_bias.items()}}
         return {"max_tokens": self.limit()} | {k: v for k, v in given.items() if v is not None} | self.logprob_params()
 
     def logprob_params(self) -> dict[str, Any]:
@@ -222,11 +238,22 @@ class ChatMessage(Strict):
     UNSUPPORTED = MESSAGE_UNSUPPORTED
 
     role: str
-    content: str | list[TextPart]
+    content: str | list[TextPart] | None = None   # None only beside an assistant's tool_calls
+    name: str | None = Field(None, max_length=256)                 # accepted, not shown to the model
+    tool_calls: list[ToolCall] | None = Field(None, max_length=MAX_TOOLS)   # an assistant's earlier calls
+    tool_call_id: str | None = Field(None, max_length=256)         # a tool message's call
 
-    def plain(self) -> dict[str, str]:
-        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-        return {"role": self.role, "content": text}
+    @model_validator(mode="after")
+    def _content(self) -> "ChatMessage":
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise PydanticCustomError("missing_parameter", "a message needs content (only an assistant's tool_calls "
+                                      "may stand without it)", {"param": "content"})
+        return self
+
+    def plain(self) -> dict[str, Any]:
+        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
+        calls = [c.model_dump() for c in self.tool_calls or []]
+        return {"role": self.role, "content": text} | ({"tool_calls": calls} if calls else {})
 
 
 class ChatCompletionRequest(_Sampling):
@@ -236,6 +263,21 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, strict=True, ge=1, le=INT32_MAX)
     logprobs: bool | None = Field(None, strict=True)                      # each token's log probability...
     top_logprobs: int | None = Field(None, strict=True, ge=0, le=INT32_MAX)  # ...and its k most likely (needs logprobs)
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: ToolChoice | None = None         # default: auto with tools, none without
+    parallel_tool_calls: bool | None = Field(None, strict=True)   # default true
+
+    @model_validator(mode="after")
+    def _tools(self) -> "ChatCompletionRequest":
+        choice = self.tool_choice
+        if choice not in (None, "none", "auto") and not self.shown_tools:
+            raise PydanticCustomError("value_error", "tool_choice {choice} names no tool of `tools`",
+                                      {"param": "tool_choice", "choice": str(choice)[:100]})
+        if self.tool_constraint is not None and (self.structured_outputs is not None or (
+                self.response_format is not None and self.response_format.type != "text")):
+            raise PydanticCustomError("value_error", "a required or named tool_choice constrains the output itself: "
+                                      "give no response_format or structured_outputs with it", {"param": "tool_choice"})
+        return self
 
     def limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -249,8 +291,20 @@ class ChatCompletionRequest(_Sampling):
     def logprob_params(self) -> dict[str, Any]:
         return {"logprobs": self.top_logprobs or 0} if self.logprobs else {}
 
+    @property
+    def shown_tools(self) -> list[Tool]:
+        return shown(self.tools, self.tool_choice)
+
+    @property
+    def tool_constraint(self) -> dict[str, Any] | None:
+        return constraint(self.shown_tools, self.tool_choice, self.parallel_tool_calls is not False)
+
     def prompt_args(self) -> dict[str, Any]:
-        return {"messages": [m.plain() for m in self.messages]}
+        return {"messages": render([m.plain() for m in self.messages], self.shown_tools)}
+
+    def sampling(self) -> dict[str, Any]:
+        given = _Sampling.sampling(self)
+        return given | ({"structured_outputs": c} if (c := self.tool_constraint) is not None else {})
 
 
 # ---------------------------------------------------------------- responses
@@ -275,7 +329,8 @@ class CompletionChoice(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -288,6 +343,7 @@ class ChatChoice(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -44,6 +44,7 @@ from orca_mq.api.edge import ApiKeyGuard, BodyLimit, Handled
 from orca_mq.api.errors import INTERNAL_TEXT, ApiError, error_body, from_validation
 from orca_mq.api.stream import Generation, StopStrings, join, until_disconnect
 from orca_mq.api.logprobs import Shaper
+from orca_mq.api.tools import ToolReply, parse
 from orca_mq.api.metrics import ApiMetrics
 from orca_mq.api.tokenize import DetokenizeRequest, DetokenizeResponse, Tokenization, TokenizeRequest, TokenizeResponse
 from orca_mq.api.schemas import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,
@@ -134,14 +135,23 @@ class Api:
         return await self._serve(body, request, "cmpl", chunk, whole)
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
+        tools = body.shown_tools
+        reply = ToolReply(tools) if tools else None   # calls held back while streaming, parsed at the end
+
         def chunk(rid: str, text: str, reason: str | None, usage: Usage | None) -> ChatCompletionChunk:
-            delta = ChatDelta(content=text) if reason is None else ChatDelta()
+            calls = None
+            if reply is not None and not usage:
+                text, calls = reply.stream(text, reason is not None)
+            delta = ChatDelta(content=text) if reason is None else ChatDelta(content=text or None, tool_calls=calls)
+            reason = "tool_calls" if calls else reason
             return ChatCompletionChunk(id=rid, model=self.model_name, usage=usage,
                                        choices=[] if usage else [ChatChunkChoice(delta=delta, finish_reason=reason)])
 
         def whole(rid: str, text: str, reason: str | None, usage: Usage) -> ChatCompletion:
+            content, calls = parse(text, tools) if tools else (text, [])
+            message = AssistantMessage(content=content, tool_calls=calls or None)
             return ChatCompletion(id=rid, model=self.model_name, usage=usage,
-                                  choices=[ChatChoice(message=AssistantMessage(content=text), finish_reason=reason)])
+                                  choices=[ChatChoice(message=message, finish_reason="tool_calls" if calls else reason)])
 
         return await self._serve(body, request, "chatcmpl", chunk, whole)
 

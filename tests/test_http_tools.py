@@ -1,0 +1,126 @@
+"""Tool calling on the chat API: the rendering, parsing and streaming hold-back of orca_mq/api/tools.py
+on their own, then through the official `openai` client against a real server with the embedded
+model: `required` and a named function give calls whose arguments validate against the tool's JSON
+schema (streamed and not), `none` shows no tools, and a tool_choice naming no tool is a 400."""
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+
+from orca_mq.api.tools import (CLOSE, OPEN, CalledFunction, Function, NamedFunction, NamedToolChoice, Tool, ToolCall,
+                               ToolReply, constraint, parse, render, shown)
+from serving_harness import free_port, start_server
+
+WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "unit"], "properties": {
+    "city": {"type": "string", "minLength": 1, "maxLength": 24},
+    "unit": {"enum": ["celsius", "fahrenheit"]}}}
+TIME = {"type": "object", "additionalProperties": False, "required": ["zone"],
+        "properties": {"zone": {"type": "string", "maxLength": 16}}}
+TOOLS = [Tool(type="function", function=Function(name="get_weather", description="Weather in a city", parameters=WEATHER)),
+         Tool(type="function", function=Function(name="get_time", description="Time in a zone", parameters=TIME))]
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def call_text(name: str, args: dict) -> str:
+    return f"{OPEN}\n" + json.dumps({"name": name, "arguments": args}) + f"\n{CLOSE}"
+
+
+def test_parse_takes_calls_of_given_tools_and_keeps_the_rest_as_content():
+    text = "Let me look. " + call_text("get_weather", {"city": "Paris", "unit": "celsius"})
+    content, calls = parse(text, TOOLS)
+    assert content == "Let me look." and [c.function.name for c in calls] == ["get_weather"]
+    assert json.loads(calls[0].function.arguments) == {"city": "Paris", "unit": "celsius"}
+    for bad in (call_text("rm_rf", {}), f"{OPEN}not json{CLOSE}", "no call at all"):
+        assert parse(bad, TOOLS) == (bad, [])
+
+
+def test_render_shows_tools_once_and_writes_calls_and_results_back():
+    history = [{"role": "system", "content": "Be brief."}, *ASK,
+               {"role": "assistant", "content": "", "tool_calls": [ToolCall(id="c1", function=CalledFunction(
+                   name="get_weather", arguments='{"city": "Paris", "unit": "celsius"}')).model_dump()]},
+               {"role": "tool", "content": "18 C, sunny"}]
+    out = render(history, TOOLS)
+    assert [m["role"] for m in out] == ["system", "user", "assistant", "tool"]
+    assert out[0]["content"].startswith("Be brief.") and '"get_time"' in out[0]["content"]
+    assert parse(out[2]["content"], TOOLS)[1][0].function.name == "get_weather"
+    assert out[3]["content"] == "<tool_response>\n18 C, sunny\n</tool_response>"
+    assert all(set(m) == {"role", "content"} for m in out)
+    assert render(ASK, []) == ASK
+
+
+def test_choice_selects_what_is_shown_and_constrained():
+    named = NamedToolChoice(type="function", function=NamedFunction(name="get_time"))
+    assert shown(TOOLS, "none") == [] and shown(TOOLS, named) == [TOOLS[1]] and shown(None, "auto") == []
+    assert constraint(TOOLS, "auto", True) is None
+    one, many = constraint(TOOLS, "required", False)["grammar"], constraint(TOOLS, "required", True)["grammar"]
+    assert '"get_weather"' in one and "call (" not in one and 'call ("\\n" call)*' in many
+
+
+def test_streaming_holds_back_a_call_and_sends_it_parsed_at_the_end():
+    reply = ToolReply(TOOLS)
+    sent = [reply.stream(p, False)[0] for p in ("Sure. <to", "ol_call>\n{\"name\": \"get_weather\", ", '"arguments": ')]
+    assert "".join(sent) == "Sure. "
+    rest, calls = reply.stream('{"city": "Oslo", "unit": "celsius"}}\n</tool_call>', True)
+    assert rest == "" and [(c.index, c.function.name) for c in calls] == [(0, "get_weather")]
+    plain = ToolReply(TOOLS)
+    assert plain.stream("a <b", False)[0] == "a <b" and plain.stream("", True) == ("", None)
+
+
+@pytest.fixture(scope="module")
+def oai(tmp_path_factory):
+    port = free_port()
+    srv = start_server(tmp_path_factory.mktemp("tools"), **{"server.http_address": f"127.0.0.1:{port}",
+                                                           "scheduler.max_bs": 4, "engine.n_slots": 4096})
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
+    yield client
+    client.close()
+    assert srv.stop() == 0, srv.stderr()[-3000:]
+
+
+def tools_json() -> list[dict]:
+    return [t.model_dump(exclude_none=True) for t in TOOLS]
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
+def test_required_and_named_calls_validate_against_the_schema(oai, choice):
+    out = oai.chat.completions.create(model=oai.models.list().data[0].id, messages=ASK, tools=tools_json(),
+                                      tool_choice=choice, parallel_tool_calls=False, temperature=0,
+                                      max_completion_tokens=120)
+    msg, schemas = out.choices[0].message, {t.function.name: t.function.parameters for t in TOOLS}
+    assert out.choices[0].finish_reason == "tool_calls" and len(msg.tool_calls) == 1, msg
+    call = msg.tool_calls[0]
+    assert call.id.startswith("call_") and call.type == "function"
+    if isinstance(choice, dict):
+        assert call.function.name == "get_time"
+    jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+    # the same request streamed: the call comes as a delta with the final chunk
+    chunks = list(oai.chat.completions.create(model=oai.models.list().data[0].id, messages=ASK, tools=tools_json(),
+                                              tool_choice=choice, parallel_tool_calls=False, temperature=0,
+                                              max_completion_tokens=120, stream=True))
+    deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []]
+    assert [(d.function.name, d.function.arguments) for d in deltas] == [(call.function.name, call.function.arguments)]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+    # and the call and its result go back into the conversation
+    again = oai.chat.completions.create(model=oai.models.list().data[0].id, tools=tools_json(), temperature=0,
+                                        max_completion_tokens=8, messages=[*ASK, msg.model_dump(exclude_none=True),
+                                                                           {"role": "tool", "tool_call_id": call.id,
+                                                                            "content": "18 C"}])
+    assert again.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+@pytest.mark.e2e
+def test_none_and_bad_choices(oai):
+    model = oai.models.list().data[0].id
+    out = oai.chat.completions.create(model=model, messages=ASK, tools=tools_json(), tool_choice="none",
+                                      temperature=0, max_completion_tokens=8)
+    assert out.choices[0].message.tool_calls is None and out.choices[0].finish_reason in ("stop", "length")
+    with pytest.raises(openai.BadRequestError, match="names no tool"):
+        oai.chat.completions.create(model=model, messages=ASK, tools=tools_json(), max_completion_tokens=8,
+                                    tool_choice={"type": "function", "function": {"name": "nope"}})
+    with pytest.raises(openai.BadRequestError, match="constrains the output itself"):
+        oai.chat.completions.create(model=model, messages=ASK, tools=tools_json(), tool_choice="required",
+                                    response_format={"type": "json_object"}, max_completion_tokens=8)
