@@ -13,11 +13,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import openai
+
 from orca_mq.client import Client
 
 from orca_mq.server.process import ROOT, ServerHandle, children_of, free_port, spawn
 
-__all__ = ["ROOT", "Server", "alive", "children_of", "free_port", "settled", "start_server"]
+__all__ = ["ROOT", "Server", "alive", "children_of", "free_port", "openai_client", "settled", "start_server"]
 
 
 def alive(pid: int) -> bool:
@@ -79,6 +81,11 @@ def start_server(tmp: Path, n_workers: int = 1, ready_timeout: float = 240.0, en
         **overrides,
     }
     return Server(spawn(sets, tmp / "launcher.stderr", ready_timeout=ready_timeout, cwd=tmp, env=env), tmp / "logs")
+
+
+def openai_client(base_url: str, api_key: str = "unused", timeout: float = 120) -> openai.OpenAI:
+    """The official client on a test server's HTTP API (`base_url` without /v1), never retrying."""
+    return openai.OpenAI(base_url=base_url + "/v1", api_key=api_key, max_retries=0, timeout=timeout)
 
 
 def settled(address: str, timeout: float = 30.0) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from orca_mq.api.server import STATS_MAX_AGE
 from orca_mq.client import Client
 from orca_mq.config import load_config
-from serving_harness import ROOT, free_port, start_server
+from serving_harness import free_port, openai_client, ROOT, start_server
 
 pytestmark = pytest.mark.e2e
 
@@ -46,7 +46,7 @@ def zmq(server):
 
 @pytest.fixture(scope="module")
 def oai(server):
-    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    client = openai_client(server.base_url)
     yield client
     client.close()
 

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
 from orca_mq.client import Client
-from serving_harness import free_port, start_server
+from serving_harness import free_port, openai_client, start_server
 
 pytestmark = pytest.mark.e2e
 
@@ -36,7 +36,7 @@ def served(tmp_path_factory, tiny_served_dir):
     srv = start_server(tmp_path_factory.mktemp("http_logprobs"), **{
         "model.path": str(tiny_served_dir), "server.http_address": f"127.0.0.1:{port}", "model.max_model_len": 256,
         "scheduler.max_num_batched_tokens": 4})   # prompts in chunks of 4: prompt positions span iterations
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
+    client = openai_client(f"http://127.0.0.1:{port}")
     ref = AutoModelForCausalLM.from_pretrained(tiny_served_dir, dtype=torch.float32).eval()
     yield srv, client, client.models.list().data[0].id, ref
     client.close()
@@ -172,7 +172,6 @@ _FIELDS = st.fixed_dictionaries({}, optional={"logprobs": _VALUES, "top_logprobs
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(fields=_FIELDS, chat=st.booleans())
 def test_http_fuzz_of_the_logprob_fields_never_500(served, fields, chat):
-    srv = served[0]
     base = str(served[1].base_url).rstrip("/")
     body = {"temperature": 0, "max_tokens": 2} | fields
     if chat:

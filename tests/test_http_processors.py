@@ -6,14 +6,13 @@ from __future__ import annotations
 import json
 
 import httpx
-import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from orca_mq import LLM, SamplingParams
 from orca_mq.client import Client
-from serving_harness import free_port, settled, start_server
+from serving_harness import free_port, openai_client, settled, start_server
 
 pytestmark = pytest.mark.e2e
 
@@ -34,7 +33,7 @@ def server(tmp_path_factory, tiny_served_dir):
 
 @pytest.fixture(scope="module")
 def oai(server):
-    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    client = openai_client(server.base_url)
     yield client
     client.close()
 
@@ -53,11 +52,11 @@ def test_penalties_and_bias_equal_the_offline_llm(oai, offline):
         ({}, {"repetition_penalty": 2.0, "min_p": 0.1}),
         ({"logit_bias": {str(eos): 100}}, {"min_tokens": 4}),
     ]
-    for given, extra in cases:
-        out = oai.completions.create(model=model, prompt=ids, max_tokens=10, temperature=0, extra_body=extra, **given)
-        params = SamplingParams(max_tokens=10, temperature=0, **given, **extra)
+    for openai_fields, extra in cases:
+        out = oai.completions.create(model=model, prompt=ids, max_tokens=10, temperature=0, extra_body=extra, **openai_fields)
+        params = SamplingParams(max_tokens=10, temperature=0, **openai_fields, **extra)
         [ref] = offline.generate([ids], params)
-        assert (out.choices[0].text, out.choices[0].finish_reason) == (ref.text, ref.finish_reason), (given, extra)
+        assert (out.choices[0].text, out.choices[0].finish_reason) == (ref.text, ref.finish_reason), (openai_fields, extra)
         assert out.usage.completion_tokens == len(ref.token_ids)
     assert ref.finish_reason == "stop" and len(ref.token_ids) == 5   # EOS forced, held off for min_tokens=4
     chat = oai.chat.completions.create(model=model, messages=CHAT, max_completion_tokens=6, temperature=0,

@@ -12,7 +12,7 @@ import pytest
 
 from orca_mq.api.tools import (CLOSE, OPEN, CalledFunction, Function, NamedFunction, NamedToolChoice, Tool, ToolCall,
                                ToolReply, constraint, parse, render, shown)
-from serving_harness import free_port, start_server
+from serving_harness import free_port, openai_client, start_server
 
 WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "unit"], "properties": {
     "city": {"type": "string", "minLength": 1, "maxLength": 24},
@@ -74,7 +74,7 @@ def oai(tmp_path_factory):
     port = free_port()
     srv = start_server(tmp_path_factory.mktemp("tools"), **{"server.http_address": f"127.0.0.1:{port}",
                                                            "scheduler.max_bs": 4, "engine.n_slots": 4096})
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
+    client = openai_client(f"http://127.0.0.1:{port}")
     yield client
     client.close()
     assert srv.stop() == 0, srv.stderr()[-3000:]

@@ -24,13 +24,19 @@ from serving_harness import ROOT, free_port
 TIMEOUT_MS = 5000
 
 
-@pytest.fixture()
-def broker(tmp_path):
+def _start_broker(tmp_path):
+    """A broker process alone, on a free client port and a private backend socket."""
     cfg = Config()
     cfg.server.frontend_address = f"tcp://127.0.0.1:{free_port()}"
     cfg.server.backend_address = f"ipc://{tmp_path}/backend"
     cfg.log.dir = str(tmp_path / "logs")
-    proc = subprocess.Popen([sys.executable, "-m", "orca_mq.server.broker", "--config-json", json.dumps(cfg.to_dict())], cwd=ROOT)
+    return cfg, subprocess.Popen([sys.executable, "-m", "orca_mq.server.broker", "--config-json", json.dumps(cfg.to_dict())],
+                                 cwd=ROOT)
+
+
+@pytest.fixture()
+def broker(tmp_path):
+    cfg, proc = _start_broker(tmp_path)
     ctx = zmq.Context()
     frontend = ctx.socket(zmq.DEALER)
     frontend.setsockopt(zmq.ROUTING_ID, b"frontend")
@@ -184,11 +190,7 @@ def test_one_message_carries_frames_for_many_clients(broker):
 def test_without_a_frontend_the_broker_says_starting_until_one_was_there(tmp_path):
     """A first start is not a failure: until the frontend has been heard from, requests are refused as
     `starting`; once it was there and is gone, as a restart after a failure."""
-    cfg = Config()
-    cfg.server.frontend_address = f"tcp://127.0.0.1:{free_port()}"
-    cfg.server.backend_address = f"ipc://{tmp_path}/backend"
-    cfg.log.dir = str(tmp_path / "logs")
-    proc = subprocess.Popen([sys.executable, "-m", "orca_mq.server.broker", "--config-json", json.dumps(cfg.to_dict())], cwd=ROOT)
+    cfg, proc = _start_broker(tmp_path)
     ctx = zmq.Context()
     try:
         client = _client(ctx, cfg)

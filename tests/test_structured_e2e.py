@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from orca_mq import SamplingParams
 from orca_mq.client import Client
-from serving_harness import free_port, settled, start_server
+from serving_harness import free_port, openai_client, settled, start_server
 
 pytestmark = pytest.mark.e2e
 
@@ -105,7 +105,7 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def oai(server):
-    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=180)
+    client = openai_client(server.base_url, timeout=180)
     yield client
     client.close()
 
