@@ -12,14 +12,12 @@ from __future__ import annotations
 
 from collections import Counter
 
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from orca_mq.kv.block_manager import BlockManager, Match
+from orca_mq.kv.block_manager import BlockManager
 from orca_mq.kv.pool import PoolSize
 from orca_mq.kv.prefix import chain_seed
-from orca_mq.kv.tier import Tier
 from orca_mq.protocol.sampling import SamplingParams
 from orca_mq.sched.request import Phase, Request
 
