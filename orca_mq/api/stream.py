@@ -30,6 +30,13 @@ T = TypeVar("T")
 OUTCOME_BY_STATUS = {400: "invalid", 401: "unauthorized", 429: "overloaded", 500: "internal_error", 503: "unavailable"}
 
 
+def partial_tail(text: str, marks: list[str]) -> int:
+    """The length of the longest end of `text` that begins one of `marks` (0: none): what a stream
+    holds back until the next piece says whether a mark follows."""
+    return next((k for k in range(min(len(text), max(map(len, marks), default=1) - 1), 0, -1)
+                 if any(m.startswith(text[-k:]) for m in marks)), 0)
+
+
 @dataclass(slots=True)
 class StopStrings:
     """Holds back text that may be the start of a stop string until it is known not to be."""
@@ -43,8 +50,7 @@ class StopStrings:
         if hits:
             self.held = ""
             return buf[:min(hits)], True
-        keep = next((k for k in range(min(len(buf), max(map(len, self.stops), default=1) - 1), 0, -1)
-                     if any(s.startswith(buf[-k:]) for s in self.stops)), 0)
+        keep = partial_tail(buf, self.stops)
         self.held = buf[len(buf) - keep:]
         return buf[:len(buf) - keep], False
 

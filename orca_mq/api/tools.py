@@ -20,6 +20,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
+from orca_mq.api.stream import partial_tail
+
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _CALL = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.S)
 MAX_TOOLS = 128
@@ -147,7 +149,7 @@ def held(text: str) -> int:
     """How many characters at the end of streamed text may begin a <tool_call> tag (held back until known)."""
     if OPEN in text:
         return len(text) - text.index(OPEN)
-    return next((k for k in range(min(len(text), len(OPEN) - 1), 0, -1) if OPEN.startswith(text[-k:])), 0)
+    return partial_tail(text, [OPEN])
 
 
 class ToolReply:
