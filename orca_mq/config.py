@@ -24,6 +24,7 @@ KVPolicy = Literal["proactive", "defer", "reactive"]
 LogLevel = Literal["debug", "info", "warning", "error"]
 JsonWhitespace = Literal["compact", "flexible"]
 Switch = Literal["auto", "on", "off"]
+SpecMethod = Literal["off", "ngram"]
 
 
 @dataclass(slots=True)
@@ -60,6 +61,15 @@ class SchedulerConfig:
     max_bs: int = 32
     max_num_batched_tokens: int = 256
     async_scheduling: Switch = "auto"
+
+
+@dataclass(slots=True)
+class SpeculativeConfig:
+    method: SpecMethod = "off"
+    num_tokens: int = 4
+    lookup_min: int = 2
+    lookup_max: int = 4
+    max_batch_tokens: int = 32
 
 
 @dataclass(slots=True)
@@ -135,6 +145,7 @@ class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     structured: StructuredConfig = field(default_factory=StructuredConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def set(self, dotted: str, value: Any) -> None:
         """Set `section.key` (or a bare key when it is unique across sections), coercing strings."""
@@ -258,6 +269,8 @@ RANGES: dict[str, Range] = {
     "fastserve.n_queues": _ONE, "fastserve.quantum": Range(0, note="0: one profiled iteration"),
     "fastserve.quantum_ratio": _ONE, "fastserve.starve_limit": _POSITIVE, "fastserve.length_window": _COUNT,
     "fastserve.prior_jobs": _POSITIVE, "fastserve.preempt_margin": _COUNT, "fastserve.min_free_blocks": _COUNT,
+    "speculative.num_tokens": Range(1, 64), "speculative.lookup_min": _ONE, "speculative.lookup_max": Range(1, 64),
+    "speculative.max_batch_tokens": _ONE,
     "fastserve.burst_queues": _COUNT, "fastserve.profile_max_len": _ONE,
     "server.worker_base_port": Range(0, 65535, note="0: a free port"), "server.drain_timeout": _COUNT,
     "server.ready_timeout": _POSITIVE, "server.stop_grace": _COUNT, "server.stats_timeout": _POSITIVE,
@@ -291,6 +304,9 @@ def check(cfg: Config) -> None:
         raise ValueError("scheduler.async_scheduling = on needs one worker (engine.n_workers = engine.tp_size = 1): "
                          "the next iteration's tokens are read where the last one sampled them")
     for key in cfg.server.api_keys():
+    if cfg.speculative.lookup_min > cfg.speculative.lookup_max:
+        raise ValueError(f"speculative.lookup_min ({cfg.speculative.lookup_min}) must not exceed speculative.lookup_max "
+                         f"({cfg.speculative.lookup_max})")
         if len(key) > MAX_API_KEY_CHARS or not re.fullmatch(r"[!-~]+", key):
             raise ValueError(f"server.api_key: each key (comma-separated) must be 1 to {MAX_API_KEY_CHARS} "
                              "printable ASCII characters without spaces")

@@ -97,7 +97,7 @@ class Graphs:
         if step.decode_only:
             n = self.sizes[int(np.searchsorted(self.sizes, b))]
             return Bucket(n, n, n, True)
-        if self.token_sizes and t <= self.token_sizes[-1]:
+        if self.token_sizes and t <= self.token_sizes[-1] and len(f["logit_rows"]) <= self.max_bs:   # verify rows: a logit each
             n = self.token_sizes[int(np.searchsorted(self.token_sizes, t))]
             return Bucket(n, self.mixed_rows, self.max_bs, self.mixed_tiles)
         return None

@@ -158,7 +158,7 @@ class ModelRunner:
         logits, extra = (out, None) if out.shape[0] == len(rows) else (out[:len(rows)], out[len(rows):])
         drawn = sample(logits, rows, first, self.history)
         self._prev = (packed.iteration, drawn.tokens)
-        logprobs = self._logprobs(a, logits, drawn.tokens, extra)
+        logprobs = self._logprobs(a, logits, drawn.tokens, extra, rows.plan_rows)
         back, event = drawn.back, None
         if back.is_cuda:
             host = torch.empty(back.shape, dtype=back.dtype, pin_memory=True)   # the caching host allocator's
@@ -169,13 +169,14 @@ class ModelRunner:
         return Launched(a, back, event, drawn.failed, unfilled, logprobs)
 
     @staticmethod
-    def _logprobs(a: PlanArrays, logits: Tensor, tokens: Tensor, extra: Tensor | None) -> list[LogprobsOut | None]:
+    def _logprobs(a: PlanArrays, logits: Tensor, tokens: Tensor, extra: Tensor | None,
+                  logit_rows: np.ndarray) -> list[LogprobsOut | None]:
         """The rows' log probabilities where asked (sampled tokens', prompt positions'), issued on the device."""
         if a.logprobs is None:
             return []
         positions = prompt_positions(a)
         prompt = None if positions is None or extra is None else prompt_logprobs(extra, positions)
-        return [sampled_logprobs(logits, tokens, a, np.flatnonzero(a.sample)), prompt]
+        return [sampled_logprobs(logits, tokens, a, logit_rows), prompt]
 
     def collect(self, launched: Launched) -> Tensor | IterationResult | None:
         """The launched iteration's hidden states or tokens (waits for the device)."""
@@ -185,13 +186,15 @@ class ModelRunner:
         if launched.event is not None:
             launched.event.synchronize()
         rids = a.plan.request_ids
-        sampling = np.flatnonzero(a.sample).tolist()
+        sampling = a.logit_rows().tolist()   # the plan row of each sampled position
         tokens, ok = (row[:len(sampling)] for row in out.tolist())
         ids = [-1] * len(rids)
-        for k, r in enumerate(sampling):
-            ids[r] = tokens[k]
+        for k in range(len(sampling) - 1, -1, -1):   # a verify row's first position last: its first token
+            ids[sampling[k]] = tokens[k]
         failed = sorted({sampling[k] for k in failed_rows(ok, launched.failed)} | set(launched.unfilled))
         result = IterationResult(a.plan.iteration, list(rids), ids, [rids[r] for r in failed])
+        if a.drafts is not None:
+            verify(result, a, tokens, sampling)
         if launched.logprobs:
             fill_result(result, *launched.logprobs)
         return result
@@ -280,6 +283,27 @@ class ModelRunner:
                         self.geometry.token_rows, self.stager, self.block_size, self.info.vocab_size, self.dtype, self.device)
         self.graph_error = "" if graphs.capture() else graphs.error
         return None if self.graph_error else graphs
+
+
+def verify(result: IterationResult, a: PlanArrays, tokens: list[int], sampling: list[int]) -> None:
+    """Speculative decoding's acceptance: a verify row keeps the tokens it sampled up to and including
+    the first that differs from the draft token in its place (all k + 1 when every draft agrees), so
+    its output is what decoding one token at a time would have sampled."""
+    at = 0
+    drafts, ids = a.drafts.tolist(), a.token_ids
+    q = a.q_lens.astype(np.int64)
+    ends = np.cumsum(q)
+    while at < len(sampling):
+        r = sampling[at]
+        k = drafts[r]
+        if k:
+            proposed = ids[ends[r] - k:ends[r]].tolist()
+            n = 0
+            while n < k and tokens[at + n] == proposed[n]:
+                n += 1
+            result.verify_rows.append(r)
+            result.verified.append(tokens[at + 1:at + n + 1])
+        at += k + 1
 
 
 @dataclass(slots=True)

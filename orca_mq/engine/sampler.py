@@ -35,23 +35,31 @@ CANDIDATES = 256             # top-k / top-p first look at each row's 256 most l
 
 @dataclass(slots=True)
 class SamplingRows:
-    """The sampling parameters of an iteration's rows that sample, in logit-row order."""
+    """The sampling parameters of an iteration's sampled positions, in logit-row order: a row's last
+    token, or each of a verify row's last draft + 1 (speculative decoding)."""
 
+    plan_rows: np.ndarray     # int64, the plan row of each
     temperature: np.ndarray   # float32
     top_k: np.ndarray         # int32
     top_p: np.ndarray         # float32
     seeds: np.ndarray         # int64, -1: unseeded
-    seq_lens: np.ndarray      # int64, the position a row's uniform is drawn for
+    seq_lens: np.ndarray      # int64, the position a row's uniform is drawn for (a verify row's: each token's own)
     masks: dict[int, bytes]   # row -> allowed-token bitmask
     processors: Processors | None = None   # None: no row has any (what every other iteration costs)
 
     @classmethod
     def of(cls, a: PlanArrays) -> "SamplingRows":
-        rows = np.flatnonzero(a.sample)
-        index = {int(r): i for i, r in enumerate(rows)}
-        masks = {index[int(r)]: m for r, m in zip(a.mask_rows, a.plan.masks) if int(r) in index}
-        seq_lens = a.start_pos.astype(np.int64) + a.q_lens
-        return cls(a.temperature[rows], a.top_k[rows], a.top_p[rows], a.seeds[rows], seq_lens[rows], masks,
+        rows = a.logit_rows()
+        first = {int(r): i for i, r in reversed(list(enumerate(rows)))}   # rows that draft carry no mask
+        masks = {first[int(r)]: m for r, m in zip(a.mask_rows, a.plan.masks) if int(r) in first}
+        # a seeded verify row draws, for each token it samples after, the uniform a decode there would:
+        # with a draft of single tokens, sampling each position and keeping the drafts that agree is
+        # rejection sampling (accept a draft token with its probability, else draw from the rest), and
+        # a seeded request's tokens are the same with speculation on and off
+        seq_lens = (a.start_pos.astype(np.int64) + a.q_lens)[rows]
+        if a.drafts is not None:
+            seq_lens += np.arange(len(rows)) - np.searchsorted(rows, rows) - a.drafts[rows]
+        return cls(rows, a.temperature[rows], a.top_k[rows], a.top_p[rows], a.seeds[rows], seq_lens, masks,
                    Processors.of(a, rows))
 
     def __len__(self) -> int:

@@ -10,8 +10,10 @@ the device in one copy, from pinned memory and non-blocking on CUDA; the model r
 A decode-only iteration may be padded to a CUDA-graph bucket (orca_mq/engine/graphs.py): the same
 fields, laid out for the largest bucket in a static buffer the graphs were captured on. Padding
 rows write their K/V to a scratch block past the pool's blocks and read only it, so they touch no
-request's KV. Verify rows of speculative decoding (several query tokens, a logit per token) fit the
-same layout: a row is any number of new tokens, and `logit_rows` names every token that samples.
+request's KV. Verify rows of speculative decoding (a request's last token and its draft, a logit per
+token) fit the same layout: each of their tokens is an attention row of its own over its KV up to
+itself (the batched decode path, as deterministic mode runs every token), and `logit_rows` names
+every token that samples.
 """
 from __future__ import annotations
 
@@ -155,22 +157,28 @@ def build(a: PlanArrays, g: Geometry) -> HostStep:
     tables = np.zeros((s, width), np.int64)
     tables[np.arange(width) < a.table_lens[:, None]] = a.tables
     slots = tables[row_of, positions // g.block_size] * g.block_size + positions % g.block_size
-    sampled = a.sample.astype(bool)
-    if g.token_rows:   # each token attends alone, over its KV up to itself
-        cu, kv_lens, row_tables = np.arange(t + 1), positions + 1, tables[row_of]
-    else:
-        cu, kv_lens, row_tables = np.concatenate(([0], np.cumsum(q))), seq_len, tables
+    # rows whose tokens each attend alone, over their KV up to themselves: every row in deterministic
+    # mode, verify rows always (all K/V of a layer is written before its attention reads any)
+    own = np.full(s, g.token_rows) | (a.drafts > 0 if a.drafts is not None else False)
+    attn_q = np.where(own, 1, q)
+    attn_rows = np.repeat(np.arange(s), np.where(own, q, 1))        # the plan row of each attention row
+    cu = np.concatenate(([0], np.cumsum(attn_q[attn_rows])))
+    kv_lens = positions[cu[:-1]] + attn_q[attn_rows] if t else np.zeros(0, np.int64)
+    logit_rows = a.logit_rows()
+    at = np.arange(len(logit_rows)) - np.searchsorted(logit_rows, logit_rows)   # a verify row's 0 .. draft
+    drafts = a.drafts[logit_rows] if a.drafts is not None else 0
     fields = {"token_ids": tokens, "positions": positions, "slot_mapping": slots, "cu_q_lens": cu,
-              "seq_lens": kv_lens, "block_tables": row_tables, "logit_rows": (row_start + q - 1)[sampled],
+              "seq_lens": kv_lens, "block_tables": tables[attn_rows],
+              "logit_rows": (row_start + q - 1)[logit_rows] - drafts + at,
               "fill_dst": row_start[filled], "fill_src": a.prev_rows[filled].astype(np.int64)}
     prefills: list[tuple[int, int, int]] = []
     cached_counts: list[int] = []
     cached = np.zeros(0, np.int64)
     if g.split_decode:
-        one = np.ones(t, bool) if g.token_rows else (q == 1)[row_of] & (np.arange(t) == row_start[row_of])
+        one = (own | (q == 1))[row_of]   # the tokens that are an attention row alone
         fields |= {"decode_tokens": np.flatnonzero(one), "decode_blocks": tables[row_of[one]],
                    "decode_lens": positions[one] + 1}
-        multi = np.flatnonzero(q > 1) if not g.token_rows else np.zeros(0, np.int64)
+        multi = np.flatnonzero((q > 1) & ~own)
         prefills = [(int(row_start[r]), int(q[r]), int(start[r])) for r in multi]
         cached_counts = [p for _, _, p in prefills]
         pos = np.concatenate([np.arange(p) for p in cached_counts]) if cached_counts else np.zeros(0, np.int64)
@@ -180,7 +188,7 @@ def build(a: PlanArrays, g: Geometry) -> HostStep:
         fields |= {"decode_tokens": np.zeros(0, np.int64), "decode_blocks": np.zeros((0, width), np.int64),
                    "decode_lens": np.zeros(0, np.int64)}
     fields["prefill_cached"] = cached
-    decode_only = bool(s) and t == s and bool(sampled.all())
+    decode_only = bool(s) and t == s and bool(a.sample.all())
     return HostStep(fields, prefills, cached_counts, t, decode_only, g.block_size)
 
 

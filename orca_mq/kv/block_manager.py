@@ -106,6 +106,17 @@ class BlockManager(BlockTables):
             self._grew(request_id, missing)
         return table
 
+    def trim(self, request_id: str, n_tokens: int) -> None:
+        """Speculative decoding's rollback: the blocks past n_tokens' that only rejected draft tokens
+        wrote go back to the pool (their K/V is beyond the request's length; its reservation keeps them
+        counted for it)."""
+        table = self.device.tables.get(request_id)
+        extra = 0 if table is None else len(table) - -(-n_tokens // self.block_size)
+        for _ in range(max(extra, 0)):
+            self.device.drop(table.pop())   # type: ignore[union-attr]
+        if extra > 0 and request_id in self.started:
+            self.pending += extra
+
     # ------------------------------------------------------------ starting, reuse, publishing
 
     def match(self, req: KVRequest) -> Match:

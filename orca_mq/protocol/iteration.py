@@ -68,6 +68,9 @@ class SeqWork:
     prompt_logprobs: int = -1
     next_token: int = -1
     extra: RowExtras | None = None   # its logits processors; None: none (what every other row costs)
+    # speculative decoding: the last `draft` of token_ids are proposed tokens, not yet the request's: a
+    # verify row samples after each of its last draft + 1 tokens and keeps the longest agreeing prefix
+    draft: int = 0
 
     @property
     def seq_len(self) -> int:
@@ -128,6 +131,7 @@ class PackedPlan:
     x_seen_lens: bytes = b""   # int32 [E]
     seen_ids: bytes = b""      # int32 [sum x_seen_lens] RowExtras.seen, concatenated
     released: list[str] = field(default_factory=list)   # IterationPlan.released
+    drafts: bytes = b""        # int32 [S] SeqWork.draft, empty when no row verifies a draft
 
     def arrays(self) -> "PlanArrays":
         """The columns as arrays, checked for consistent sizes (ValueError otherwise); the engine checks
@@ -152,6 +156,10 @@ class PackedPlan:
             raise ValueError("plan rows follow no earlier iteration")
         _logprob_columns(self, a, col)
         a.extras = _extra_columns(self, col)
+        if self.drafts:
+            a.drafts = col(self.drafts, I32, "drafts")
+            if len(a.drafts) != s or (a.drafts < 0).any() or (a.drafts >= a.q_lens).any() or (a.drafts[a.sample == 0] > 0).any():
+                raise ValueError("plan draft column: a row each, fewer drafts than the row's tokens, on sampling rows only")
         return a
 
     @property
@@ -189,10 +197,17 @@ class PlanArrays:
     prompt_logprobs: np.ndarray | None = None
     next_tokens: np.ndarray | None = None
     extras: "ExtraArrays | None" = None          # the rows' logits processors, when any row has them
+    drafts: np.ndarray | None = None             # int32 [S] when a row verifies a draft (PackedPlan's), else None
 
     @property
     def num_rows(self) -> int:
         return len(self.q_lens)
+
+    def logit_rows(self) -> np.ndarray:
+        """The plan row of each sampled position, in the LM head's row order: a sampling row's last
+        token, and a verify row's last draft + 1 tokens (int64)."""
+        rows = np.flatnonzero(self.sample)
+        return rows if self.drafts is None else np.repeat(rows, 1 + self.drafts[rows].astype(np.int64))
 
 
 def _logprob_columns(plan: PackedPlan, a: PlanArrays, col: "Callable[[bytes, np.dtype, str], np.ndarray]") -> None:
@@ -289,6 +304,7 @@ def pack(plan: IterationPlan) -> PackedPlan:
         col([s.top_p for s in seqs], F32), col([-1 if s.seed is None else s.seed for s in seqs], I64),
         col([i for i, _ in masked], I32), [m for _, m in masked],  # type: ignore[misc]
         list(plan.swap_out), list(plan.swap_in), plan.follows, *_pack_logprobs(seqs), **_pack_extras(plan),
+        drafts=col([s.draft for s in seqs], I32) if any(s.draft for s in seqs) else b"",
     )
 
 
@@ -304,3 +320,7 @@ class IterationResult:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     prompt_rows: list[int] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # speculative decoding: each verify row's tokens after token_ids[row] (its accepted drafts' successors:
+    # the drafts it accepted are among them, its last the first disagreeing or the bonus token)
+    verify_rows: list[int] = field(default_factory=list)
+    verified: list[list[int]] = field(default_factory=list)

@@ -22,6 +22,7 @@ from orca_mq.kv.prefix import chain_seed
 from orca_mq.sched.profiler import IterationProfile, Profiler, profile_max_len
 from orca_mq.sched.request import Phase, Request
 from orca_mq.sched.processors import add_extras
+from orca_mq.sched.speculative import Speculator
 from orca_mq.structured.bitmask import fill_masks
 
 if TYPE_CHECKING:
@@ -95,6 +96,8 @@ class Scheduler:
         # async scheduling: one iteration more in flight, planned while the one before computes
         self.ahead = async_scheduling(cfg, type(self))
         self.depth = self.n_workers + self.ahead
+        self.max_len = info.max_model_len(cfg)
+        self.speculator = Speculator(cfg.speculative, self.token_budget) if cfg.speculative.method != "off" else None
 
     # ------------------------------------------------------------ the iteration loop
 
@@ -129,6 +132,8 @@ class Scheduler:
             self.held[req.request_id] = req
             return
         self.pool[req.request_id] = req
+        if self.speculator is not None:
+            self.speculator.start(req)
         self.enter(req)
 
     def abort(self, request_id: str) -> list[TokenEvent]:
@@ -156,11 +161,11 @@ class Scheduler:
         """Whether a result for `iteration` has a plan or probe in flight to apply to (else it is stray)."""
         return iteration in self.in_flight or (self.probes is not None and self.probes.owns(iteration))
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, Any]:
         return {
             **self.block_manager.stats(), "waiting": sum(not r.running for r in self.pool.values()),
             "running": sum(r.running for r in self.pool.values()), "in_flight": len(self.in_flight),
-            "iterations": self.iteration,
+            "iterations": self.iteration, **({} if self.speculator is None else self.speculator.counters.stats()),
         }
 
     # ------------------------------------------------------------ iterations
@@ -175,6 +180,7 @@ class Scheduler:
         if not batch:
             return None
         self.admitted(batch, now)
+        drafts = {} if self.speculator is None else self.speculator.propose(batch, sum(r.chunk or 1 for r in batch), self.max_len)
         seqs = []
         follows = 0
         for req in batch:
@@ -185,19 +191,21 @@ class Scheduler:
                 tokens, start = req.next_tokens(req.chunk or None)
                 if req.phase is Phase.INITIATION:
                     req.n_prompt_fed = start + len(tokens)
+            req.draft = len(draft := drafts.get(req.request_id, ()))
+            tokens = tokens + list(draft) if draft else tokens
             table = self.block_manager.ensure(req.request_id, start + len(tokens))
             p = req.params
             seqs.append(SeqWork(req.request_id, tokens, start, list(table), p.temperature, p.top_k, p.top_p, p.seed,
-                                sample=not req.prompt_pending, prev_row=prev))
+                                sample=not req.prompt_pending, prev_row=prev, draft=req.draft))
             req.in_flight += 1
         fill_masks(seqs, [None if r.prompt_pending else r.grammar for r in batch])  # only rows that sample
         add_extras(seqs, batch, self.eos_token_ids)   # logits processors: penalties, min_p, logit_bias, min_tokens
         ask_logprobs(seqs, batch)
         self.iteration += 1
         row = 0
-        for req, s in zip(batch, seqs):
+        for req, s in zip(batch, seqs):   # a row's place among the sampled positions (a verify row's: its first)
             req.planned, req.sample_row = self.iteration, row if s.sample else NO_ROW
-            row += s.sample
+            row += s.sample * (1 + s.draft)
         plan = IterationPlan(self.iteration, seqs, follows=follows, released=self.released)
         self.released = []
         self.in_flight[plan.iteration] = batch
@@ -230,8 +238,10 @@ class Scheduler:
             raise ValueError(f"result of iteration {result.iteration} does not match any iteration in flight")
         events = []
         failed = set(result.failed)
-        for req, token in zip(batch, result.token_ids):
+        verified = dict(zip(result.verify_rows, result.verified))
+        for row, (req, token) in enumerate(zip(batch, result.token_ids)):
             req.in_flight -= 1
+            drafted = req.draft   # kept until its next plan: FastServe charges the tokens it verified
             if req.phase is Phase.FINISHED:  # the request-level baseline's inactive request: compute wasted
                 continue
             req.n_iterations += 1
@@ -244,15 +254,24 @@ class Scheduler:
                 continue
             if req.prompt_pending:  # part of its prompt still to feed: what the engine sampled is dropped
                 continue
-            req.output_token_ids.append(token)
             req.phase = Phase.INCREMENT
             if req.first_token_time is None:
                 req.first_token_time = now
-            reason = self._stop_reason(req, token)
+            kept = verified.get(row, ())
+            reason = None
+            for token in (token, *kept):   # a verify row's tokens, up to the first that ends the request
+                req.output_token_ids.append(token)
+                if reason := self._stop_reason(req, token):
+                    break
+                events.append(TokenEvent(req.request_id, token))
+            if drafted:   # the K/V of the drafts it kept is its own now; the blocks only the others needed go back
+                self.speculator.learn(req, drafted, len(kept))   # type: ignore[union-attr]
+                self.block_manager.computed(req, req.num_tokens - 1)
+                self.block_manager.trim(req.request_id, req.num_tokens)
             if reason:
                 self._finish(req, reason, now)
-            report = {"structured_output": req.grammar.report()} if reason and req.grammar else None
-            events.append(TokenEvent(req.request_id, token, reason, report))
+                report = {"structured_output": req.grammar.report()} if req.grammar else None
+                events.append(TokenEvent(req.request_id, token, reason, report))
         if result.logprob_rows or result.prompt_rows:
             attach_logprobs(batch, result, events)
         self.after_iteration(batch, now)
@@ -311,7 +330,8 @@ class Scheduler:
         token not its last by length (a stop token found late costs one row of a wasted iteration)."""
         return not req.running or (
             self.ahead and req.in_flight == 1 and req.planned == self.iteration and req.phase is Phase.INCREMENT
-            and req.grammar is None and not req.aborted and len(req.output_token_ids) + 2 <= req.params.max_tokens)
+            and req.grammar is None and not req.aborted and not req.draft
+            and len(req.output_token_ids) + 2 <= req.params.max_tokens)
 
     def enter(self, req: Request) -> None:
         """A request joined the pool (FastServe: its skip-join)."""
@@ -339,7 +359,7 @@ class Scheduler:
     def metrics(self, req: Request) -> dict[str, Any]:
         """A request's scheduler metrics for its final message: its prompt tokens taken from the
         prefix cache, and what the policy adds (FastServe: queues, swaps)."""
-        return {"cached_tokens": req.cached_tokens}
+        return {"cached_tokens": req.cached_tokens, **Speculator.metrics(req)}
 
     def request_metrics(self, request_id: str) -> dict[str, Any] | None:
         """A request's metrics, live or (one of the last KEPT_METRICS) finished; None if unknown."""

@@ -180,11 +180,12 @@ class FastServeScheduler(Scheduler):
 
     def after_iteration(self, batch: list[Request], now: float) -> None:
         """Token-level preemption: each job returns to its queue, charged the predicted time of its
-        iteration (its prompt chunk, or an increment at this batch size)."""
+        iteration (its prompt chunk, or an increment at this batch size, once per token it verified)."""
         for req in batch:
             if req.phase is Phase.FINISHED:
                 continue
-            service = self.profile.initiation_time(req.chunk) if req.chunk else self.profile.increment_time(len(batch))
+            service = (self.profile.initiation_time(req.chunk) if req.chunk
+                       else self.profile.increment_time(len(batch)) * (1 + req.draft))
             queue = req.job.queue
             self.mlfq.charge(req, service, self.next_iteration_time(req), now)
             if req.job.queue != queue:

@@ -12,6 +12,7 @@ from orca_mq.protocol.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from orca_mq.structured.grammar import Grammar
+    from orca_mq.sched.speculative import SpecState
     from orca_mq.protocol.logprobs import TokenLogprobs
 
 
@@ -69,6 +70,8 @@ class Request:
     history_fed: int = -1          # penalties: prompt tokens its token history on the last stage has seen (-1: none started)
     logit_bias: list[tuple[int, float]] | None = None   # params.logit_bias as (token id, bias), parsed at its first row
     prompt_logprobs: "TokenLogprobs | None" = None   # its prompt's log probabilities so far, until its first token carries them
+    spec: "SpecState | None" = None   # speculative decoding: its n-gram index and adaptive k (None: it does not speculate)
+    draft: int = 0                 # draft tokens its iteration in flight verifies
 
     @property
     def running(self) -> bool:

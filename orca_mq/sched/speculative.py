@@ -1,0 +1,152 @@
+"""Speculative decoding by n-gram prompt lookup, inside iteration-level batching.
+
+A request decoding freely proposes up to k tokens: those that followed the most recent earlier
+occurrence of its last n tokens (n from `lookup_max` down to `lookup_min`) in its prompt and output.
+Its row of the next iteration is then a short chunk, its last token and the draft (SeqWork.draft);
+the last stage samples after each of them and keeps the longest prefix that agrees (so greedy output
+is unchanged, and sampled output keeps its distribution: engine/sampler.py), and the scheduler
+appends what it kept. The KV the rejected tokens wrote lies past the request's length: the next
+iteration overwrites it, and the blocks only they needed return to the pool (`BlockManager.trim`).
+
+Drafts are the iteration's last claim on compute: they fill it only up to `max_batch_tokens` tokens
+(and the token budget), after every increment and prompt chunk has its share, so at a full batch
+speculation gives way. Each request adapts its own k to what it accepts, and one whose drafts keep
+failing stops proposing for a while (twice as long after each further miss).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from orca_mq.config import SpeculativeConfig
+    from orca_mq.sched.request import Request
+
+MAX_BACKOFF = 64   # iterations a request at most waits before it proposes again
+
+
+@dataclass(slots=True)
+class NgramIndex:
+    """A request's tokens and, for each n, where each n-gram last ended (before the newest token), kept
+    up to date as tokens are appended: a lookup costs a few dict probes, not a scan."""
+
+    n_min: int
+    n_max: int
+    tokens: list[int] = field(default_factory=list)
+    ends: list[dict[tuple[int, ...], int]] = field(default_factory=list)   # [n - n_min]: n-gram -> its last end
+    indexed: int = 0                   # n-grams ending before this position are in `ends`
+
+    def extend(self, tokens: list[int]) -> None:
+        self.tokens.extend(tokens)
+
+    def propose(self, k: int) -> list[int]:
+        """Up to k tokens that followed the latest earlier occurrence of the last n tokens, the longest n first."""
+        toks = self.tokens
+        if not self.ends:
+            self.ends = [{} for _ in range(self.n_min, self.n_max + 1)]
+        for end in range(self.indexed, len(toks) - 1):   # the newest token ends no earlier occurrence
+            for n in range(self.n_min, min(self.n_max, end + 1) + 1):
+                self.ends[n - self.n_min][tuple(toks[end - n + 1:end + 1])] = end
+        self.indexed = max(self.indexed, len(toks) - 1)
+        for n in range(min(self.n_max, len(toks) - 1), self.n_min - 1, -1):
+            end = self.ends[n - self.n_min].get(tuple(toks[-n:]))
+            if end is not None:   # what followed it; past the newest token, the copy copies itself (a loop)
+                draft = toks[end + 1:end + 1 + k]
+                while len(draft) < k:
+                    draft.append(draft[end + 1 + len(draft) - len(toks)])
+                return draft
+        return []
+
+
+@dataclass(slots=True)
+class SpecState:
+    """One request's speculation: its index, its current k, and its back-off after failed drafts."""
+
+    index: NgramIndex
+    k: int
+    misses: int = 0          # drafts in a row that kept nothing
+    wait: int = 0            # iterations to skip before proposing again
+    drafts: int = 0          # verify rows it ran
+    drafted: int = 0         # draft tokens proposed...
+    accepted: int = 0        # ...and kept
+
+
+@dataclass(slots=True)
+class SpecCounters:
+    """The server's totals (vLLM's spec_decode_num_drafts / num_draft_tokens / num_accepted_tokens)."""
+
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)   # [i]: drafts whose token i was accepted
+
+    def stats(self) -> dict[str, Any]:
+        return {"spec_drafts": self.drafts, "spec_draft_tokens": self.draft_tokens,
+                "spec_accepted_tokens": self.accepted_tokens, "spec_accepted_per_pos": list(self.accepted_per_pos)}
+
+
+class Speculator:
+    """Proposes the drafts of an iteration's increment rows and learns from what they kept."""
+
+    def __init__(self, cfg: "SpeculativeConfig", token_budget: int) -> None:
+        self.cfg = cfg
+        self.cap = min(cfg.max_batch_tokens, token_budget) if token_budget else cfg.max_batch_tokens
+        self.counters = SpecCounters(accepted_per_pos=[0] * cfg.num_tokens)
+
+    @staticmethod
+    def eligible(req: "Request") -> bool:
+        """Rows whose every sampled position the last stage can sample alike: no grammar (its mask
+        follows each accepted token), no penalties or biases (their history and min_tokens' count
+        move with each token), no log probabilities (one entry per row). They decode one token at a time."""
+        p = req.params
+        return (req.grammar is None and p.logprobs is None and p.presence_penalty == 0 and p.frequency_penalty == 0
+                and p.repetition_penalty == 1 and not p.logit_bias and p.min_tokens == 0 and p.min_p == 0)
+
+    def propose(self, batch: list["Request"], tokens: int, max_len: int) -> dict[str, list[int]]:
+        """Drafts for the batch's increment rows, in batch order, while the iteration (`tokens` so
+        far) stays within the cap; none past a request's max_tokens or the model's length."""
+        room = self.cap - tokens
+        out: dict[str, list[int]] = {}
+        for req in batch:
+            if room <= 0:
+                break
+            spec = req.spec
+            if spec is None or req.running or req.prompt_pending or not self.eligible(req):
+                continue
+            if spec.wait:
+                spec.wait -= 1
+                continue
+            k = min(spec.k, room, req.params.max_tokens - len(req.output_token_ids) - 1, max_len - req.num_tokens)
+            if k <= 0:
+                continue
+            spec.index.extend(req.output_token_ids[len(spec.index.tokens) - len(req.prompt_token_ids):])
+            draft = spec.index.propose(k)
+            if draft:
+                out[req.request_id] = draft
+                room -= len(draft)
+        return out
+
+    def learn(self, req: "Request", drafted: int, kept: int) -> None:
+        """A verify row came back keeping `kept` of its `drafted` tokens: k follows what it keeps."""
+        spec, c = req.spec, self.counters
+        assert spec is not None
+        spec.drafts, spec.drafted, spec.accepted = spec.drafts + 1, spec.drafted + drafted, spec.accepted + kept
+        c.drafts, c.draft_tokens, c.accepted_tokens = c.drafts + 1, c.draft_tokens + drafted, c.accepted_tokens + kept
+        for i in range(kept):
+            c.accepted_per_pos[i] += 1
+        spec.k = max(1, min(self.cfg.num_tokens, kept + 1 if kept < drafted else drafted + 1))
+        spec.misses = 0 if kept else spec.misses + 1
+        if spec.misses >= 2:
+            spec.wait = min(MAX_BACKOFF, 1 << (spec.misses - 1))
+
+    def start(self, req: "Request") -> None:
+        """A request joins: its index starts from its prompt."""
+        req.spec = SpecState(NgramIndex(self.cfg.lookup_min, self.cfg.lookup_max, list(req.prompt_token_ids)),
+                             self.cfg.num_tokens)
+
+    @staticmethod
+    def metrics(req: "Request") -> dict[str, int]:
+        spec = req.spec
+        if spec is None:
+            return {}
+        return {"spec_drafts": spec.drafts, "spec_draft_tokens": spec.drafted, "spec_accepted_tokens": spec.accepted}
