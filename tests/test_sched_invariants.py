@@ -3,7 +3,8 @@ a fake engine and a virtual clock, with random arrivals, lengths, EOS tokens, en
 pipeline depths. Every request ends in exactly one final event, nothing after it; every KV block and
 reservation comes back; a FastServe job never waits below Q1 past starve_limit (give or take the one
 iteration between two plans): it is promoted to Q1's tail, where it waits only for the Q1 jobs ahead of it
-(each runs at most one Q1 quantum before it is demoted, and a burst can queue many)."""
+(each runs at most one Q1 quantum before it is demoted, and a burst can queue many). With speculative
+decoding on, the engine keeps a random part of each draft, and the same holds."""
 from __future__ import annotations
 
 import os
@@ -40,12 +41,13 @@ jobs = st.lists(st.tuples(st.floats(0, 0.3), st.integers(1, 40), st.integers(1, 
 
 @settings(max_examples=int(os.environ.get("ORCA_FUZZ_EXAMPLES", 80)), derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(jobs=jobs, policy=st.sampled_from(POLICIES), n_workers=st.integers(1, 2), budget=st.sampled_from([0, 24]),
-       slots=st.sampled_from([64, 1024]), eos_at=st.integers(1, 30))
-def test_every_request_ends_once_frees_its_kv_and_never_starves(jobs, policy, n_workers, budget, slots, eos_at):
+       slots=st.sampled_from([64, 1024]), eos_at=st.integers(1, 30), spec=st.booleans())
+def test_every_request_ends_once_frees_its_kv_and_never_starves(jobs, policy, n_workers, budget, slots, eos_at, spec):
     name, kv_policy = policy
     overrides = {"scheduler.policy": name, "scheduler.max_bs": 2, "scheduler.max_num_batched_tokens": budget,
                  "engine.n_workers": n_workers, "engine.block_size": 4, "engine.n_slots": slots,
-                 "engine.host_slots": 4096, "fastserve.starve_limit": STARVE_LIMIT}
+                 "engine.host_slots": 4096, "fastserve.starve_limit": STARVE_LIMIT,
+                 "speculative.method": "ngram" if spec else "off", "speculative.lookup_min": 1}
     if kv_policy:
         overrides["fastserve.kv_policy"] = kv_policy
     sched: Scheduler = make_scheduler(load_config(overrides=overrides), INFO)
@@ -59,6 +61,7 @@ def test_every_request_ends_once_frees_its_kv_and_never_starves(jobs, policy, n_
     finals: Counter[str] = Counter()
     added: set[str] = set()
     worst_wait = 0.0
+    drafts = 0
     now, results = 0.0, []
     for _ in range(20_000):
         while pending and pending[0].arrival <= now:
@@ -93,7 +96,15 @@ def test_every_request_ends_once_frees_its_kv_and_never_starves(jobs, policy, n_
             failed = [rid for rid in ids if fate[rid][0] == "fail" and fate[rid][1] <= now]
             for rid in failed:
                 fate[rid] = ("none", 0.0)
-            results = [IterationResult(plan.iteration, ids, tokens, failed=failed)]
+            result = IterationResult(plan.iteration, ids, tokens, failed=failed)
+            for row, s in enumerate(plan.seqs):   # a verify row keeps a part of its draft, fixed by its place
+                if s.draft:
+                    kept = s.seq_len * 7919 % (s.draft + 1)
+                    start = sched.pool[s.request_id].num_tokens + 1
+                    result.verify_rows.append(row)
+                    result.verified.append([2 if start + j + 1 >= eos_at else 7 for j in range(kept)])
+                    drafts += s.draft
+            results = [result]
         elif pending:
             now = pending[0].arrival
         elif not sched.has_work():
@@ -103,6 +114,8 @@ def test_every_request_ends_once_frees_its_kv_and_never_starves(jobs, policy, n_
     else:
         raise AssertionError("did not finish")
     assert finals == Counter({r.request_id: 1 for r in reqs}), "exactly one final per request"
+    if spec:
+        target(float(drafts), label="draft tokens")   # toward workloads that speculate most
     bm = sched.block_manager
     assert bm.num_free_blocks == bm.num_blocks and bm.n_rsrv == 0 and not bm.device.tables and not bm.host.tables
     assert bm.num_free_host_blocks == bm.num_host_blocks and not sched.pool and not sched.in_flight

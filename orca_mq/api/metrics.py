@@ -114,6 +114,16 @@ class EngineCollector(Collector):
                        sched.get("prefix_cache_hits", 0))
         yield _gauge("orca_mq:prefix_cache_slots", "Device KV slots holding cached prefix blocks (shared or idle).", lv,
                      sched.get("prefix_cache_slots", 0))
+        if "spec_drafts" in sched:   # speculative decoding is on
+            yield _counter("vllm:spec_decode_num_drafts", "Verify rows run (a request's draft checked in an iteration).", lv,
+                           sched["spec_drafts"])
+            yield _counter("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed.", lv, sched["spec_draft_tokens"])
+            yield _counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", lv, sched["spec_accepted_tokens"])
+            per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                          "Drafts whose token at this position was accepted.", labels=["model_name", "position"])
+            for pos, n in enumerate(sched["spec_accepted_per_pos"]):
+                per_pos.add_metric([self.model_name, str(pos)], n)
+            yield per_pos
         yield _counter("orca_mq:kv_offload_bytes", "KV bytes offloaded to host by finished requests.", lv, tel.get("offload_bytes", 0))
         yield _counter("orca_mq:kv_upload_bytes", "KV bytes uploaded to device by finished requests.", lv, tel.get("upload_bytes", 0))
         for key, name, doc in (
