@@ -1,7 +1,8 @@
 """The engine with attention_backend=triton (the CUDA path) equals the torch path, run on the CPU
 under TRITON_INTERPRET=1 in a child process (the variable must be set before triton is imported);
 and so does the CUDA-graph path's padding (engine.cuda_graphs=on: on the CPU the same buckets and
-static buffer, the forward called instead of replayed) for prefill, mixed and decode iterations."""
+static buffer, the forward called instead of replayed) for prefill, mixed and decode iterations, and
+speculative decoding's verify rows (a chunk with a logit per token: a mixed bucket)."""
 from __future__ import annotations
 
 import os
@@ -36,7 +37,10 @@ CHILD = textwrap.dedent("""
         out = runner.forward(IterationPlan(1, mixed))
         decode = [SeqWork(n, [7], len(s), list(bm.ensure(n, len(s) + 1))) for n, s in seqs.items()]
         out = torch.cat([out, runner.forward(IterationPlan(2, decode))])
-        assert len(runs) == (3 if graphs == "on" else 0) and [b.decode_tiles for b in runs] == [False, False, True][:len(runs)]
+        verify = [SeqWork("a", [7, 30, 31], len(seqs["a"]) + 1, list(bm.ensure("a", len(seqs["a"]) + 4)), draft=2),
+                  SeqWork("c", [7], len(seqs["c"]) + 1, list(bm.ensure("c", len(seqs["c"]) + 2)))]
+        out = torch.cat([out, runner.forward(IterationPlan(3, verify))])   # 3 + 1 logit rows: max_bs
+        assert len(runs) == (4 if graphs == "on" else 0) and [b.decode_tiles for b in runs] == [False, False, True, False][:len(runs)]
         return out
 
     torch_out, triton_out, graphs_out = logits("torch"), logits("triton"), logits("triton", "on")

@@ -89,11 +89,12 @@ def test_a_verify_row_is_one_token_rows_with_a_logit_each(split: bool) -> None:
     step = build(pack(_plan()).arrays(), Geometry(4, 8, 100, 64, token_rows=False, split_decode=split))
     f = step.fields
     assert f["logit_rows"].tolist() == [2, 3, 4, 5, 6, 7]                   # p's last, v's 4, d's
-    assert f["cu_q_lens"].tolist() == [0, 3, 4, 5, 6, 7, 8]                # p one row, v's tokens a row each
-    assert f["seq_lens"].tolist() == [3, 6, 7, 8, 9, 3]                    # each verify token over its KV up to itself
-    assert f["block_tables"][1:5].tolist() == [[1, 2, 4]] * 4
-    if split:
+    if split:   # the decode path: v's tokens an attention row each, over its KV up to itself
+        assert f["cu_q_lens"].tolist() == [0, 3, 4, 5, 6, 7, 8] and f["seq_lens"].tolist() == [3, 6, 7, 8, 9, 3]
+        assert f["block_tables"][1:5].tolist() == [[1, 2, 4]] * 4
         assert f["decode_tokens"].tolist() == [3, 4, 5, 6, 7] and [p[:2] for p in step.prefills] == [(0, 3)]
+    else:       # a chunk (Triton, CUDA graphs' mixed buckets)
+        assert f["cu_q_lens"].tolist() == [0, 3, 7, 8] and f["seq_lens"].tolist() == [3, 9, 3]
     assert not step.decode_only
 
 

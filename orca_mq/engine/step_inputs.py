@@ -11,9 +11,10 @@ A decode-only iteration may be padded to a CUDA-graph bucket (orca_mq/engine/gra
 fields, laid out for the largest bucket in a static buffer the graphs were captured on. Padding
 rows write their K/V to a scratch block past the pool's blocks and read only it, so they touch no
 request's KV. Verify rows of speculative decoding (a request's last token and its draft, a logit per
-token) fit the same layout: each of their tokens is an attention row of its own over its KV up to
-itself (the batched decode path, as deterministic mode runs every token), and `logit_rows` names
-every token that samples.
+token) fit the same layout: `logit_rows` names every token that samples; where the backend runs
+one-token rows apart (the CPU's decode kernel), each verify token is an attention row of its own over
+its KV up to itself, as deterministic mode runs every token; elsewhere (Triton, CUDA graphs' mixed
+buckets) a verify row is a short chunk, one attention row.
 """
 from __future__ import annotations
 
@@ -158,8 +159,8 @@ def build(a: PlanArrays, g: Geometry) -> HostStep:
     tables[np.arange(width) < a.table_lens[:, None]] = a.tables
     slots = tables[row_of, positions // g.block_size] * g.block_size + positions % g.block_size
     # rows whose tokens each attend alone, over their KV up to themselves: every row in deterministic
-    # mode, verify rows always (all K/V of a layer is written before its attention reads any)
-    own = np.full(s, g.token_rows) | (a.drafts > 0 if a.drafts is not None else False)
+    # mode, verify rows on the decode path (all K/V of a layer is written before its attention reads any)
+    own = np.full(s, g.token_rows) | (a.drafts > 0 if a.drafts is not None and g.split_decode else False)
     attn_q = np.where(own, 1, q)
     attn_rows = np.repeat(np.arange(s), np.where(own, q, 1))        # the plan row of each attention row
     cu = np.concatenate(([0], np.cumsum(attn_q[attn_rows])))
