@@ -134,6 +134,7 @@ class LogConfig:
     dir: str = "logs/{port}"
     level: LogLevel = "info"
     stderr: bool = False
+    progress: bool = True
 
 
 @dataclass(slots=True)

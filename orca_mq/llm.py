@@ -1,4 +1,5 @@
-"""Offline API in the style of vLLM, on the same iteration-level scheduler and engine as the server."""
+"""Offline API in the style of vLLM, on the same iteration-level scheduler and engine as the server.
+Its start-up says what it does on stderr, a line per step (`log.progress`: LLM(progress=False) is quiet)."""
 from __future__ import annotations
 
 import itertools
@@ -7,10 +8,14 @@ from collections import deque
 from pathlib import Path
 from typing import Any, Sequence
 
+from orca_mq.admission.prompts import check_template_kwargs
 from orca_mq.admission.served_model import Prompt, ServedModel
 from orca_mq.config import load_config
+from orca_mq.detokenizer import ends_on_eos
 from orca_mq.engine.model_runner import Launched, ModelRunner
+from orca_mq.engine.model_files import resolve_model_path
 from orca_mq.errors import InvalidRequest
+from orca_mq.logs import tell
 from orca_mq.outputs import RequestOutput
 from orca_mq.protocol.iteration import IterationResult
 from orca_mq.protocol.logprobs import Logprobs, TokenLogprobs
@@ -23,18 +28,27 @@ class LLM:
     All layers run in this process (one stage), one iteration at a time."""
 
     def __init__(self, model: str | None = None, config: str | Path | None = None, **overrides: Any) -> None:
+        started = time.monotonic()
         self.cfg = load_config(config, {k.replace("__", "."): v for k, v in overrides.items()})
         if model is not None:
             self.cfg.model.path = model
         self.cfg.engine.n_workers = self.cfg.engine.tp_size = 1
         self.model = ServedModel(self.cfg)   # admission: this process is the whole server
+        self._progress(started, f"loading the model {resolve_model_path(self.cfg.model.path).name}")
         self.info, self.tokenizer = self.model.info, self.model.tokenizer
         self.runner = ModelRunner(self.cfg, info=self.info)
+        self._progress(started, f"model loaded in {time.monotonic() - started:.1f} s "
+                                f"({str(self.runner.dtype).removeprefix('torch.')} on {self.runner.device})")
         self.scheduler = make_scheduler(self.cfg, self.info)
         self._logprobs: dict[str, list[TokenLogprobs | None]] = {}   # the events' (sampled, prompt), by request
         self._texts: dict[int, str] = {}
         self.run_until_done()   # a policy that needs this engine's iteration profile times its probes now
         self._ids = itertools.count()
+        self._progress(started, f"ready in {time.monotonic() - started:.1f} s")
+
+    def _progress(self, started: float, text: str) -> None:
+        if self.cfg.log.progress:
+            tell(started, f"LLM: {text}")
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
@@ -49,12 +63,17 @@ class LLM:
             self.scheduler.add(r)
         self.run_until_done()
         return [
-            RequestOutput(r.request_id, self.tokenizer.decode(r.output_token_ids, skip_special_tokens=True),
+            RequestOutput(r.request_id, self._decode(r.output_token_ids, r.finish_reason, r.params.skip_special_tokens),
                           r.output_token_ids, r.finish_reason, prompt_token_ids=r.prompt_token_ids,
                           metrics=None if r.grammar is None else {"structured_output": r.grammar.report()},
                           **self._outputs_logprobs(r.request_id, r.params, r.prompt_token_ids))
             for r in reqs
         ]
+
+    def _decode(self, ids: list[int], finish_reason: str | None, skip_special_tokens: bool) -> str:
+        """A finished request's text, as the server's detokenizer makes it (without the EOS that ended it)."""
+        shown = ids[:-1] if ends_on_eos(ids, finish_reason, self.info.eos_token_ids) else ids
+        return self.tokenizer.decode(shown, skip_special_tokens=skip_special_tokens)
 
     def _outputs_logprobs(self, rid: str, params: SamplingParams, prompt: list[int]) -> dict[str, Logprobs | None]:
         """A finished request's log probabilities, as the server's client gets them."""
@@ -81,9 +100,14 @@ class LLM:
                 kept[1] = e.prompt_logprobs
 
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
-             params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+             params: SamplingParams | Sequence[SamplingParams] | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """`chat_template_kwargs`: more variables for the chat template (vLLM's), e.g. {"enable_thinking": False}."""
+        if chat_template_kwargs is not None:
+            check_template_kwargs(chat_template_kwargs)
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
-        prompts = [self.model.prompts.encode_chat(c) for c in conversations]  # type: ignore[arg-type]
+        prompts = [self.model.prompts.encode_chat(c, template_kwargs=chat_template_kwargs)  # type: ignore[arg-type]
+                   for c in conversations]
         return self.generate(prompts, params)
 
     def run_until_done(self) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, TextIO
@@ -18,6 +19,11 @@ import structlog
 
 from orca_mq.config import LogConfig
 from orca_mq.percentile import percentile
+
+
+def tell(t0: float, text: str) -> None:
+    """A line for people on stderr (start-up progress, a failure): `orca-mq [  12.3s] text`, seconds since t0."""
+    print(f"orca-mq [{time.monotonic() - t0:6.1f}s] {text}", file=sys.stderr, flush=True)
 
 
 class _TeeLogger:

@@ -76,7 +76,8 @@ def test_any_frame_decodes_or_raises_protocol_error(frame: bytes, accepted: froz
 
 ANY = st.one_of(INTS, FLOATS, st.booleans(), st.none(), st.text(max_size=5), st.lists(st.one_of(INTS, FLOATS), max_size=3))
 TYPED = {"max_tokens": INTS, "temperature": FLOATS, "top_k": INTS, "top_p": FLOATS, "seed": st.one_of(st.none(), INTS),
-         "ignore_eos": st.booleans(), "stop_token_ids": st.lists(st.one_of(st.integers(0, 600), INTS, st.booleans()), max_size=4),
+         "ignore_eos": st.booleans(), "skip_special_tokens": st.booleans(),
+         "stop_token_ids": st.lists(st.one_of(st.integers(0, 600), INTS, st.booleans()), max_size=4),
          "logprobs": st.one_of(st.none(), st.integers(-2, 25), INTS), "prompt_logprobs": st.one_of(st.none(), st.integers(-2, 25), INTS),
          "presence_penalty": FLOATS, "frequency_penalty": FLOATS, "repetition_penalty": FLOATS, "min_p": FLOATS,
          "min_tokens": INTS, "logit_bias": st.dictionaries(st.one_of(st.integers(0, 600), st.integers(0, 600).map(str),

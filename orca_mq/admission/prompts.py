@@ -5,21 +5,49 @@ The size bound is derived from the context length: no token of the vocabulary co
 `longest_token` characters, so a prompt longer than max_model_len x longest_token characters
 cannot fit and is refused before anything reads it.
 
+A chat request may give the template more variables (`chat_template_kwargs`, vLLM's: e.g.
+{"enable_thinking": false}); they are JSON of at most MAX_TEMPLATE_KWARGS_CHARS characters and may not
+set the template's own arguments (TEMPLATE_ARGUMENTS: the messages, tools, generation prompt, ...).
+
 Encoding goes through the Rust tokenizer's `encode_batch`, which releases the GIL (its `encode`
 and transformers' wrapper hold it for the whole call): a long prompt on a thread then leaves the
 event loop running.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
-from typing import Any
-
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING, Any
 
 from orca_mq.errors import InvalidRequest
 from orca_mq.protocol.client_msgs import Generate
 
+if TYPE_CHECKING:   # transformers is not imported by this module: the HTTP API's schemas check template kwargs here
+    from transformers import PreTrainedTokenizerBase
+
 ROLES = ("system", "user", "assistant", "tool", "developer")   # OpenAI's chat roles; the template renders them
+MAX_TEMPLATE_KWARGS_CHARS = 16384   # chat_template_kwargs as JSON text: they bound the template's rendering work
+# apply_chat_template's parameters and the names it renders the template with: kwargs may not replace them
+TEMPLATE_ARGUMENTS = frozenset({
+    "messages", "conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
+    "tokenize", "sanitize_control_tokens", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
+def check_template_kwargs(kwargs: Any) -> None:
+    """chat_template_kwargs: a JSON object of at most MAX_TEMPLATE_KWARGS_CHARS characters, none of
+    whose keys is one of TEMPLATE_ARGUMENTS."""
+    if not isinstance(kwargs, dict):
+        raise InvalidRequest("chat_template_kwargs must be an object")
+    if clash := sorted(TEMPLATE_ARGUMENTS.intersection(kwargs)):
+        raise InvalidRequest(f"chat_template_kwargs may not set {', '.join(map(repr, clash))}: the chat template's own "
+                             "argument (give it as a request field where there is one)")
+    try:
+        chars = len(json.dumps(kwargs))
+    except (TypeError, ValueError, RecursionError):   # bytes from a msgpack client, too deep a nesting
+        raise InvalidRequest("chat_template_kwargs must hold JSON values") from None
+    if chars > MAX_TEMPLATE_KWARGS_CHARS:
+        raise InvalidRequest(f"chat_template_kwargs of {chars} characters as JSON (at most {MAX_TEMPLATE_KWARGS_CHARS})")
 
 
 def check_prompt_size(prompt: str | None, prompt_token_ids: list[int] | None, messages: list[Any] | None,
@@ -63,6 +91,10 @@ class Prompts:
             raise InvalidRequest("chat=True needs prompt or messages, not prompt_token_ids")
         if msg.messages is None and not msg.chat and msg.prompt is not None and not msg.prompt:
             raise InvalidRequest("empty prompt")
+        if msg.chat_template_kwargs is not None:
+            if msg.messages is None and not msg.chat:
+                raise InvalidRequest("chat_template_kwargs needs messages or chat=True (a chat template)")
+            check_template_kwargs(msg.chat_template_kwargs)
         check_prompt_size(msg.prompt, msg.prompt_token_ids, msg.messages, self.max_model_len, self.max_chars)
 
     def token_ids(self, msg: Generate, special: bool | None = None) -> list[int]:
@@ -74,10 +106,12 @@ class Prompts:
         if msg.messages is None and not msg.chat:
             return self.encode_text(msg.prompt or "", special is not False)
         return self.encode_chat(msg.messages if msg.messages is not None else [{"role": "user", "content": msg.prompt}],
-                                special is True)
+                                special is True, msg.chat_template_kwargs)
 
-    def encode_chat(self, messages: list[dict[str, Any]], special: bool = False) -> list[int]:
-        """The model's chat template, with the generation prompt (the one place it is applied)."""
+    def encode_chat(self, messages: list[dict[str, Any]], special: bool = False,
+                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        """The model's chat template, with the generation prompt (the one place it is applied) and any
+        variables of `template_kwargs` (checked by check_template_kwargs)."""
         if not messages or not all(
             isinstance(m, dict) and set(m) == {"role", "content"} and isinstance(m["role"], str)
             and isinstance(m["content"], str) for m in messages
@@ -86,7 +120,8 @@ class Prompts:
         if bad := next((m["role"] for m in messages if m["role"] not in ROLES), None):
             raise InvalidRequest(f"message role {bad[:40]!r} is not one of {', '.join(ROLES)}")
         try:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                      **(template_kwargs or {}))
         except Exception as e:  # jinja raises for roles or orders the template forbids
             raise InvalidRequest(f"chat template: {e}") from None
         return self._encode(text, special)  # by default not: the template already holds any BOS

@@ -13,7 +13,8 @@ context), `temperature`, `top_p`, `seed`, `stop` (a string or a list of them), `
 `stream`, `stream_options.include_usage`, `response_format` (text, json_object, json_schema), `user`
 (accepted, unused), `presence_penalty` / `frequency_penalty` ([-2, 2]), `logit_bias` (token id -> [-100, 100],
 at most model.max_logit_bias entries), chat `tools` / `tool_choice` / `parallel_tool_calls` (orca_mq.api.tools); as vLLM's extensions: `top_k` (-1 or 0 = off), `ignore_eos`, `stop_token_ids`,
-`repetition_penalty`, `min_tokens`, `min_p`, `structured_outputs` (its shape and grammar are checked by the frontend, as on the ZeroMQ side);
+`repetition_penalty`, `min_tokens`, `min_p`, `structured_outputs` (its shape and grammar are checked by the frontend, as on the ZeroMQ side),
+`skip_special_tokens` (default true), chat `chat_template_kwargs` (orca_mq.admission.prompts bounds them);
 log probabilities: chat `logprobs` / `top_logprobs`, completions `logprobs` (k) and `echo` (with
 `max_tokens` 0 too), shaped by orca_mq.api.logprobs.
 """
@@ -28,6 +29,8 @@ from pydantic_core import PydanticCustomError
 
 from orca_mq.api.tools import MAX_TOOLS, Tool, ToolCall, ToolCallDelta, ToolChoice, constraint, render, shown
 from orca_mq.api.logprobs import ChatLogprobs, CompletionLogprobs
+from orca_mq.admission.prompts import check_template_kwargs
+from orca_mq.errors import InvalidRequest
 from orca_mq.protocol.sampling import (INT32_MAX, INT64_MAX, MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES, MAX_PENALTY,
                                        MAX_REPETITION_PENALTY, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, MIN_REPETITION_PENALTY)
 
@@ -135,6 +138,7 @@ class _Sampling(Strict):
                                              allow_inf_nan=False)   # vLLM extension
     min_tokens: int | None = Field(None, strict=True, ge=0, le=INT32_MAX)  # vLLM extension
     min_p: float | None = Field(None, ge=0, le=1, allow_inf_nan=False)     # vLLM extension
+    skip_special_tokens: bool | None = Field(None, strict=True)            # vLLM extension; default true
 
     @model_validator(mode="after")
     def _stops(self) -> "_Sampling":
@@ -166,6 +170,7 @@ class _Sampling(Strict):
                  else self.response_format.structured_outputs(),
                  "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
                  "repetition_penalty": self.repetition_penalty, "min_tokens": self.min_tokens, "min_p": self.min_p,
+                 "skip_special_tokens": self.skip_special_tokens,
                  "logit_bias": None if self.logit_bias is None else {str(k): v for k, v in self.logit_bias.items()}}
         return {"max_tokens": self.limit()} | {k: v for k, v in given.items() if v is not None} | self.logprob_params()
 
@@ -266,6 +271,16 @@ class ChatCompletionRequest(_Sampling):
     tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: ToolChoice | None = None         # default: auto with tools, none without
     parallel_tool_calls: bool | None = Field(None, strict=True)   # default true
+    chat_template_kwargs: dict[str, Any] | None = None   # vLLM extension: more variables for the chat template
+
+    @model_validator(mode="after")
+    def _template_kwargs(self) -> "ChatCompletionRequest":
+        try:
+            if self.chat_template_kwargs is not None:
+                check_template_kwargs(self.chat_template_kwargs)
+        except InvalidRequest as e:
+            raise PydanticCustomError("value_error", str(e), {"param": "chat_template_kwargs"}) from None
+        return self
 
     @model_validator(mode="after")
     def _tools(self) -> "ChatCompletionRequest":
@@ -300,7 +315,8 @@ class ChatCompletionRequest(_Sampling):
         return constraint(self.shown_tools, self.tool_choice, self.parallel_tool_calls is not False)
 
     def prompt_args(self) -> dict[str, Any]:
-        return {"messages": render([m.plain() for m in self.messages], self.shown_tools)}
+        kwargs = {} if self.chat_template_kwargs is None else {"chat_template_kwargs": self.chat_template_kwargs}
+        return {"messages": render([m.plain() for m in self.messages], self.shown_tools)} | kwargs
 
     def sampling(self) -> dict[str, Any]:
         given = _Sampling.sampling(self)

@@ -1,6 +1,6 @@
 """POST /tokenize and POST /detokenize, in vLLM's shapes:
 
-    /tokenize   {model?, prompt | messages, add_special_tokens?} -> {tokens, count, max_model_len}
+    /tokenize   {model?, prompt | messages, add_special_tokens?, chat_template_kwargs?} -> {tokens, count, max_model_len}
     /detokenize {model?, tokens}                                 -> {prompt}
 
 The API process tokenizes these itself (generation requests it leaves to the frontend), through the
@@ -42,6 +42,7 @@ class TokenizeRequest(Strict):
     # whether the tokenizer adds its special tokens (BOS): default yes for a prompt, no for messages (the
     # chat template writes them), as vLLM and as a generation of the same prompt
     add_special_tokens: bool | None = Field(None, strict=True)
+    chat_template_kwargs: dict[str, Any] | None = None   # with messages, as a chat completion's (checked by Prompts.check)
 
     @model_validator(mode="after")
     def _one_prompt(self) -> "TokenizeRequest":
@@ -52,8 +53,9 @@ class TokenizeRequest(Strict):
     def message(self) -> Generate:
         """As the frontend receives the same prompt (a completion's text, or a chat's messages)."""
         if self.messages is not None:
-            return Generate("tokenize", messages=[m.plain() for m in self.messages])
-        return Generate("tokenize", prompt=self.prompt)
+            return Generate("tokenize", messages=[m.plain() for m in self.messages],
+                            chat_template_kwargs=self.chat_template_kwargs)
+        return Generate("tokenize", prompt=self.prompt, chat_template_kwargs=self.chat_template_kwargs)
 
 
 class TokenizeResponse(BaseModel):

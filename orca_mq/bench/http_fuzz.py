@@ -109,7 +109,7 @@ def schema_fuzz(base_url: str, api_key: str | None, examples: int, seed: int = 0
 _NAMES = ["prompt", "messages", "model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
           "stop", "stream", "stream_options", "n", "logprobs", "top_logprobs", "echo", "user", "ignore_eos", "stop_token_ids",
           "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "min_p", "logit_bias", "tools",
-          "response_format", "temprature", "", "\x00", "é"]
+          "response_format", "skip_special_tokens", "chat_template_kwargs", "temprature", "", "\x00", "é"]
 _EDGE = st.sampled_from([0, 1, -1, 2**31, 2**63, 2**64, 10**30, 2**200, -(2**200), 1e30, 1e308, -1e308, 0.5, 1e-320,
                          math.inf, -math.inf, math.nan, True, False, None, "", "x" * 300, [], {}])
 _JSON = st.recursive(st.one_of(_EDGE, st.integers(), st.floats(), st.text(max_size=20), st.booleans(), st.none()),

@@ -13,6 +13,7 @@ frame in the version the client wrote it in, so an older client (v1-v3) gets per
 frames, without the fields added after its version. Version 5 adds log probabilities (a request's
 `logprobs` / `prompt_logprobs` sampling fields): `output.logprobs`, `output.prompt_logprobs` and the
 same as optional columns of `outputs` (orca_mq.protocol.logprobs.Logprobs, each token's text beside its id).
+Version 6 adds `generate`'s chat_template_kwargs (variables for the chat template).
 """
 from __future__ import annotations
 
@@ -34,6 +35,8 @@ class Generate:
     chat: bool = False
     sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams fields; unknown ones are rejected
     api_key: str = added(3, default="")   # one of server.api_key's keys, when the server has any
+    # more variables for the chat template (vLLM's), e.g. {"enable_thinking": False}; orca_mq.admission.prompts bounds them
+    chat_template_kwargs: dict[str, Any] | None = added(6, default=None)
 
 
 @message("abort")

@@ -14,8 +14,9 @@ dataclasses, found from the annotations), so a list of token ids costs msgpack's
 Version 2 added optional fields (Error.code, Output.code); version 3 added Generate.api_key and
 Stats.api_key (and the code `unauthorized`); version 4 added `outputs` (one frame per client per
 iteration, client_msgs); version 5 added log probabilities to `output` and `outputs`
-(orca_mq.protocol.logprobs). An older frame still decodes, with the newer fields' defaults, and
-`encode(msg, version)` writes a frame an older peer reads: without the fields added after it.
+(orca_mq.protocol.logprobs); version 6 added `generate`'s chat_template_kwargs. An older frame
+still decodes, with the newer fields' defaults, and `encode(msg, version)` writes a frame an older
+peer reads: without the fields added after it.
 """
 from __future__ import annotations
 
@@ -30,8 +31,8 @@ import msgpack
 
 from orca_mq.short_repr import short_repr
 
-PROTOCOL_VERSION = 5
-SUPPORTED_VERSIONS = (1, 2, 3, 4, 5)
+PROTOCOL_VERSION = 6
+SUPPORTED_VERSIONS = (1, 2, 3, 4, 5, 6)
 MAX_FRAME_BYTES = 64 << 20
 
 Conv = Callable[[Any, str], Any]

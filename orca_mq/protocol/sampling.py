@@ -57,6 +57,7 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None  # the output matches a JSON schema, regex, choice or grammar
     logprobs: int | None = None         # each sampled token's log probability and its k most likely (0: its own only)
     prompt_logprobs: int | None = None  # the same for every prompt token after the first (no prefix cache then)
+    skip_special_tokens: bool = True    # vLLM's: special tokens are left out of the text (the frontend's detokenizer)
 
     def __post_init__(self) -> None:
         if self.logit_bias is None:   # as vLLM's: null = none
@@ -84,8 +85,9 @@ class SamplingParams:
             raise bad(f"top_k must be an integer in [0, {INT32_MAX}], got {short_repr(self.top_k)}")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= INT64_MAX):
             raise bad(f"seed must be an integer in [0, {INT64_MAX}], got {short_repr(self.seed)}")
-        if not isinstance(self.ignore_eos, bool):
-            raise bad(f"ignore_eos must be a boolean, got {short_repr(self.ignore_eos)}")
+        for name in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(f"{name} must be a boolean, got {short_repr(getattr(self, name))}")
         limit = INT32_MAX if vocab_size is None else vocab_size - 1
         if not isinstance(self.stop_token_ids, list) or len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS or not all(
             _is_int(t) and 0 <= t <= limit for t in self.stop_token_ids

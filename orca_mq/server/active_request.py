@@ -31,11 +31,12 @@ class ActiveRequest:
     first_token: float | None = None
     prompt_head: int | None = None   # prompt logprobs asked: its prompt's first token, until they are sent
 
-    def step(self, new_ids: list[int], now: float) -> str:
-        """Take an iteration's new tokens (received at `now`); return their new text."""
+    def step(self, new_ids: list[int], now: float, hide_last: bool = False) -> str:
+        """Take an iteration's new tokens (received at `now`); return their new text (without the last
+        one when `hide_last`: the EOS that ended it)."""
         if new_ids and self.first_token is None:
             self.first_token = now
-        return self.detok.step(new_ids)
+        return self.detok.step(new_ids, hide_last)
 
     def metrics(self, now: float) -> dict[str, Any]:
         """The final message's metrics, as it finishes at `now`."""

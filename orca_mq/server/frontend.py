@@ -27,7 +27,7 @@ import zmq.asyncio
 
 from orca_mq.admission.served_model import ServedModel
 from orca_mq.config import Config
-from orca_mq.detokenizer import IncrementalDetokenizer
+from orca_mq.detokenizer import IncrementalDetokenizer, ends_on_eos
 from orca_mq.logs import setup_logging
 from orca_mq.protocol import ProtocolError, decode, unpack
 from orca_mq.protocol.client_msgs import TO_SERVER, Abort, Final, Generate, Output, Stats, StatsReply
@@ -62,6 +62,7 @@ class Frontend:
         self.log = setup_logging("frontend", cfg.log)
         self.model = ServedModel(cfg)   # admission's steps 1-3 here (orca_mq.admission); 4 in the scheduler process
         self.tokenizer, self.prompts = self.model.tokenizer, self.model.prompts
+        self.eos_token_ids = frozenset(self.model.info.eos_token_ids)   # the one that ends a request is not shown
         self.tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="tokenize")
         self.ids = RequestIds()                          # (client, its id) <-> internal id
         self.admitting: dict[str, Admission] = {}        # being tokenized, by internal id; bounded by the broker
@@ -179,8 +180,8 @@ class Frontend:
             raise _Unavailable("server is shutting down; not accepting new requests")
         params = self.model.fit(prompt_ids, adm.params)
         rid = adm.msg.request_id
-        self.active[iid] = ActiveRequest(adm.client, rid, IncrementalDetokenizer(self.tokenizer), len(prompt_ids), time.time(),
-                                         adm.version)
+        detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+        self.active[iid] = ActiveRequest(adm.client, rid, detok, len(prompt_ids), time.time(), adm.version)
         if params.prompt_logprobs is not None:
             self.active[iid].prompt_head = prompt_ids[0]
         self.log.info("request admitted", request_id=iid, client_request_id=rid, prompt_tokens=len(prompt_ids),
@@ -209,9 +210,10 @@ class Frontend:
             req = self.active.get(iid)
             if req is None:
                 continue  # its client vanished: the abort is already on its way
-            text = req.step(ids, now)
+            reason = batch.finals.get(iid)
+            text = req.step(ids, now, ends_on_eos(ids, reason, self.eos_token_ids))
             final = None
-            if (reason := batch.finals.get(iid)) is not None:
+            if reason is not None:
                 text += req.detok.finish()
                 metrics = req.metrics(now) | ({"scheduler": batch.metrics[iid]} if iid in batch.metrics else {})
                 final = Final(reason, INTERNAL_TEXT if reason == "error" else None, metrics, FINAL_CODES.get(reason))

@@ -25,7 +25,6 @@ import json
 import os
 import shutil
 import signal
-import sys
 import tempfile
 import time
 from collections import deque
@@ -35,7 +34,8 @@ from typing import Any
 import zmq
 
 from orca_mq.config import Config
-from orca_mq.logs import process_started, server_marker, setup_logging
+from orca_mq.engine.model_files import EMBEDDED_FILE
+from orca_mq.logs import process_started, server_marker, setup_logging, tell
 from orca_mq.protocol import ProtocolError, decode
 from orca_mq.protocol.client_msgs import Error, Ping, Pong
 from orca_mq.protocol.codec import channel
@@ -81,8 +81,13 @@ class Launcher:
         self.log.info("signal received", signal=signal.Signals(signum).name)
 
     def say(self, text: str) -> None:
-        """Human-readable progress on the terminal; the JSON logs stay in log.dir."""
-        print(f"orca-mq [{time.monotonic() - self.t0:6.1f}s] {text}", file=sys.stderr, flush=True)
+        """Human-readable lines on the terminal (failures, restarts); the JSON logs stay in log.dir."""
+        tell(self.t0, text)
+
+    def progress(self, text: str) -> None:
+        """A start-up step on the terminal, unless log.progress is off."""
+        if self.cfg.log.progress:
+            self.say(text)
 
     def run(self) -> int:
         marker = server_marker(self.cfg.log.dir)
@@ -157,10 +162,13 @@ class Launcher:
             while not self._ping(timeout=1.0):
                 self._check_startup(deadline, "the broker")
         waiting: set[str] = set()
+        workers: set[str] = set()
+        loading = 0.0   # when the workers started
         if group in ("broker", "engine"):
             if self.nodes is not None:
                 self.nodes.join(self.log, lambda: self.signals > 0)
-            waiting |= self._spawn_workers()
+            workers, loading = self._spawn_workers(), time.monotonic()
+            waiting |= workers
             self._spawn("scheduler", "engine", "orca_mq.server.scheduler_process", "--run-dir", self.run_dir)
             self._spawn("frontend", "engine", "orca_mq.server.frontend")
             waiting |= {"frontend", "scheduler"}
@@ -171,16 +179,21 @@ class Launcher:
             self._check_startup(deadline, ", ".join(sorted(waiting)))
             msg = self._recv(POLL)
             if isinstance(msg, Progress):
-                self.say(f"{msg.role}: {msg.what}")
+                self.progress(f"{msg.role}: {msg.what}")
             elif isinstance(msg, Ready) and msg.role in waiting:
                 waiting.discard(msg.role)
-                self.say(f"{msg.role} ready")
+                if msg.role not in workers:
+                    self.progress(f"{msg.role} ready")
+                elif not waiting & workers:   # one line for the model, however many workers load it
+                    self.progress(f"model loaded in {time.monotonic() - loading:.1f} s")
 
     def _spawn_workers(self) -> set[str]:
         """This node's workers: its share of the stages x TP ranks, in placement order; their names."""
         tp, names = self.cfg.engine.tp_size, set()
         here = [r for r, node in enumerate(placement(self.cfg.engine.n_workers, tp, self.cfg.server.nnodes)) if node == self.node_rank]
-        self.say(f"loading the model in {len(here)} worker{'s' * (len(here) > 1)}" + (" (restart)" if self.n_restarts else ""))
+        model = Path(self.cfg.model.path).name if self.cfg.model.path else EMBEDDED_FILE
+        self.progress(f"loading the model {model} in {len(here)} worker{'s' * (len(here) > 1)}"
+                      + (" (restart)" if self.n_restarts else ""))
         for rank in here:
             stage, tp_rank = divmod(rank, tp)
             names.add(worker_name(stage, tp_rank))
