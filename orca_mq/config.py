@@ -143,10 +143,10 @@ class Config:
     engine: EngineConfig = field(default_factory=EngineConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     fastserve: FastServeConfig = field(default_factory=FastServeConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     structured: StructuredConfig = field(default_factory=StructuredConfig)
     log: LogConfig = field(default_factory=LogConfig)
-    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def set(self, dotted: str, value: Any) -> None:
         """Set `section.key` (or a bare key when it is unique across sections), coercing strings."""
@@ -267,11 +267,11 @@ RANGES: dict[str, Range] = {
     "engine.block_size": _ONE, "engine.host_slots": _COUNT, "engine.deterministic_rows": _ONE,
     "engine.cuda_graph_max_bs": Range(0, note="0: scheduler.max_bs"),
     "scheduler.max_bs": _ONE, "scheduler.max_num_batched_tokens": Range(0, note="0: whole prompts"),
+    "speculative.num_tokens": Range(1, 64), "speculative.lookup_min": _ONE, "speculative.lookup_max": Range(1, 64),
+    "speculative.max_batch_tokens": _ONE,
     "fastserve.n_queues": _ONE, "fastserve.quantum": Range(0, note="0: one profiled iteration"),
     "fastserve.quantum_ratio": _ONE, "fastserve.starve_limit": _POSITIVE, "fastserve.length_window": _COUNT,
     "fastserve.prior_jobs": _POSITIVE, "fastserve.preempt_margin": _COUNT, "fastserve.min_free_blocks": _COUNT,
-    "speculative.num_tokens": Range(1, 64), "speculative.lookup_min": _ONE, "speculative.lookup_max": Range(1, 64),
-    "speculative.max_batch_tokens": _ONE,
     "fastserve.burst_queues": _COUNT, "fastserve.profile_max_len": _ONE,
     "server.worker_base_port": Range(0, 65535, note="0: a free port"), "server.drain_timeout": _COUNT,
     "server.ready_timeout": _POSITIVE, "server.stop_grace": _COUNT, "server.stats_timeout": _POSITIVE,
@@ -301,13 +301,13 @@ def check(cfg: Config) -> None:
         if len(name) > 256 or not name.isprintable():
             raise ValueError(f"server.served_model_name: each name (comma-separated) must be 1 to 256 printable "
                              f"characters, got {name[:80]!r}")
+    if cfg.speculative.lookup_min > cfg.speculative.lookup_max:
+        raise ValueError(f"speculative.lookup_min ({cfg.speculative.lookup_min}) must not exceed speculative.lookup_max "
+                         f"({cfg.speculative.lookup_max})")
     if cfg.scheduler.async_scheduling == "on" and cfg.engine.n_workers * cfg.engine.tp_size != 1:
         raise ValueError("scheduler.async_scheduling = on needs one worker (engine.n_workers = engine.tp_size = 1): "
                          "the next iteration's tokens are read where the last one sampled them")
     for key in cfg.server.api_keys():
-    if cfg.speculative.lookup_min > cfg.speculative.lookup_max:
-        raise ValueError(f"speculative.lookup_min ({cfg.speculative.lookup_min}) must not exceed speculative.lookup_max "
-                         f"({cfg.speculative.lookup_max})")
         if len(key) > MAX_API_KEY_CHARS or not re.fullmatch(r"[!-~]+", key):
             raise ValueError(f"server.api_key: each key (comma-separated) must be 1 to {MAX_API_KEY_CHARS} "
                              "printable ASCII characters without spaces")
