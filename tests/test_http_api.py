@@ -107,9 +107,9 @@ def test_stop_string_cuts_the_text_and_frees_the_request(zmq, oai, model):
     ({"prompt": "hi", "temperature": 0.0001, "stream": True}, 400, "temperature", "invalid_request", None),
     ({"prompt": "hi", "max_tokens": 100000}, 400, "context length", "invalid_request", None),
     ({"prompt": "hi", "max_tokens": "many"}, 400, "max_tokens", "invalid_type", "max_tokens"),
-    ({"prompt": "hi", "n": 2}, 400, "'n'", "unsupported_parameter", "n"),
+    ({"prompt": "hi", "best_of": 2}, 400, "'best_of'", "unsupported_parameter", "best_of"),
     ({"prompt": "hi", "model": "gpt-4"}, 404, "gpt-4", "model_not_found", "model"),
-    ({"prompt": [[1, 2], [3]]}, 400, "batch", "unsupported_parameter", "prompt"),
+    ({"prompt": [[1, 2]] * 65}, 400, "batch", "invalid_value", "prompt"),   # over server.http_max_choices
 ])
 def test_errors_are_openai_error_objects(server, body, status, needle, code, param):
     r = httpx.post(server.base_url + "/v1/completions", json=body, timeout=60)

@@ -145,10 +145,10 @@ AUTH = {"authorization": f"Bearer {KEYS[0]}"}
     ("/v1/completions", {"prompt": "hi", "temprature": 0}, "unknown_parameter", "temprature"),   # was ignored
     ("/v1/completions", {"prompt": "hi", "logprobs": -1}, "invalid_value", "logprobs"),
     ("/v1/completions", {"prompt": "hi", "logprobs": 21}, "invalid_request", None),   # the frontend's: model.max_logprobs
-    ("/v1/completions", {"prompt": "hi", "n": 2}, "unsupported_parameter", "n"),
+    ("/v1/completions", {"prompt": "hi", "n": 17}, "invalid_value", "n"),   # over server.http_max_n
     ("/v1/completions", {"prompt": "hi", "echo": "yes"}, "invalid_type", "echo"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "invalid_value", "max_tokens"),   # 0 only with echo
-    ("/v1/completions", {"prompt": [[1, 2], [3]]}, "unsupported_parameter", "prompt"),
+    ("/v1/completions", {"prompt": [[1, 2]] * 65}, "invalid_value", "prompt"),   # over server.http_max_choices
     ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True, "continuous": 1}},
      "unknown_parameter", "continuous"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 100000}, "invalid_request", None),   # the frontend's own check

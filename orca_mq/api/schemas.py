@@ -3,13 +3,15 @@ sampling parameters.
 
 Strict, like the ZeroMQ side: a field the schema does not name is refused with 400
 (`unknown_parameter`, naming it); an OpenAI field orca-mq does not implement is refused with 400
-(`unsupported_parameter`) unless it carries its no-op value (null, `n: 1`, `echo: false`, a 0
+(`unsupported_parameter`) unless it carries its no-op value (null, `best_of: 1`, `echo: false`, a 0
 penalty, ...), so clients that send defaults still work; numbers are bounded at the schema (the
 bounds of orca_mq.protocol.sampling), integers are integers (`1e30` and `5.0` are not), so no value of
 any magnitude reaches the wire.
 
 Accepted as OpenAI does: `max_tokens` (chat: also `max_completion_tokens`; absent = the rest of the
-context), `temperature`, `top_p`, `seed`, `stop` (a string or a list of them), `n` (1 only),
+context), `temperature`, `top_p`, `seed`, `stop` (a string or a list of them), `n` (choices per prompt,
+fanned out by orca_mq.api.fanout; the server bounds it), completions' `prompt` as a batch (a list of
+strings or of token-id lists),
 `stream`, `stream_options.include_usage`, `response_format` (text, json_object, json_schema), `user`
 (accepted, unused), `presence_penalty` / `frequency_penalty` ([-2, 2]), `logit_bias` (token id -> [-100, 100],
 at most model.max_logit_bias entries), chat `tools` / `tool_choice` / `parallel_tool_calls` (orca_mq.api.tools); as vLLM's extensions: `top_k` (-1 or 0 = off), `ignore_eos`, `stop_token_ids`,
@@ -42,11 +44,8 @@ Bias = Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS, allow_inf_n
 Penalty = Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)]
 
 # OpenAI fields orca-mq does not implement -> the values that ask for nothing (null always does)
-_COMMON_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "n": (1,),
-}
-COMPLETION_UNSUPPORTED = _COMMON_UNSUPPORTED | {"best_of": (1,), "suffix": ("",)}
-CHAT_UNSUPPORTED = _COMMON_UNSUPPORTED | {
+COMPLETION_UNSUPPORTED: dict[str, tuple[Any, ...]] = {"best_of": (1,), "suffix": ("",)}
+CHAT_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "functions": ([],),
     "function_call": ("none",), "audio": (), "modalities": (["text"],),
     "prediction": (), "reasoning_effort": (), "service_tier": ("auto", "default"), "store": (False,), "metadata": (),
@@ -122,6 +121,7 @@ class _Sampling(Strict):
     temperature: float | None = Field(None, ge=0, le=MAX_TEMPERATURE, allow_inf_nan=False)
     top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
     seed: int | None = Field(None, strict=True, ge=0, le=INT64_MAX)
+    n: int | None = Field(None, strict=True, ge=1, le=INT32_MAX)   # choices per prompt; the server bounds it (server.http_max_n)
     stop: str | list[str] | None = None
     stream: bool = Field(False, strict=True)
     stream_options: StreamOptions | None = None
@@ -211,19 +211,14 @@ class CompletionRequest(_Sampling):
             asks["prompt_logprobs"] = self.logprobs or 0
         return asks
 
-    @model_validator(mode="after")
-    def _one_prompt(self) -> "CompletionRequest":
-        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], (str, list)):
-            if len(self.prompt) != 1:
-                raise PydanticCustomError("unsupported_parameter", "a batch of prompts is not supported: send one "
-                                          "prompt per request", {"param": "prompt"})
-        return self
+    def prompts(self) -> list[dict[str, Any]]:
+        """Each prompt's arguments: the one prompt, or each of a batch (a list of strings or of id lists)."""
+        p = self.prompt
+        batch = p if isinstance(p, list) and p and isinstance(p[0], (str, list)) else [p]
+        return [{"prompt": q} if isinstance(q, str) else {"prompt_token_ids": q} for q in batch]
 
     def prompt_args(self) -> dict[str, Any]:
-        p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            p = p[0]
-        return {"prompt": p} if isinstance(p, str) else {"prompt_token_ids": p}
+        return self.prompts()[0]   # a batch's prompts are all text or all ids: the first tells which
 
 
 class TextPart(Strict):

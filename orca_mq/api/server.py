@@ -6,7 +6,8 @@
 
 Generation requests go over the normal ZeroMQ protocol (orca_mq.client.AsyncClient), so the
 frontend tokenizes, applies the chat template and validates exactly as for ZeroMQ clients; /tokenize
-runs that same path here (its tokenizer loaded on the first call).
+runs that same path here (its tokenizer loaded on the first call). A request with `n` > 1 or a batch
+of prompts is fanned out into one engine request per choice (orca_mq.api.fanout).
 Run by the launcher as `python -m orca_mq.api.server --config-json ...` when
 `server.http_address` is set; it reports Ready once it listens. Requests are checked at the edge
 (orca_mq.api.edge: API key, body size) and by the strict schemas (orca_mq.api.schemas); errors are
@@ -16,12 +17,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import signal
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
 
 import uvicorn
 import zmq.asyncio
@@ -42,15 +41,13 @@ from orca_mq.logs import setup_logging
 from orca_mq.protocol.control_msgs import Ready
 from orca_mq.api.edge import ApiKeyGuard, BodyLimit, Handled
 from orca_mq.api.errors import INTERNAL_TEXT, ApiError, error_body, from_validation
-from orca_mq.api.stream import Generation, StopStrings, join, until_disconnect
-from orca_mq.api.logprobs import Shaper
+from orca_mq.api.fanout import Build, Choice, Fanout, answer, begin, check_bounds, events
 from orca_mq.api.tools import ToolReply, parse
 from orca_mq.api.metrics import ApiMetrics
 from orca_mq.api.tokenize import DetokenizeRequest, DetokenizeResponse, Tokenization, TokenizeRequest, TokenizeResponse
 from orca_mq.api.schemas import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,
                                            ChatCompletionChunk, ChatCompletionRequest, ChatDelta, Completion,
-                                           CompletionChoice, CompletionRequest, ModelCard, ModelList, PromptTokensDetails,
-                                           Usage, new_id)
+                                           CompletionChoice, CompletionRequest, ModelCard, ModelList, Usage, new_id)
 from orca_mq.server.process import process_main
 from orca_mq.server.zmq_queue import BrokerLink
 
@@ -60,11 +57,6 @@ STATS_MAX_AGE = 1.0    # /health and /metrics reuse a stats reply this recent
 
 def _json_error(err: ApiError) -> JSONResponse:
     return JSONResponse(error_body(err), status_code=err.status)
-
-
-def _sse(payload: BaseModel | dict[str, Any]) -> str:
-    body = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
-    return f"data: {body}\n\n"
 
 
 class Api:
@@ -124,83 +116,64 @@ class Api:
     # ---------------------------------------------------------------- generation
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
-        def chunk(rid: str, text: str, reason: str | None, usage: Usage | None) -> Completion:
-            return Completion(id=rid, model=self.model_name, usage=usage,
-                              choices=[] if usage else [CompletionChoice(text=text, finish_reason=reason)])
+        rid, model = new_id("cmpl"), self._model(body.model)
 
-        def whole(rid: str, text: str, reason: str | None, usage: Usage) -> Completion:
-            return Completion(id=rid, model=self.model_name, usage=usage,
-                              choices=[CompletionChoice(text=text, finish_reason=reason)])
+        def chunk(c: Choice, text: str, reason: str | None, usage: Usage | None) -> Completion:
+            return Completion(id=rid, model=model, usage=usage,
+                              choices=[] if usage else [CompletionChoice(index=c.index, text=text, finish_reason=reason)])
 
-        return await self._serve(body, request, "cmpl", chunk, whole)
+        def whole(c: Choice, text: str, reason: str | None, usage: Usage | None) -> Completion:
+            return Completion(id=rid, model=model, usage=usage,
+                              choices=[CompletionChoice(index=c.index, text=text, finish_reason=reason)])
+
+        return await self._serve(body, request, chunk, whole)
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
-        tools = body.shown_tools
-        reply = ToolReply(tools) if tools else None   # calls held back while streaming, parsed at the end
+        rid, model, tools = new_id("chatcmpl"), self._model(body.model), body.shown_tools
+        replies: dict[int, ToolReply] = {}   # each choice's: calls held back while streaming, parsed at the end
 
-        def chunk(rid: str, text: str, reason: str | None, usage: Usage | None) -> ChatCompletionChunk:
+        def chunk(c: Choice, text: str, reason: str | None, usage: Usage | None) -> ChatCompletionChunk:
+            if usage:
+                return ChatCompletionChunk(id=rid, model=model, usage=usage, choices=[])
             calls = None
-            if reply is not None and not usage:
-                text, calls = reply.stream(text, reason is not None)
+            if tools:
+                text, calls = replies.setdefault(c.index, ToolReply(tools)).stream(text, reason is not None)
             delta = ChatDelta(content=text) if reason is None else ChatDelta(content=text or None, tool_calls=calls)
             reason = "tool_calls" if calls else reason
-            return ChatCompletionChunk(id=rid, model=self.model_name, usage=usage,
-                                       choices=[] if usage else [ChatChunkChoice(delta=delta, finish_reason=reason)])
+            return ChatCompletionChunk(id=rid, model=model, choices=[
+                ChatChunkChoice(index=c.index, delta=delta, finish_reason=reason)])
 
-        def whole(rid: str, text: str, reason: str | None, usage: Usage) -> ChatCompletion:
+        def whole(c: Choice, text: str, reason: str | None, usage: Usage | None) -> ChatCompletion:
             content, calls = parse(text, tools) if tools else (text, [])
             message = AssistantMessage(content=content, tool_calls=calls or None)
-            return ChatCompletion(id=rid, model=self.model_name, usage=usage,
-                                  choices=[ChatChoice(message=message, finish_reason="tool_calls" if calls else reason)])
+            return ChatCompletion(id=rid, model=model, usage=usage, choices=[
+                ChatChoice(index=c.index, message=message, finish_reason="tool_calls" if calls else reason)])
 
-        return await self._serve(body, request, "chatcmpl", chunk, whole)
+        def opening(c: Choice) -> ChatCompletionChunk:
+            return ChatCompletionChunk(id=rid, model=model, choices=[
+                ChatChunkChoice(index=c.index, delta=ChatDelta(role="assistant", content=""))])
 
-    async def _serve(self, body: CompletionRequest | ChatCompletionRequest, request: Request, prefix: str,
-                     chunk: Callable[..., BaseModel], whole: Callable[..., BaseModel]) -> Response:
-        self._check_model(body.model)
-        gen = Generation(self.client, body.prompt_args(), body.sampling(), StopStrings(body.stop_strings), self.metrics)
-        gen.echo_only, shape = isinstance(body, CompletionRequest) and body.echo_only, _shaper(body)
-        rid = new_id(prefix)
-        pieces = gen.pieces()
+        return await self._serve(body, request, chunk, whole, opening)
+
+    async def _serve(self, body: CompletionRequest | ChatCompletionRequest, request: Request, chunk: Build,
+                     whole: Build, opening: Callable[[Choice], BaseModel] | None = None) -> Response:
+        check_bounds(body, self.cfg.server.http_max_n, self.cfg.server.http_max_choices)
+        fan = Fanout(body, self.client, self.metrics)
         if not body.stream:
-            async with contextlib.aclosing(pieces):
-                text = "".join(await until_disconnect(request, join(pieces)))
-            return JSONResponse(shape.whole(whole(rid, text, gen.finish_reason, _usage(gen)), gen).model_dump())
-        try:  # the first event before the headers: a refused request gets its HTTP status
-            first = await until_disconnect(request, anext(pieces))
-        except BaseException:
-            await pieces.aclose()
-            raise
-        shaped = lambda *args: shape.chunk(chunk(*args), gen)   # noqa: E731  each chunk with its tokens' logprobs
-        events = self._events(gen, pieces, first, rid, shaped, body.include_usage, prefix == "chatcmpl")
-        return StreamingResponse(events, media_type="text/event-stream")
-
-    async def _events(self, gen: Generation, pieces: AsyncIterator[str], first: str, rid: str,
-                      chunk: Callable[..., BaseModel], include_usage: bool, chat: bool) -> AsyncIterator[str]:
-        async with contextlib.aclosing(pieces):  # type: ignore[type-var]
-            if chat:
-                yield _sse(ChatCompletionChunk(id=rid, model=self.model_name, choices=[
-                    ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))]))
-            try:
-                if first:
-                    yield _sse(chunk(rid, first, None, None))
-                async for text in pieces:
-                    if text:
-                        yield _sse(chunk(rid, text, None, None))
-            except ApiError as e:
-                yield _sse(error_body(e))
-                yield "data: [DONE]\n\n"
-                return
-            yield _sse(chunk(rid, "", gen.finish_reason, None))
-            if include_usage:
-                yield _sse(chunk(rid, "", None, _usage(gen)))
-            yield "data: [DONE]\n\n"
+            return JSONResponse((await answer(fan, request, whole)).model_dump())
+        await begin(fan, request)   # the first tokens before the headers: a refused request gets its HTTP status
+        return StreamingResponse(events(fan, chunk, body.include_usage, opening), media_type="text/event-stream")
 
     # ---------------------------------------------------------------- state
 
     def _check_model(self, name: str | None) -> None:
         if name is not None and name not in self.model_names:
             raise ApiError(404, f"The model `{name[:100]}` does not exist.", "model_not_found", "model")
+
+    def _model(self, name: str | None) -> str:
+        """The name a response gives: the one the request asked for, else the first served name."""
+        self._check_model(name)
+        return name or self.model_name
 
     async def models(self) -> ModelList:
         return ModelList(data=[self._card(name) for name in self.model_names])
@@ -254,20 +227,6 @@ class Api:
             self.stats_ok = False
             self.log.warning("stats unavailable", error=str(e))
         self.stats_at = asyncio.get_running_loop().time()
-
-
-def _shaper(body: CompletionRequest | ChatCompletionRequest) -> Shaper:
-    """How its responses carry log probabilities and, for completions, the echoed prompt."""
-    if isinstance(body, ChatCompletionRequest):
-        return Shaper(chat=True)
-    prompt = body.prompt_args().get("prompt")
-    return Shaper(chat=False, echo=body.echo, echo_text=prompt if isinstance(prompt, str) else None)
-
-
-def _usage(gen: Generation) -> Usage:
-    return Usage(prompt_tokens=gen.prompt_tokens, completion_tokens=gen.completion_tokens,
-                 total_tokens=gen.prompt_tokens + gen.completion_tokens,
-                 prompt_tokens_details=PromptTokensDetails(cached_tokens=gen.cached_tokens))
 
 
 class _Server(uvicorn.Server):

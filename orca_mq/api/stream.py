@@ -149,10 +149,6 @@ class Generation:
         raise err
 
 
-async def join(pieces: AsyncIterator[str]) -> list[str]:
-    return [p async for p in pieces]
-
-
 async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
     """Run `work`; if the HTTP client disconnects first, cancel it (which aborts the request)."""
     task = asyncio.ensure_future(work)
