@@ -358,8 +358,9 @@ class Scheduler:
 
     def metrics(self, req: Request) -> dict[str, Any]:
         """A request's scheduler metrics for its final message: its prompt tokens taken from the
-        prefix cache, and what the policy adds (FastServe: queues, swaps)."""
-        return {"cached_tokens": req.cached_tokens, **Speculator.metrics(req)}
+        prefix cache, the iterations it took part in (its prompt's chunks and its decode or verify steps),
+        and what the policy adds (FastServe: queues, swaps)."""
+        return {"cached_tokens": req.cached_tokens, "iterations": req.n_iterations, **Speculator.metrics(req)}
 
     def request_metrics(self, request_id: str) -> dict[str, Any] | None:
         """A request's metrics, live or (one of the last KEPT_METRICS) finished; None if unknown."""
