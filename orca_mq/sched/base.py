@@ -257,15 +257,15 @@ class Scheduler:
             req.phase = Phase.INCREMENT
             if req.first_token_time is None:
                 req.first_token_time = now
-            kept = verified.get(row, ())
-            reason = None
-            for token in (token, *kept):   # a verify row's tokens, up to the first that ends the request
+            reason, appended = None, 0
+            for token in (token, *verified.get(row, ())):   # a verify row's tokens, up to the first that ends the request
                 req.output_token_ids.append(token)
+                appended += 1
                 if reason := self._stop_reason(req, token):
                     break
                 events.append(TokenEvent(req.request_id, token))
             if drafted:   # the K/V of the drafts it kept is its own now; the blocks only the others needed go back
-                self.speculator.learn(req, drafted, len(kept))   # type: ignore[union-attr]
+                self.speculator.learn(req, drafted, appended - 1)   # type: ignore[union-attr]   # drafts past a stop count for nothing
                 self.block_manager.computed(req, req.num_tokens - 1)
                 self.block_manager.trim(req.request_id, req.num_tokens)
             if reason:
