@@ -129,6 +129,9 @@ class StructuredConfig:
     cache_size: int = 256
     json_whitespace: JsonWhitespace = "compact"
     mask_threads: int = 0
+    max_number_digits: int = 16
+    close_margin: int = 4
+    close_guard: int = 32
 
 
 @dataclass(slots=True)
@@ -283,6 +286,8 @@ RANGES: dict[str, Range] = {
     "server.nnodes": _ONE, "server.node_rank": _COUNT, "server.node_timeout": _POSITIVE,
     "structured.max_spec_bytes": _ONE, "structured.compile_timeout": _POSITIVE, "structured.cache_size": _COUNT,
     "structured.mask_threads": Range(0, note="0: llguidance's default"),
+    "structured.max_number_digits": Range(0, 1024, note="0: unbounded"), "structured.close_margin": _COUNT,
+    "structured.close_guard": _COUNT,
 }
 
 

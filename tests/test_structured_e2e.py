@@ -1,8 +1,9 @@
 """Structured outputs on the embedded SmolLM2 model: offline (sampled JSON that validates against
-schemas with enums, nested objects, bounded arrays, integer ranges and nullable fields; regex and
-choice; free requests untouched by constrained neighbours) and served (the ZeroMQ client, and the
-HTTP API through the official `openai` client: response_format, the structured_outputs extension,
-400 for bad constraints, and hypothesis over the new fields: never a 500, never a crash)."""
+schemas with enums, nested objects, bounded arrays, integer ranges and nullable fields, also 2
+tokens above the shortest; regex and choice; free requests untouched by constrained neighbours) and
+served (the ZeroMQ client, and the HTTP API through the official `openai` client: response_format,
+the structured_outputs extension, 400 for bad constraints and for a max_tokens below the shortest
+output, and hypothesis over the new fields: never a 500, never a crash)."""
 from __future__ import annotations
 
 import json
@@ -55,12 +56,15 @@ def test_sampled_json_validates_across_seeds(embedded_llm):
         assert out.finish_reason == "stop", out.text
         jsonschema.validate(json.loads(out.text), schema)
         assert out.metrics["structured_output"]["complete"] is True
-    obj = llm.chat(ASK, SamplingParams(max_tokens=60, temperature=0.8, seed=7, structured_outputs={"json_object": True}))[0]  # type: ignore[arg-type]
-    assert obj.finish_reason in ("stop", "length")
-    if obj.finish_reason == "stop":
-        assert isinstance(json.loads(obj.text), dict)
-    else:  # an unbounded object may not close within max_tokens: said so
-        assert obj.metrics["structured_output"]["complete"] is False and obj.text.startswith("{")
+    for max_tokens in (8, 60):   # an unbounded object closes within max_tokens
+        obj = llm.chat(ASK, SamplingParams(max_tokens=max_tokens, temperature=0.8, seed=7, structured_outputs={"json_object": True}))[0]  # type: ignore[arg-type]
+        assert obj.finish_reason == "stop" and isinstance(json.loads(obj.text), dict), obj.text
+        assert obj.metrics["structured_output"]["complete"] is True and len(obj.token_ids) <= max_tokens
+    tight = llm.chat([ASK] * 2, [SamplingParams(max_tokens=34, temperature=0.8, seed=s, structured_outputs={"json": PET})  # type: ignore[arg-type]
+                                 for s in range(2)])   # 2 tokens above PET's shortest
+    for out in tight:
+        assert out.finish_reason == "stop", out.text
+        jsonschema.validate(json.loads(out.text), PET)
 
 
 def test_regex_and_choice_match_whole(embedded_llm):
@@ -118,8 +122,9 @@ def test_zmq_client_constraints_and_refusals(server):
         jsonschema.validate(json.loads(out.text), POINTS)
         assert out.metrics["scheduler"]["structured_output"] == {"constraint": "json", "complete": True,
                                                                  "tokens": len(out.token_ids)}
-        cut = c.generate("A date:", max_tokens=2, temperature=0, structured_outputs={"regex": DATE})
-        assert cut.finish_reason == "length" and cut.metrics["scheduler"]["structured_output"]["complete"] is False
+        short = c.generate("A date:", max_tokens=2, temperature=0, structured_outputs={"regex": DATE})   # a date takes 10
+        assert short.finish_reason == "error" and short.code == "invalid_request", short.error
+        assert short.error.startswith("max_tokens (2) cannot hold any output the structured_outputs.regex constraint allows")
         for bad, needle in [({"regex": "[a-"}, "unclosed character class"), ({"json": {"type": "foo"}}, "Invalid type"),
                             ({"json": {"type": "integer", "minimum": 3, "maximum": 1}}, "Unsatisfiable"),
                             ({"choice": []}, "choice must be"), ({"regex": "a", "choice": ["a"]}, "exactly one")]:
@@ -148,9 +153,13 @@ def test_http_response_format_and_extension(server, oai):
     obj = oai.chat.completions.create(model=model, messages=ASK, max_tokens=8, temperature=0,
                                       response_format={"type": "json_object"})
     assert obj.choices[0].message.content.startswith("{")
-    cut = oai.chat.completions.create(model=model, messages=ASK, max_tokens=3, temperature=0,   # PET cannot close in 3 tokens
-                                      response_format={"type": "json_schema", "json_schema": {"name": "pet", "schema": PET}})
-    assert cut.choices[0].finish_reason == "length" and cut.choices[0].message.content.startswith("{")
+    with pytest.raises(openai.BadRequestError, match=r"max_tokens \(3\) cannot hold any output"):   # PET takes 32 tokens
+        oai.chat.completions.create(model=model, messages=ASK, max_tokens=3, temperature=0,
+                                    response_format={"type": "json_schema", "json_schema": {"name": "pet", "schema": PET}})
+    tight = oai.chat.completions.create(model=model, messages=ASK, max_tokens=36, temperature=0.7, seed=4,
+                                        response_format={"type": "json_schema", "json_schema": {"name": "pet", "schema": PET}})
+    assert tight.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(tight.choices[0].message.content), PET)
     for body in [{"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}},
                  {"response_format": {"type": "json_schema"}},
                  {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},

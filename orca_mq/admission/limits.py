@@ -1,6 +1,6 @@
 """A request's limits, each checked once where it enters: its id (the broker), and, once its prompt is
 tokenized, the prompt against the vocabulary, the context length and the KV pool, with `max_tokens`
-resolved (`fit`). A clear message names the problem.
+resolved and, for a structured output, able to hold its shortest (`fit`). A clear message names the problem.
 """
 from __future__ import annotations
 
@@ -18,9 +18,23 @@ def check_request_id(request_id: str) -> None:
         raise InvalidRequest(f"request_id must have 1 to {MAX_REQUEST_ID_CHARS} characters, got {len(request_id)}")
 
 
-def fit(prompt_token_ids: list[int], params: SamplingParams, max_len: int, vocab_size: int, pool: PoolSize) -> SamplingParams:
+def fit(prompt_token_ids: list[int], params: SamplingParams, max_len: int, vocab_size: int, pool: PoolSize,
+        shortest: int | None = None) -> SamplingParams:
     """The prompt's checks, once it is tokenized, for params already validated (SamplingParams.validate):
-    the params to serve it with, `max_tokens=None` resolved to what is left of the context and the KV pool."""
+    the params to serve it with, `max_tokens=None` resolved to what is left of the context and the KV pool.
+    `shortest`: the tokens of the shortest output a structured_outputs constraint allows (its grammar
+    with the vocabulary: orca_mq.structured.budget.shortest), which max_tokens must hold."""
+    fitted = _fit(prompt_token_ids, params, max_len, vocab_size, pool)
+    if shortest is not None and fitted.max_tokens < shortest:   # type: ignore[operator]
+        given = (f"max_tokens ({params.max_tokens})" if params.max_tokens is not None else
+                 f"the {fitted.max_tokens} tokens the prompt leaves within the context length and the KV pool")
+        kind = params.structured_outputs.kind   # type: ignore[union-attr]
+        raise InvalidRequest(f"{given} cannot hold any output the structured_outputs.{kind} constraint allows: "
+                             f"its shortest takes {shortest} tokens")
+    return fitted
+
+
+def _fit(prompt_token_ids: list[int], params: SamplingParams, max_len: int, vocab_size: int, pool: PoolSize) -> SamplingParams:
     if not isinstance(prompt_token_ids, list) or not prompt_token_ids:
         raise InvalidRequest("empty prompt: at least one token is required")
     if len(prompt_token_ids) > max_len:

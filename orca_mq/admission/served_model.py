@@ -4,7 +4,8 @@ pool's size, the grammar compiler and the vocabulary the grammars share.
 A request goes in by these steps, each value checked once, where it enters:
 1. `params`: its sampling parameters parsed and validated (the wire's dict, or a SamplingParams);
 2. `prompts.check` then `prompts.token_ids` (the size in O(1), then the tokenizer or chat template);
-3. `fit`: the prompt against the vocabulary, the context and the pool, `max_tokens` resolved;
+3. `fit`: the prompt against the vocabulary, the context and the pool, `max_tokens` resolved (and
+   able to hold a constrained request's shortest output);
 4. `request`: its grammar compiled (with the vocabulary), the scheduler's Request built.
 The offline LLM takes all four in its process (`admit`); the server splits them at its processes:
 the frontend 1-3 (its event loop, then its tokenize threads), the scheduler process 4.
@@ -61,23 +62,28 @@ class ServedModel:
         params.validate_logit_bias(self.cfg.model.max_logit_bias, self.info.vocab_size - 1)
         return params
 
-    def fit(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
-        """Step 3: the tokenized prompt's checks; the params to serve it with."""
-        return fit(prompt_token_ids, params, self.max_model_len, self.info.vocab_size, self.pool)
+    def fit(self, prompt_token_ids: list[int], params: SamplingParams, shortest: int | None = None) -> SamplingParams:
+        """Step 3: the tokenized prompt's checks; the params to serve it with. `shortest`: a
+        constrained request's shortest output in tokens (`grammars.shortest`), which max_tokens must hold."""
+        return fit(prompt_token_ids, params, self.max_model_len, self.info.vocab_size, self.pool, shortest)
 
     def request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                 grammar: Grammar | None = None) -> Request:
         """Step 4: the scheduler's Request; a constrained one's grammar is compiled here unless given
-        (the scheduler process compiles on a thread, bounded in time, and passes it)."""
+        (the scheduler process compiles on a thread, bounded in time, and passes it), and finishes
+        within max_tokens."""
         if grammar is None and params.structured_outputs is not None:
             grammar = self.grammars.compile(params.structured_outputs)
+        if grammar is not None and params.max_tokens is not None:
+            grammar.limit(params.max_tokens, params.min_tokens)
         return Request(request_id, prompt_token_ids, params, time.monotonic(), grammar=grammar)
 
     def admit(self, request_id: str, prompt: Prompt, sampling: SamplingParams | None) -> Request:
         """All four steps in this process (the offline API): a text prompt as raw completion text."""
         ids = self.prompts.encode_text(prompt) if isinstance(prompt, str) else list(prompt)
-        params = self.fit(ids, self.params(sampling))
-        return self.request(request_id, ids, params)
+        params = self.params(sampling)
+        shortest = None if params.structured_outputs is None else self.grammars.shortest(params.structured_outputs)
+        return self.request(request_id, ids, self.fit(ids, params, shortest))
 
     def _vocabulary(self) -> Vocabulary:
         started = time.perf_counter()

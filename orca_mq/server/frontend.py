@@ -148,10 +148,11 @@ class Frontend:
     async def _tokenize_and_admit(self, iid: str, msg: Generate, params: SamplingParams) -> None:
         failure: Exception | None = None
         prompt_ids: list[int] = []
+        shortest = None   # a constrained request's shortest output, in tokens, that max_tokens must hold
         try:
             prompt_ids = await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, self.prompts.token_ids, msg)
             if (spec := params.structured_outputs) is not None:  # parsed once, in _enqueue
-                await bounded(self.tokenize_pool, self.model.grammars.check, spec, self.cfg.structured.compile_timeout)
+                shortest = await bounded(self.tokenize_pool, self.model.grammars.shortest, spec, self.cfg.structured.compile_timeout)
         except Exception as e:
             failure = e
         adm = self.admitting.pop(iid, None)
@@ -164,7 +165,7 @@ class Frontend:
             elif failure is not None:
                 raise failure
             else:
-                await self._admit(iid, adm, prompt_ids)
+                await self._admit(iid, adm, prompt_ids, shortest)
         except InvalidRequest as e:
             self.ids.release(iid)
             await self._refuse(adm.client, msg.request_id, e, adm.version)
@@ -175,10 +176,10 @@ class Frontend:
                                       adm.version)
         await self._maybe_drained()
 
-    async def _admit(self, iid: str, adm: Admission, prompt_ids: list[int]) -> None:
+    async def _admit(self, iid: str, adm: Admission, prompt_ids: list[int], shortest: int | None) -> None:
         if self.draining:
             raise _Unavailable("server is shutting down; not accepting new requests")
-        params = self.model.fit(prompt_ids, adm.params)
+        params = self.model.fit(prompt_ids, adm.params, shortest)
         rid = adm.msg.request_id
         detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
         self.active[iid] = ActiveRequest(adm.client, rid, detok, len(prompt_ids), time.time(), adm.version)

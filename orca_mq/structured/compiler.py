@@ -1,11 +1,12 @@
 """A constraint -> an llguidance grammar, checked, cached and bounded; with the model's vocabulary,
 a per-request `Grammar`.
 
-The frontend checks a constraint without the vocabulary (`Compiler.check`: the grammar is built and
-validated, which catches every error in the schema, regex or grammar); the scheduler builds the
-vocabulary once, on the first constrained request, and compiles (`Compiler.compile`). Both run in a
-thread (`bounded`), never on an event loop or the compute thread: a constraint is bounded in size
-(`structured.max_spec_bytes`) before any work, in work by llguidance's own limits, and in time by
+`Compiler.check` needs no vocabulary: the grammar is built and validated, which catches every error in
+the schema, regex or grammar. With the vocabulary (built once per process, on the first constrained
+request), the frontend finds the shortest output a constraint allows (`Compiler.shortest`, once per
+constraint: admission refuses a max_tokens that cannot hold it) and the scheduler compiles
+(`Compiler.compile`). Both run in a thread (`bounded`), never on an event loop or the compute
+thread: a constraint is bounded in size (`structured.max_spec_bytes`) before any work, in work by llguidance's own limits, and in time by
 `structured.compile_timeout`. Compiled constraints are cached by their text (LRU,
 `structured.cache_size`); a request's matcher is a copy of the cached one (microseconds).
 """
@@ -23,6 +24,7 @@ import llguidance
 from llguidance import LLMatcher
 
 from orca_mq.errors import InvalidRequest
+from orca_mq.structured.budget import shortest
 from orca_mq.structured.grammar import LIMITS, Grammar, Vocabulary
 from orca_mq.protocol.structured import StructuredOutputsParams
 
@@ -44,11 +46,12 @@ def _bad(spec: StructuredOutputsParams, why: str) -> InvalidRequest:
 class _Entry:
     grammar: str                       # llguidance's grammar text
     template: LLMatcher | None = None  # a fresh matcher over the vocabulary, copied per request
+    start: list[int] | None = None     # with it: the shortest plan from the start (None: none found)
 
 
 class Compiler:
     """One per process. `vocabulary` builds the model's vocabulary (a second or two) when the first
-    constrained request needs it; None: check only (the frontend)."""
+    constrained request needs it; None: check only."""
 
     def __init__(self, cfg: "StructuredConfig", vocabulary: Callable[[], Vocabulary] | None = None) -> None:
         self.cfg = cfg
@@ -63,6 +66,21 @@ class Compiler:
 
     def compile(self, spec: StructuredOutputsParams) -> Grammar:
         """A new request's grammar state."""
+        entry, vocab = self._compiled(spec)
+        json = spec.kind in ("json", "json_object")
+        return Grammar(spec.kind, entry.template.deep_copy(), vocab, start=entry.start,  # type: ignore[union-attr]
+                       max_digits=self.cfg.max_number_digits if json else 0, margin=self.cfg.close_margin,
+                       guard=self.cfg.close_guard if json else 0)   # what opens more is JSON's to say
+
+    def shortest(self, spec: StructuredOutputsParams) -> int | None:
+        """Check the constraint (as `check`), and the tokens of the shortest output found that it
+        allows (None: none found); an EOS after it is not counted: cut there by max_tokens, the
+        output is whole."""
+        entry, vocab = self._compiled(spec)
+        start = entry.start
+        return None if start is None else len(start) - (start[-1:] == [vocab.tables.eos])
+
+    def _compiled(self, spec: StructuredOutputsParams) -> tuple[_Entry, Vocabulary]:
         entry = self._entry(spec)
         with self._lock:
             if self._vocab is None:
@@ -74,8 +92,9 @@ class Compiler:
             template = LLMatcher(vocab.tokenizer, entry.grammar, log_level=0, limits=LIMITS)
             if template.is_error():  # what only the vocabulary reveals (e.g. a lexer too large for it)
                 raise _bad(spec, template.get_error())
+            entry.start = shortest(template, vocab.tables)
             entry.template = template
-        return Grammar(spec.kind, entry.template.deep_copy(), vocab)
+        return entry, vocab
 
     @property
     def cached(self) -> int:
