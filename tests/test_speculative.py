@@ -197,3 +197,16 @@ def test_final_metrics_and_stats_count_drafts(tiny_served_dir) -> None:
     assert sum(m["spec_accepted_tokens"] for m in per_request) == stats["spec_accepted_tokens"] > 0
     assert sum(m["spec_draft_tokens"] for m in per_request) == stats["spec_draft_tokens"]
     assert sum(stats["spec_accepted_per_pos"]) == stats["spec_accepted_tokens"]
+
+
+@pytest.mark.parametrize("constraint", [{"regex": "(ab|cd|[0-9]{1,3}, )+"},
+                                        {"json": {"type": "array", "items": {"type": "integer"}, "maxItems": 40}}])
+def test_constrained_drafts_follow_the_grammar(tiny_served_dir, constraint: dict) -> None:
+    """A constrained request's draft is cut where its grammar refuses a token, and each position it
+    verifies is masked as its grammar will stand there: the tokens are those decoded one at a time."""
+    model, prompts = str(tiny_served_dir), _prompts(4, seed=2)
+    params = SamplingParams(max_tokens=24, temperature=0, structured_outputs=StructuredOutputsParams(**constraint))
+    off, off_reasons, _ = _run(model, prompts, params)
+    on, on_reasons, stats = _run(model, prompts, params, speculative__method="ngram")
+    assert on == off and on_reasons == off_reasons
+    assert stats["spec_accepted_tokens"] > 0 and stats["free_slots"] == stats["n_slots"] - stats["used_slots"]

@@ -50,8 +50,12 @@ class SamplingRows:
     @classmethod
     def of(cls, a: PlanArrays) -> "SamplingRows":
         rows = a.logit_rows()
-        first = {int(r): i for i, r in reversed(list(enumerate(rows)))}   # rows that draft carry no mask
-        masks = {first[int(r)]: m for r, m in zip(a.mask_rows, a.plan.masks) if int(r) in first}
+        first = {int(r): i for i, r in reversed(list(enumerate(rows)))}
+        masks, seen = {}, {}
+        for r, m in zip(a.mask_rows.tolist(), a.plan.masks):   # a verify row's masks: its positions', in order
+            if r in first:
+                masks[first[r] + seen.get(r, 0)] = m
+                seen[r] = seen.get(r, 0) + 1
         # a seeded verify row draws, for each token it samples after, the uniform a decode there would:
         # with a draft of single tokens, sampling each position and keeping the drafts that agree is
         # rejection sampling (accept a draft token with its probability, else draw from the rest), and

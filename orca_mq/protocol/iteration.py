@@ -69,8 +69,10 @@ class SeqWork:
     next_token: int = -1
     extra: RowExtras | None = None   # its logits processors; None: none (what every other row costs)
     # speculative decoding: the last `draft` of token_ids are proposed tokens, not yet the request's: a
-    # verify row samples after each of its last draft + 1 tokens and keeps the longest agreeing prefix
+    # verify row samples after each of its last draft + 1 tokens and keeps the longest agreeing prefix;
+    # a constrained one has a bitmask for the positions after its draft tokens too (its grammar advanced by them)
     draft: int = 0
+    draft_bitmasks: list[bytes] = field(default_factory=list)
 
     @property
     def seq_len(self) -> int:
@@ -112,7 +114,7 @@ class PackedPlan:
     top_k: bytes           # int32 [S]
     top_p: bytes           # float32 [S]
     seeds: bytes           # int64 [S] (-1: unseeded)
-    mask_rows: bytes       # int32 [M] rows with an allowed-token bitmask
+    mask_rows: bytes       # int32 [M] rows with an allowed-token bitmask (a verify row: one per sampled position, in order)
     masks: list[bytes]     # their bitmasks
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
@@ -160,6 +162,8 @@ class PackedPlan:
             a.drafts = col(self.drafts, I32, "drafts")
             if len(a.drafts) != s or (a.drafts < 0).any() or (a.drafts >= a.q_lens).any() or (a.drafts[a.sample == 0] > 0).any():
                 raise ValueError("plan draft column: a row each, fewer drafts than the row's tokens, on sampling rows only")
+        if len(a.mask_rows) and (np.bincount(a.mask_rows, minlength=s) > 1 + (0 if a.drafts is None else a.drafts)).any():
+            raise ValueError("plan masks: more for a row than it samples positions")
         return a
 
     @property
@@ -294,7 +298,8 @@ def pack(plan: IterationPlan) -> PackedPlan:
     def col(values: list[int] | list[float] | chain[int], dtype: np.dtype) -> bytes:
         return np.fromiter(values, dtype, -1).tobytes() if isinstance(values, chain) else np.array(values, dtype).tobytes()
 
-    masked = [(i, s.allowed_token_bitmask) for i, s in enumerate(seqs) if s.allowed_token_bitmask is not None]
+    masked = [(i, m) for i, s in enumerate(seqs) if s.allowed_token_bitmask is not None
+              for m in (s.allowed_token_bitmask, *s.draft_bitmasks)]
     return PackedPlan(
         plan.iteration, [s.request_id for s in seqs],
         col([len(s.token_ids) for s in seqs], I32), col([s.start_pos for s in seqs], I32),

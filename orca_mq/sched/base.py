@@ -199,6 +199,8 @@ class Scheduler:
                                 sample=not req.prompt_pending, prev_row=prev, draft=req.draft))
             req.in_flight += 1
         fill_masks(seqs, [None if r.prompt_pending else r.grammar for r in batch])  # only rows that sample
+        if drafts:
+            Speculator.mask_drafts(seqs, batch)
         add_extras(seqs, batch, self.eos_token_ids)   # logits processors: penalties, min_p, logit_bias, min_tokens
         ask_logprobs(seqs, batch)
         self.iteration += 1
@@ -264,9 +266,10 @@ class Scheduler:
                 if reason := self._stop_reason(req, token):
                     break
                 events.append(TokenEvent(req.request_id, token))
-            if drafted:   # the K/V of the drafts it kept is its own now; the blocks only the others needed go back
+            if drafted:   # the K/V of the drafts it kept is its own now
                 self.speculator.learn(req, drafted, appended - 1)   # type: ignore[union-attr]   # drafts past a stop count for nothing
                 self.block_manager.computed(req, req.num_tokens - 1)
+            if req.spec is not None:   # the blocks only rejected (or, for a grammar, cut) drafts needed go back
                 self.block_manager.trim(req.request_id, req.num_tokens)
             if reason:
                 self._finish(req, reason, now)

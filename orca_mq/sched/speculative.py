@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from orca_mq.config import SpeculativeConfig
+    from orca_mq.protocol.iteration import SeqWork
     from orca_mq.sched.request import Request
 
 MAX_BACKOFF = 64   # iterations a request at most waits before it proposes again
@@ -95,11 +96,11 @@ class Speculator:
 
     @staticmethod
     def eligible(req: "Request") -> bool:
-        """Rows whose every sampled position the last stage can sample alike: no grammar (its mask
-        follows each accepted token), no penalties or biases (their history and min_tokens' count
-        move with each token), no log probabilities (one entry per row). They decode one token at a time."""
+        """Rows whose every sampled position the last stage can sample alike: no penalties or biases
+        (their history and min_tokens' count move with each token), no log probabilities (one entry
+        per row). They decode one token at a time. A grammar's masks follow the draft (`mask_drafts`)."""
         p = req.params
-        return (req.grammar is None and p.logprobs is None and p.presence_penalty == 0 and p.frequency_penalty == 0
+        return (p.logprobs is None and p.presence_penalty == 0 and p.frequency_penalty == 0
                 and p.repetition_penalty == 1 and not p.logit_bias and p.min_tokens == 0 and p.min_p == 0)
 
     def propose(self, batch: list["Request"], tokens: int, max_len: int) -> dict[str, list[int]]:
@@ -125,6 +126,28 @@ class Speculator:
                 out[req.request_id] = draft
                 room -= len(draft)
         return out
+
+    @staticmethod
+    def mask_drafts(seqs: list["SeqWork"], batch: list["Request"]) -> None:
+        """A constrained verify row's masks after each of its draft tokens, from its grammar advanced by
+        them on a fork (the budget's closing and the digit bound included); its draft cut before a token
+        the grammar rejects, and after one that ends it (nothing after that token is kept)."""
+        for s, req in zip(seqs, batch):
+            if not s.draft or req.grammar is None or req.grammar.matcher is None:
+                continue
+            fork, masks, kept = req.grammar.fork(), [], 0
+            for token in s.token_ids[len(s.token_ids) - s.draft:]:
+                reason = fork.accept(token)
+                if reason == "error":
+                    break
+                kept += 1
+                if reason == "stop":
+                    break
+                masks.append(fork.mask())
+            if kept < s.draft:
+                del s.token_ids[len(s.token_ids) - s.draft + kept:]
+                s.draft = req.draft = kept
+            s.draft_bitmasks = masks
 
     def learn(self, req: "Request", drafted: int, kept: int) -> None:
         """A verify row came back keeping `kept` of its `drafted` tokens: k follows what it keeps."""

@@ -8,7 +8,7 @@ a JSON number's digits.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import llguidance
@@ -72,6 +72,21 @@ class Grammar:
             bounded = row & tables.digit_masks(self.max_digits)[min(max(lex.digits, 0), self.max_digits)]
             if bounded.any():
                 row[:] = bounded
+
+    def fork(self) -> "Grammar":
+        """A copy to advance by a draft's tokens (speculative decoding), leaving this one as it is."""
+        assert self.matcher is not None
+        closing = None if self.closing is None else replace(self.closing, plan=None if self.closing.plan is None
+                                                             else list(self.closing.plan))
+        return replace(self, matcher=self.matcher.deep_copy(), lex=self.lex.copy(), closing=closing)
+
+    def mask(self) -> bytes:
+        """This step's allowed-token bitmask, narrowed: one row (`fill_masks` computes a plan's rows at once)."""
+        assert self.matcher is not None
+        row = np.zeros(-(-self.vocab.size // 32), np.int32)
+        self.matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+        self.narrow(row)
+        return row.tobytes()
 
     def accept(self, token: int) -> str | None:
         """Advance by the request's new token: "stop" when the grammar is complete and can take
