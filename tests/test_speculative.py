@@ -19,7 +19,8 @@ from orca_mq.protocol.engine_msgs import IterationDone
 from orca_mq.protocol.iteration import IterationPlan, IterationResult, SeqWork, pack
 from orca_mq.protocol.structured import StructuredOutputsParams
 from orca_mq.sched.request import Request
-from orca_mq.sched.speculative import NgramIndex, Speculator
+from orca_mq.sched.spec_state import NgramIndex
+from orca_mq.sched.speculative import Speculator
 
 
 def test_lookup_takes_the_latest_longest_match_and_copies_a_loop() -> None:

@@ -109,7 +109,7 @@ class ModelRunner:
     def _gemm_rows(cfg: "Config", weights: StageWeights) -> gemm.Rows:
         """Deterministic mode's GEMM calls: tiles of deterministic_rows, unless every GEMM of this
         stage is found row-invariant up to the most rows an iteration gives it (the token budget;
-        the LM head: max_bs), when calls are cut only above that."""
+        the LM head: max_bs, or the budget with speculation), when calls are cut only above that."""
         budget, max_bs = cfg.scheduler.max_num_batched_tokens, cfg.scheduler.max_bs
         tiles = gemm.Rows(cfg.engine.deterministic_rows)
         if not budget:   # whole prompts: no bound on an iteration's rows to try up to
@@ -117,8 +117,8 @@ class ModelRunner:
         max_rows = max(budget, max_bs)
         shapes = {(tuple(w[k].shape), k + "_b" in w): (w[k], w.get(k + "_b"), max_rows)
                   for w in weights.layers for k in MATRICES if k in w}
-        if weights.lm_head is not None:
-            shapes["lm_head"] = (weights.lm_head, None, max_bs)
+        if weights.lm_head is not None:   # a row per sampling request; with speculation, per verified token too
+            shapes["lm_head"] = (weights.lm_head, None, max_bs if cfg.speculative.method == "off" else max_rows)
         ok = all(gemm.row_invariant(*probe) for probe in shapes.values())
         log.info("deterministic GEMMs: %s", f"row-invariant up to {max_rows} rows" if ok else f"tiles of {tiles.n} rows")
         return gemm.Rows(max_rows, pad=False) if ok else tiles

@@ -12,7 +12,7 @@ from orca_mq.protocol.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from orca_mq.structured.grammar import Grammar
-    from orca_mq.sched.speculative import SpecState
+    from orca_mq.sched.spec_state import SpecState
     from orca_mq.protocol.logprobs import TokenLogprobs
 
 

@@ -15,8 +15,9 @@ failing stops proposing for a while (twice as long after each further miss).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from orca_mq.sched.spec_state import NgramIndex, SpecCounters, SpecState
 
 if TYPE_CHECKING:
     from orca_mq.config import SpeculativeConfig
@@ -24,66 +25,6 @@ if TYPE_CHECKING:
     from orca_mq.sched.request import Request
 
 MAX_BACKOFF = 64   # iterations a request at most waits before it proposes again
-
-
-@dataclass(slots=True)
-class NgramIndex:
-    """A request's tokens and, for each n, where each n-gram last ended (before the newest token), kept
-    up to date as tokens are appended: a lookup costs a few dict probes, not a scan."""
-
-    n_min: int
-    n_max: int
-    tokens: list[int] = field(default_factory=list)
-    ends: list[dict[tuple[int, ...], int]] = field(default_factory=list)   # [n - n_min]: n-gram -> its last end
-    indexed: int = 0                   # n-grams ending before this position are in `ends`
-
-    def extend(self, tokens: list[int]) -> None:
-        self.tokens.extend(tokens)
-
-    def propose(self, k: int) -> list[int]:
-        """Up to k tokens that followed the latest earlier occurrence of the last n tokens, the longest n first."""
-        toks = self.tokens
-        if not self.ends:
-            self.ends = [{} for _ in range(self.n_min, self.n_max + 1)]
-        for end in range(self.indexed, len(toks) - 1):   # the newest token ends no earlier occurrence
-            for n in range(self.n_min, min(self.n_max, end + 1) + 1):
-                self.ends[n - self.n_min][tuple(toks[end - n + 1:end + 1])] = end
-        self.indexed = max(self.indexed, len(toks) - 1)
-        for n in range(min(self.n_max, len(toks) - 1), self.n_min - 1, -1):
-            end = self.ends[n - self.n_min].get(tuple(toks[-n:]))
-            if end is not None:   # what followed it; past the newest token, the copy copies itself (a loop)
-                draft = toks[end + 1:end + 1 + k]
-                while len(draft) < k:
-                    draft.append(draft[end + 1 + len(draft) - len(toks)])
-                return draft
-        return []
-
-
-@dataclass(slots=True)
-class SpecState:
-    """One request's speculation: its index, its current k, and its back-off after failed drafts."""
-
-    index: NgramIndex
-    k: int
-    misses: int = 0          # drafts in a row that kept nothing
-    wait: int = 0            # iterations to skip before proposing again
-    drafts: int = 0          # verify rows it ran
-    drafted: int = 0         # draft tokens proposed...
-    accepted: int = 0        # ...and kept
-
-
-@dataclass(slots=True)
-class SpecCounters:
-    """The server's totals (vLLM's spec_decode_num_drafts / num_draft_tokens / num_accepted_tokens)."""
-
-    drafts: int = 0
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
-    accepted_per_pos: list[int] = field(default_factory=list)   # [i]: drafts whose token i was accepted
-
-    def stats(self) -> dict[str, Any]:
-        return {"spec_drafts": self.drafts, "spec_draft_tokens": self.draft_tokens,
-                "spec_accepted_tokens": self.accepted_tokens, "spec_accepted_per_pos": list(self.accepted_per_pos)}
 
 
 class Speculator:
@@ -96,9 +37,9 @@ class Speculator:
 
     @staticmethod
     def eligible(req: "Request") -> bool:
-        """Rows whose every sampled position the last stage can sample alike: no penalties or biases
-        (their history and min_tokens' count move with each token), no log probabilities (one entry
-        per row). They decode one token at a time. A grammar's masks follow the draft (`mask_drafts`)."""
+        """Whether the last stage can sample each of its verify positions alike. Requests with penalties
+        or biases (their history and min_tokens' count move with each token) or log probabilities (one
+        entry a row) decode one token at a time; a grammar's masks follow the draft (`mask_drafts`)."""
         p = req.params
         return (p.logprobs is None and p.presence_penalty == 0 and p.frequency_penalty == 0
                 and p.repetition_penalty == 1 and not p.logit_bias and p.min_tokens == 0 and p.min_p == 0)
