@@ -103,10 +103,10 @@ def test_acceptance_keeps_the_agreeing_prefix_and_the_next_token() -> None:
     a = pack(_plan()).arrays()
     sampled = [50, 1, 2, 8, 0, 60]            # logit rows: p | v after 9, 1, 2, 3 | d
     result = IterationResult(1, ["p", "v", "d"], [50, 1, 60])
-    verify(result, a, sampled, a.logit_rows().tolist())
+    verify(result, a, sampled, a.sampled_positions()[0].tolist())
     assert result.verify_rows == [1] and result.verified == [[2, 8]]   # 1 and 2 agree, 8 replaces the draft's 3
     all_kept = IterationResult(1, ["p", "v", "d"], [50, 1, 60])
-    verify(all_kept, a, [50, 1, 2, 3, 44, 60], a.logit_rows().tolist())
+    verify(all_kept, a, [50, 1, 2, 3, 44, 60], a.sampled_positions()[0].tolist())
     assert all_kept.verified == [[2, 3, 44]]                          # every draft, and the bonus token
 
 

@@ -186,10 +186,11 @@ class ModelRunner:
         if launched.event is not None:
             launched.event.synchronize()
         rids = a.plan.request_ids
-        sampling = a.logit_rows().tolist()   # the plan row of each sampled position
+        rows, at = a.sampled_positions()
+        sampling = rows.tolist()   # the plan row of each sampled position
         tokens, ok = (row[:len(sampling)] for row in out.tolist())
         ids = [-1] * len(rids)
-        for k in range(len(sampling) - 1, -1, -1):   # a verify row's first position last: its first token
+        for k in np.flatnonzero(at == 0).tolist():   # a verify row's first position: its first token
             ids[sampling[k]] = tokens[k]
         failed = sorted({sampling[k] for k in failed_rows(ok, launched.failed)} | set(launched.unfilled))
         result = IterationResult(a.plan.iteration, list(rids), ids, [rids[r] for r in failed])

@@ -49,8 +49,8 @@ class SamplingRows:
 
     @classmethod
     def of(cls, a: PlanArrays) -> "SamplingRows":
-        rows = a.logit_rows()
-        first = {int(r): i for i, r in reversed(list(enumerate(rows)))}
+        rows, at = a.sampled_positions()
+        first = {int(rows[i]): int(i) for i in np.flatnonzero(at == 0)}
         masks, seen = {}, {}
         for r, m in zip(a.mask_rows.tolist(), a.plan.masks):   # a verify row's masks: its positions', in order
             if r in first:
@@ -62,7 +62,7 @@ class SamplingRows:
         # a seeded request's tokens are the same with speculation on and off
         seq_lens = (a.start_pos.astype(np.int64) + a.q_lens)[rows]
         if a.drafts is not None:
-            seq_lens += np.arange(len(rows)) - np.searchsorted(rows, rows) - a.drafts[rows]
+            seq_lens += at - a.drafts[rows]
         return cls(rows, a.temperature[rows], a.top_k[rows], a.top_p[rows], a.seeds[rows], seq_lens, masks,
                    Processors.of(a, rows))
 

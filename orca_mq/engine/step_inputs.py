@@ -165,8 +165,7 @@ def build(a: PlanArrays, g: Geometry) -> HostStep:
     attn_rows = np.repeat(np.arange(s), np.where(own, q, 1))        # the plan row of each attention row
     cu = np.concatenate(([0], np.cumsum(attn_q[attn_rows])))
     kv_lens = positions[cu[:-1]] + attn_q[attn_rows] if t else np.zeros(0, np.int64)
-    logit_rows = a.logit_rows()
-    at = np.arange(len(logit_rows)) - np.searchsorted(logit_rows, logit_rows)   # a verify row's 0 .. draft
+    logit_rows, at = a.sampled_positions()
     drafts = a.drafts[logit_rows] if a.drafts is not None else 0
     fields = {"token_ids": tokens, "positions": positions, "slot_mapping": slots, "cu_q_lens": cu,
               "seq_lens": kv_lens, "block_tables": tables[attn_rows],

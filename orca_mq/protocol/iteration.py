@@ -207,11 +207,14 @@ class PlanArrays:
     def num_rows(self) -> int:
         return len(self.q_lens)
 
-    def logit_rows(self) -> np.ndarray:
-        """The plan row of each sampled position, in the LM head's row order: a sampling row's last
-        token, and a verify row's last draft + 1 tokens (int64)."""
+    def sampled_positions(self) -> tuple[np.ndarray, np.ndarray]:
+        """Each sampled position, in the LM head's row order (a sampling row's last token, a verify row's
+        last draft + 1 tokens): its plan row, and its place among its row's (0 .. draft), int64."""
         rows = np.flatnonzero(self.sample)
-        return rows if self.drafts is None else np.repeat(rows, 1 + self.drafts[rows].astype(np.int64))
+        if self.drafts is None:
+            return rows, np.zeros(len(rows), np.int64)
+        rows = np.repeat(rows, 1 + self.drafts[rows].astype(np.int64))
+        return rows, np.arange(len(rows)) - np.searchsorted(rows, rows)
 
 
 def _logprob_columns(plan: PackedPlan, a: PlanArrays, col: "Callable[[bytes, np.dtype, str], np.ndarray]") -> None:
