@@ -22,7 +22,10 @@ Each program walks the request's KV positions ``0 .. min(seq_len, last query
 position + 1)`` in chunks of ``BLOCK_N`` keys, gathering each key's slot
 through the block table (so any block_size works, block order is arbitrary,
 and nothing past ``seq_len`` is ever loaded), with an online (flash-attention)
-softmax in fp32.
+softmax in fp32. A layer's options: a sliding ``window`` starts the walk at the
+tile's first visible key (blocks before it are never read) and masks by it;
+``softcap`` caps the scaled scores (``c * tanh(s / c)``); ``sinks`` (a logit
+per head) join each row's softmax denominator as a key of value zero.
 """
 
 from __future__ import annotations
@@ -43,11 +46,13 @@ MIN_BLOCK_B = 256
 # Triton compiles a kernel per value class (1, a multiple of 16, other) of each int argument: the
 # request count and the block tables' width change every iteration, and each new class would
 # compile on the serving path (about a second each)
-@triton.jit(do_not_specialize=["num_reqs", "stride_bt"])
+@triton.jit(do_not_specialize=["num_reqs", "stride_bt", "window"])
 def _ragged_paged_attn_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, o_ptr,
-    block_tables_ptr, cu_q_lens_ptr, seq_lens_ptr,
+    block_tables_ptr, cu_q_lens_ptr, seq_lens_ptr, sinks_ptr,
     qk_scale,  # softmax scale * log2(e)
+    window,  # 0: none; else a query at p sees keys k with p - k < window
+    softcap,  # 0.0: none
     stride_qt, stride_qh, stride_qd,
     stride_ot, stride_oh, stride_od,
     stride_kb, stride_ks, stride_kh, stride_kd,
@@ -61,6 +66,8 @@ def _ragged_paged_attn_kernel(
     BLOCK_D: tl.constexpr,  # padded head_dim
     BLOCK_B: tl.constexpr,  # padded num_reqs
     PREC: tl.constexpr,  # tl.dot input precision
+    SOFTCAP: tl.constexpr,  # softcap > 0
+    SINKS: tl.constexpr,  # sinks_ptr holds a logit per query head
 ):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -93,15 +100,21 @@ def _ragged_paged_attn_kernel(
         mask=row_valid[:, None] & d_mask[None, :], other=0.0,
     )
 
-    m_i = tl.full([BLOCK_R], -1.0e30, dtype=tl.float32)  # finite floor: no inf - inf
-    l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
+    if SINKS:  # a sink is a key scoring sinks[head] with a zero value: it starts the denominator
+        m_i = tl.load(sinks_ptr + head, mask=row_valid, other=0.0).to(tl.float32) * 1.4426950408889634
+        l_i = tl.full([BLOCK_R], 1.0, dtype=tl.float32)
+    else:
+        m_i = tl.full([BLOCK_R], -1.0e30, dtype=tl.float32)  # finite floor: no inf - inf
+        l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
     acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
 
     kv_end = tl.minimum(seq_len, ctx + m0 + TOK)  # causal: last key any row of the tile sees, + 1
+    # a window: the tile's first query sees nothing before its position - window + 1
+    kv_start = tl.where(window > 0, tl.maximum(ctx + m0 - window + 1, 0) // BLOCK_N * BLOCK_N, 0)
     bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
     k_head = k_cache_ptr + kvh.to(tl.int64) * stride_kh
     v_head = v_cache_ptr + kvh.to(tl.int64) * stride_vh
-    for n0 in range(0, kv_end, BLOCK_N):
+    for n0 in range(kv_start, kv_end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_valid = offs_n < kv_end
         blk = tl.load(bt_row + offs_n // block_size, mask=n_valid, other=0).to(tl.int64)
@@ -112,7 +125,12 @@ def _ragged_paged_attn_kernel(
             mask=kv_mask_t, other=0.0,
         )
         qk = tl.dot(q, k_t, input_precision=PREC) * qk_scale  # [BLOCK_R, BLOCK_N], log2 domain
+        if SOFTCAP:  # c * tanh(s / c) on the natural-log scores, tanh from exp (stable for either sign)
+            x = qk / (softcap * 1.4426950408889634)
+            e = tl.exp(-2.0 * tl.abs(x))
+            qk = tl.where(x >= 0, 1.0, -1.0) * (1.0 - e) / (1.0 + e) * (softcap * 1.4426950408889634)
         causal = (offs_n[None, :] <= pos[:, None]) & n_valid[None, :]
+        causal = causal & ((offs_n[None, :] > pos[:, None] - window) | (window <= 0))
         qk = tl.where(causal, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, axis=1))
         alpha = tl.math.exp2(m_i - m_new)
@@ -143,6 +161,9 @@ def ragged_paged_attention(
     seq_lens: Tensor,
     scale: float,
     decode_tiles: bool | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """Causal paged attention for all requests of an iteration, one kernel launch.
 
@@ -150,7 +171,8 @@ def ragged_paged_attention(
     ``k_cache/v_cache [num_blocks, block_size, n_kv_heads, head_dim]`` already
     containing this iteration's K/V; ``block_tables [B, max_blocks]`` int32;
     ``cu_q_lens [B+1]`` int32; ``seq_lens [B]`` int32 (KV length including the
-    new tokens). Returns a new ``[T, n_heads, head_dim]`` tensor in ``q.dtype``.
+    new tokens); a layer's ``window``, ``softcap`` and ``sinks [n_heads]`` (module
+    docstring). Returns a new ``[T, n_heads, head_dim]`` tensor in ``q.dtype``.
     No device->host synchronisation.
     """
     T, n_heads, head_dim = q.shape
@@ -177,14 +199,15 @@ def ragged_paged_attention(
     num_tiles = T // TOK + num_reqs
     _ragged_paged_attn_kernel[(num_tiles, n_kv_heads)](
         q, k_cache, v_cache, out,
-        block_tables, cu_q_lens, seq_lens,
-        float(scale) * _LOG2E,
+        block_tables, cu_q_lens, seq_lens, seq_lens if sinks is None else sinks,
+        float(scale) * _LOG2E, int(window), float(softcap),
         *q.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(),
         block_tables.stride(0),
         num_reqs, block_size, head_dim,
         G=G, TOK=TOK, BLOCK_R=BLOCK_R, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
         BLOCK_B=max(MIN_BLOCK_B, triton.next_power_of_2(num_reqs)),
         PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        SOFTCAP=softcap > 0, SINKS=sinks is not None,
         num_warps=4,
     )
     return out

@@ -66,6 +66,9 @@ def ragged_paged_attention_ref(
     cu_q_lens: Tensor,
     seq_lens: Tensor,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """Causal attention of the iteration's new queries over each request's cached K/V.
 
@@ -74,6 +77,10 @@ def ragged_paged_attention_ref(
     ``cu_q_lens[b]:cu_q_lens[b+1]`` at positions ``seq_len-q_len .. seq_len-1``
     and attends keys at positions ``0..p`` (its own request only), read from the
     cache through ``block_tables[b]``. The new K/V must already be in the cache.
+    A layer's options, as transformers' eager attention applies them: ``window``
+    > 0 keeps keys ``k > p - window``; ``softcap`` > 0 maps scaled scores ``s`` to
+    ``softcap * tanh(s / softcap)``; ``sinks [n_heads]`` join each softmax's
+    denominator (their column dropped after).
     """
     T, n_heads, head_dim = q.shape
     n_kv_heads = k_cache.shape[2]
@@ -95,8 +102,17 @@ def ragged_paged_attention_ref(
         scores = torch.einsum("lhd,shd->hls", qb, k) * scale  # [H, L, S]
         q_pos = torch.arange(ctx, seq_len, device=q.device).view(-1, 1)  # the scores' device (CUDA in the bench)
         k_pos = torch.arange(seq_len, device=q.device).view(1, -1)
-        scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
+        hidden = k_pos > q_pos
+        if window:
+            hidden |= k_pos <= q_pos - window
+        scores = scores.masked_fill(hidden, float("-inf"))
+        if sinks is not None:
+            sink = sinks.float().view(-1, 1, 1).expand(-1, q_len, 1)
+            probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1)
         out[q0:q1] = torch.einsum("hls,shd->lhd", probs, v).to(q.dtype)
     return out
 

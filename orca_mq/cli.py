@@ -144,7 +144,7 @@ def _check_free(host: str, port: int, address: str, flag: str) -> None:
 def _preflight(cfg: Config) -> None:
     """What would otherwise fail inside a child a minute later: one line now, the details in the logs."""
     from orca_mq.auth import server_keys
-    from orca_mq.engine.model_info import read_model_info
+    from orca_mq.models.registry import read_model_info
 
     if cfg.server.node_rank == 0:
         front = cfg.server.frontend_address

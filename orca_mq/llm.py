@@ -13,7 +13,7 @@ from orca_mq.admission.served_model import Prompt, ServedModel
 from orca_mq.config import load_config
 from orca_mq.detokenizer import ends_on_eos
 from orca_mq.engine.model_runner import Launched, ModelRunner
-from orca_mq.engine.model_files import resolve_model_path
+from orca_mq.models.files import resolve_model_path
 from orca_mq.errors import InvalidRequest
 from orca_mq.logs import tell
 from orca_mq.outputs import RequestOutput

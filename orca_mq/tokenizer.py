@@ -9,8 +9,8 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from orca_mq.engine.model_files import resolve_model_path
-from orca_mq.engine.model_info import cache_key
+from orca_mq.models.files import resolve_model_path
+from orca_mq.models.files import cache_key
 
 
 def load_tokenizer(model_path: str = "", cache_dir: str = "") -> PreTrainedTokenizerBase:

@@ -37,7 +37,7 @@ def hf_reference():
     """transformers' own model for the embedded GGUF (the reference tests compare against)."""
     from transformers import AutoModelForCausalLM
 
-    from orca_mq.engine.model_files import embedded_model_path
+    from orca_mq.models.files import embedded_model_path
 
     path = embedded_model_path()
     return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()

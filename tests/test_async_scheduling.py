@@ -11,7 +11,7 @@ import pytest
 
 from orca_mq import LLM, SamplingParams
 from orca_mq.config import load_config
-from orca_mq.engine.model_info import ModelInfo
+from orca_mq.models.info import ModelInfo
 from orca_mq.protocol.iteration import IterationPlan, IterationResult
 from orca_mq.sched import make_scheduler
 from orca_mq.sched.request import Request

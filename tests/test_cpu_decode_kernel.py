@@ -50,6 +50,30 @@ def test_kernel_matches_gather_sdpa(head_dim, n_heads, n_kv_heads, table_dtype, 
     assert (ours.float() - expected).abs().max().item() <= tol
 
 
+@pytest.mark.parametrize("window,softcap,sinks", [(7, 0.0, False), (16, 0.0, False), (0, 2.5, False), (0, 0.0, True),
+                                                   (9, 4.0, True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_options_match_the_reference(window, softcap, sinks, dtype):
+    """A layer's sliding window (whole blocks before it skipped), soft-capping and sinks, as the kernels'
+    reference (kernels/reference.py, itself checked against transformers' eager attention) computes them."""
+    from kernels.reference import ragged_paged_attention_ref
+
+    kernel = cpu_kernels.load().paged_decode_attention
+    gen = torch.Generator().manual_seed(window * 10 + int(sinks))
+    block_size, num_blocks, batch, n_heads, kvh, d = 8, 96, 7, 6, 2, 64
+    k_cache, v_cache = (torch.randn(num_blocks, block_size, kvh, d, generator=gen).to(dtype) for _ in range(2))
+    lens = torch.tensor([1, 8, 9, 17, 40, 63, 5], dtype=torch.int32)
+    tables = torch.randperm(num_blocks, generator=gen)[: batch * 8].view(batch, 8).to(torch.int32)
+    q = (torch.randn(batch, n_heads, d, generator=gen) * 3).to(dtype)
+    sink = torch.randn(n_heads, generator=gen) * 2 if sinks else None
+    ours = kernel(q, k_cache, v_cache, tables, lens, d ** -0.5, window, softcap, sink)
+    expected = ragged_paged_attention_ref(q.float(), k_cache.float(), v_cache.float(), tables,
+                                          torch.arange(batch + 1, dtype=torch.int32), lens, d ** -0.5,
+                                          window=window, softcap=softcap, sinks=sink)
+    tol = 1e-5 if dtype == torch.float32 else 2 ** -8 * expected.abs().max().item()
+    assert (ours.float() - expected).abs().max().item() <= tol
+
+
 def test_kernel_rejects_wrong_dtype():
     kernel = cpu_kernels.load().paged_decode_attention
     q = torch.randn(1, 2, 8, dtype=torch.float64)

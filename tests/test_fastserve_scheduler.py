@@ -22,7 +22,7 @@ from orca_mq.sched.mlfq import SkipJoinMLFQ
 from orca_mq.sched.profiler import IterationProfile
 from orca_mq.protocol.sampling import SamplingParams
 from orca_mq.sched.request import Request
-from orca_mq.engine.model_info import ModelInfo
+from orca_mq.models.info import ModelInfo
 
 INFO = ModelInfo("fake", "llama", 512, 64, 2, 4, 2, 128, 1e-5, 4096, eos_token_ids=[2])
 # initiation: 1 ms per input token; increment: 10 ms at batch 1 .. 20 ms at batch 64

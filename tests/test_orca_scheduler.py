@@ -10,7 +10,7 @@ from orca_mq.sched import Scheduler, make_scheduler
 from orca_mq.sched.orca import OrcaScheduler
 from orca_mq.sched.request_level import RequestLevelScheduler
 from orca_mq.sched.request import Phase, Request
-from orca_mq.engine.model_info import ModelInfo
+from orca_mq.models.info import ModelInfo
 
 INFO = ModelInfo(path="", arch="llama", vocab_size=1000, hidden_size=8, n_layers=2, n_heads=2, n_kv_heads=1,
                  intermediate_size=16, norm_eps=1e-5, context_length=4096, eos_token_ids=[2])

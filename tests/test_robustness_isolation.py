@@ -13,7 +13,7 @@ import structlog
 
 from orca_mq.config import load_config
 from orca_mq.engine.model_runner import ModelRunner
-from orca_mq.engine.model_info import read_model_info
+from orca_mq.models.registry import read_model_info
 from orca_mq.kv.cache import HostKV
 from orca_mq.protocol.iteration import IterationPlan, IterationResult, SeqWork, pack
 from orca_mq.protocol.sampling import SamplingParams

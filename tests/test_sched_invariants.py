@@ -13,7 +13,7 @@ from collections import Counter, deque
 from hypothesis import HealthCheck, given, settings, strategies as st, target
 
 from orca_mq.config import load_config
-from orca_mq.engine.model_info import ModelInfo
+from orca_mq.models.info import ModelInfo
 from orca_mq.protocol.iteration import IterationPlan, IterationResult
 from orca_mq.protocol.sampling import SamplingParams
 from orca_mq.sched import make_scheduler

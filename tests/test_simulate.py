@@ -4,7 +4,7 @@ from __future__ import annotations
 from orca_mq import SamplingParams
 from orca_mq.bench.simulate import profile_cost, replay_scorecard, simulate
 from orca_mq.config import Config
-from orca_mq.engine.model_info import ModelInfo
+from orca_mq.models.info import ModelInfo
 from orca_mq.sched.orca import OrcaScheduler
 from orca_mq.sched.profiler import IterationProfile
 from orca_mq.sched.request import Request

@@ -18,7 +18,7 @@ import torch
 
 from orca_mq.config import load_config
 from orca_mq.engine import sampler
-from orca_mq.engine.model_info import ModelInfo
+from orca_mq.models.info import ModelInfo
 from orca_mq.errors import InvalidRequest
 from orca_mq.protocol.iteration import IterationPlan, IterationResult, SeqWork
 from orca_mq.protocol.sampling import SamplingParams

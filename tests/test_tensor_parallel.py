@@ -11,7 +11,7 @@ import torch
 from orca_mq.config import Config, load_config
 from orca_mq.engine.model_runner import ModelRunner
 from orca_mq.engine.parallel import shard_spec
-from orca_mq.engine.model_info import read_model_info
+from orca_mq.models.registry import read_model_info
 from orca_mq.protocol.iteration import IterationPlan, SeqWork
 from orca_mq.kv.block_manager import BlockManager
 from orca_mq.kv.pool import PoolSize

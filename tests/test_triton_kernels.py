@@ -233,6 +233,37 @@ def test_kernel_ref_attention_matches_sdpa(case):
     assert err <= 1e-5, f"{name}: ref attention rel_err {err:.3g} vs SDPA (seed {SEED})"
 
 
+@pytest.mark.parametrize("window,softcap,sinks", [(20, 0.0, False), (0, 2.0, False), (33, 3.0, False), (0, 0.0, True),
+                                                   (20, 0.0, True)])
+def test_kernel_ref_attention_options_match_transformers(window, softcap, sinks):
+    """The reference's window, soft-cap and sinks against transformers' own eager attention (Gemma 2's,
+    which soft-caps; gpt-oss', which has sinks; no model has both) under transformers' sliding-window mask
+    (kv > q - window)."""
+    from types import SimpleNamespace
+
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward as gemma2_eager
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward as gpt_oss_eager
+
+    gen = torch.Generator().manual_seed(SEED + window)
+    bt = make_batch(gen, **(dict(ATTN_CASES)["mha2_d16_bs16_multitile"] | dict(n_heads=4, n_kv_heads=2)))
+    sink = torch.randn(4, generator=gen) * 2 if sinks else None
+    cache_k, cache_v = bt["k_cache"].clone(), bt["v_cache"].clone()
+    write_kv_ref(bt["k_new"], bt["v_new"], cache_k, cache_v, bt["slot_mapping"])
+    out = ragged_paged_attention_ref(bt["q"], cache_k, cache_v, bt["block_tables"], bt["cu_q_lens"], bt["seq_lens"],
+                                     bt["scale"], window=window, softcap=softcap, sinks=sink)
+    module = SimpleNamespace(num_key_value_groups=2, training=False, sinks=sink)
+    cu = bt["cu_q_lens"].tolist()
+    for b, (ctx, ql) in enumerate(zip(bt["ctxs"], bt["qlens"])):
+        q_pos, k_pos = ctx + torch.arange(ql)[:, None], torch.arange(ctx + ql)[None, :]
+        visible = (k_pos <= q_pos) & ((k_pos > q_pos - window) if window else True)
+        mask = torch.zeros(visible.shape).masked_fill(~visible, float("-inf"))[None, None]
+        q = bt["q"][cu[b]:cu[b + 1]].transpose(0, 1)[None]          # [1, H, L, d]
+        k, v = bt["full_k"][b].transpose(0, 1)[None], bt["full_v"][b].transpose(0, 1)[None]
+        want = (gpt_oss_eager(module, q, k, v, mask, bt["scale"]) if sinks else
+                gemma2_eager(module, q, k, v, mask, scaling=bt["scale"], softcap=softcap or None))[0]
+        assert rel_err(out[cu[b]:cu[b + 1]], want[0]) <= 1e-5
+
+
 def test_kernel_ref_write_kv_and_norms_and_rotary():
     gen = torch.Generator().manual_seed(SEED)
     # write_kv_ref vs a flat-view scatter
@@ -290,11 +321,13 @@ def test_kernel_ref_write_kv_and_norms_and_rotary():
 # ---------------------------------------------------------------------------
 
 
-def _check_attention(gen, kw, dtype=torch.float32):
+def _check_attention(gen, kw, dtype=torch.float32, window=0, softcap=0.0, sinks=False):
+    """The kernel against the reference, with a layer's options: a sliding window, soft-capping, sinks."""
     import kernels
 
     kw = kw or random_case(gen)
     bt = make_batch(gen, dtype=dtype, **kw)
+    opts = dict(window=window, softcap=softcap, sinks=torch.randn(kw["n_heads"], generator=gen) * 2 if sinks else None)
     k_ref, v_ref = bt["k_cache"].clone(), bt["v_cache"].clone()
     write_kv_ref(bt["k_new"], bt["v_new"], k_ref, v_ref, bt["slot_mapping"])
     k_tri, v_tri = bt["k_cache"].clone(), bt["v_cache"].clone()
@@ -303,12 +336,13 @@ def _check_attention(gen, kw, dtype=torch.float32):
         torch.equal(v_tri.nan_to_num(7.0), v_ref.nan_to_num(7.0)) and \
         torch.equal(k_tri.isnan(), k_ref.isnan())
     args = (bt["block_tables"], bt["cu_q_lens"], bt["seq_lens"], bt["scale"])
-    expect = ragged_paged_attention_ref(bt["q"], k_ref, v_ref, *args)
-    out = kernels.ragged_paged_attention(bt["q"], k_tri, v_tri, *args)
+    expect = ragged_paged_attention_ref(bt["q"], k_ref, v_ref, *args, **opts)
+    out = kernels.ragged_paged_attention(bt["q"], k_tri, v_tri, *args, **opts)
     err = rel_err(out, expect)
     tol = FP32_TOL if dtype == torch.float32 else 1e-2
     info = f"heads={kw['n_heads']}/{kw['n_kv_heads']} d={kw['head_dim']} block_size={kw['block_size']} " \
-        f"layout={kw.get('layout', 'shuffled')} q_lens={bt['qlens']} ctx={bt['ctxs']}"
+        f"layout={kw.get('layout', 'shuffled')} q_lens={bt['qlens']} ctx={bt['ctxs']} window={window} " \
+        f"softcap={softcap} sinks={sinks}"
     return write_ok and err <= tol, err, f"write_kv exact={write_ok} {info}"
 
 
@@ -334,7 +368,7 @@ def _check_engine_adapters(gen):
     like the engine's fused-QKV slices."""
     from types import SimpleNamespace
 
-    from orca_mq.engine.attention import resolve
+    from orca_mq.engine.attention import AttentionSpec, resolve
 
     backend = resolve("triton", torch.device("cpu"), torch.float32)
 
@@ -350,7 +384,7 @@ def _check_engine_adapters(gen):
     backend.write_kv(k, v, k_tri, v_tri, meta)
     write_ok = torch.equal(k_tri.nan_to_num(7.0), k_ref.nan_to_num(7.0)) and \
         torch.equal(v_tri.nan_to_num(7.0), v_ref.nan_to_num(7.0))
-    out = backend.attend(q, k, v, k_tri, v_tri, meta, bt["scale"])
+    out = backend.attend(q, k, v, k_tri, v_tri, meta, AttentionSpec(bt["scale"]))
     expect = ragged_paged_attention_ref(bt["q"], k_ref, v_ref, bt["block_tables"], bt["cu_q_lens"],
                                         bt["seq_lens"], bt["scale"])
     err = rel_err(out, expect)
@@ -461,6 +495,13 @@ def _child_checks():
         checks[f"attention_{name}"] = lambda g, kw=kw: _check_attention(g, kw)
     checks["attention_gqa9x3_d16_fp16"] = lambda g: _check_attention(
         g, dict(phases=MIXED[:4], n_heads=9, n_kv_heads=3, head_dim=16, block_size=16), torch.float16)
+    multitile = dict(ATTN_CASES)["mha2_d16_bs16_multitile"]
+    checks["attention_window"] = lambda g: _check_attention(g, multitile, window=20)
+    checks["attention_window_gqa_bs5"] = lambda g: _check_attention(g, dict(ATTN_CASES)["gqa8x2_d24_bs5_contiguous"],
+                                                                    window=7)
+    checks["attention_softcap"] = lambda g: _check_attention(g, dict(ATTN_CASES)["gqa9x3_d16_bs16_shuffled"], softcap=2.0)
+    checks["attention_sinks"] = lambda g: _check_attention(g, dict(ATTN_CASES)["gqa9x3_d16_bs16_shuffled"], sinks=True)
+    checks["attention_window_softcap_sinks"] = lambda g: _check_attention(g, multitile, window=33, softcap=3.0, sinks=True)
     checks["write_kv_strided"] = _check_write_kv_strided
     checks["engine_adapters"] = _check_engine_adapters
     checks["rms_norm_576_fp32"] = lambda g: _check_rms_norm(g, 576, torch.float32)

@@ -23,7 +23,7 @@ from orca_mq.bench.timing import interleaved_medians, median_time
 from orca_mq.bench.weights import weight_bytes
 from orca_mq.config import load_config
 from orca_mq.engine.model_runner import ModelRunner
-from orca_mq.engine.model_info import ModelInfo
+from orca_mq.models.info import ModelInfo
 
 # (name, [(prompt tokens this iteration, cached tokens before)] per request)
 CASES: list[tuple[str, list[tuple[int, int]]]] = [
@@ -124,7 +124,7 @@ def main() -> None:
     if not args.no_transformers:
         from transformers import AutoModelForCausalLM
 
-        from orca_mq.engine.model_files import resolve_model_path
+        from orca_mq.models.files import resolve_model_path
 
         p = resolve_model_path(cfg.model.path)
         ref = (AutoModelForCausalLM.from_pretrained(p.parent, gguf_file=p.name, dtype=torch.float32) if p.is_file()

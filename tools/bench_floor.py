@@ -41,9 +41,9 @@ from orca_mq.config import Config, load_config
 from orca_mq.engine import gemm
 from orca_mq.engine.model_runner import DTYPES, ModelRunner
 from orca_mq.engine.dtype import resolve_dtype
-from orca_mq.engine.model_info import read_model_info
+from orca_mq.models.registry import read_model_info
 from orca_mq.runtime.threads import use_threads
-from orca_mq.engine.weights import load_stage_weights
+from orca_mq.models.weights import load_stage_weights
 from orca_mq.server.process import free_port, spawn
 
 KV = 255   # cached tokens of every decode request

@@ -43,7 +43,7 @@ from orca_mq.bench.plans import plan_for
 from orca_mq.bench.timing import interleaved_medians
 from orca_mq.client import AsyncClient
 from orca_mq.config import load_config
-from orca_mq.engine.model_info import read_model_info
+from orca_mq.models.registry import read_model_info
 from orca_mq.engine.model_runner import ModelRunner
 from orca_mq.protocol import decode, encode
 from orca_mq.protocol.codec import channel

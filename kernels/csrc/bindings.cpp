@@ -2,14 +2,17 @@
 #include <torch/extension.h>
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale);
+                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
+                                     int64_t window, double softcap, c10::optional<torch::Tensor> sinks);
 torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> delta, torch::Tensor w, double eps);
 void rotary_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin, int64_t n_heads);
 torch::Tensor silu_mul(torch::Tensor gate_up);
 torch::Tensor linear_rows(torch::Tensor x, torch::Tensor w);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (float32 or bfloat16 KV)");
+  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (float32 or bfloat16 KV)",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"),
+        py::arg("scale"), py::arg("window") = 0, py::arg("softcap") = 0.0, py::arg("sinks") = py::none());
   m.def("rms_norm", &rms_norm, "RMSNorm of rows, after an optional in-place residual add");
   m.def("rotary_", &rotary_, "rotary embedding of the first heads of every row, in place");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of [gate | up] rows");

@@ -26,10 +26,19 @@ inline float widen(uint16_t x) {
 
 // HEAD_DIM > 0 fixes the head size at compile time (the common 64 and 128): the inner loops unroll and
 // a head's accumulator stays in registers; HEAD_DIM = 0 takes it at run time.
+// A layer's options: `window` > 0 reads only the keys at positions > the query's - window (whole
+// blocks before them are skipped, never read); `softcap` > 0 caps the scaled scores at softcap * tanh(s /
+// softcap); `sinks` (one logit per head, or null) joins each head's softmax denominator.
+struct Options {
+  int64_t window;
+  float softcap;
+  const float* sinks;
+};
+
 template <int HEAD_DIM, typename kv_t, typename index_t>
 void decode(const float* q, const kv_t* k_cache, const kv_t* v_cache, const index_t* tables,
             const int32_t* lens, float* out, int64_t batch, int64_t n_heads, int64_t n_kv_heads,
-            int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale) {
+            int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale, Options opt) {
   const int64_t d = HEAD_DIM > 0 ? HEAD_DIM : head_dim;
   const int64_t group = n_heads / n_kv_heads;
   const int64_t row = n_kv_heads * d;     // one token's K (or V) for all KV heads: contiguous
@@ -49,9 +58,13 @@ void decode(const float* q, const kv_t* k_cache, const kv_t* v_cache, const inde
       const index_t* table = tables + b * max_blocks;
       const float* qb = q + b * n_heads * d;
       std::fill(acc.begin(), acc.end(), 0.f);
-      std::fill(m.begin(), m.end(), -1e30f);  // finite: built with -ffast-math
-      std::fill(l.begin(), l.end(), 0.f);
-      for (int64_t j = 0, start = 0; start < len; ++j, start += block_size) {
+      for (int64_t hq = 0; hq < n_heads; ++hq) {  // a sink is a key of value 0 scoring sinks[hq]: exp(0) in l
+        m[hq] = opt.sinks ? opt.sinks[hq] : -1e30f;  // finite: built with -ffast-math
+        l[hq] = opt.sinks ? 1.f : 0.f;
+      }
+      const int64_t first = opt.window > 0 ? std::max<int64_t>(0, len - opt.window) : 0;  // first visible key
+      for (int64_t j = first / block_size, start = j * block_size; start < len; ++j, start += block_size) {
+        const int64_t lo = std::max<int64_t>(first - start, 0);   // keys of this block before the window
         const int64_t n = std::min(block_size, len - start);
         const kv_t* kb = k_cache + static_cast<int64_t>(table[j]) * block_floats;
         const kv_t* vb = v_cache + static_cast<int64_t>(table[j]) * block_floats;
@@ -66,18 +79,18 @@ void decode(const float* q, const kv_t* k_cache, const kv_t* v_cache, const inde
           const int64_t kv_off = (hq / group) * d;
           const float* qh = qb + hq * d;
           float mx = m[hq];
-          for (int64_t t = 0; t < n; ++t) {
+          for (int64_t t = lo; t < n; ++t) {
             const kv_t* kt = kb + t * row + kv_off;
             float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
             for (int64_t i = 0; i < d; ++i) dot += qh[i] * widen(kt[i]);
-            s[t] = dot * scale;
+            s[t] = opt.softcap > 0.f ? opt.softcap * std::tanh(dot * scale / opt.softcap) : dot * scale;
             mx = std::max(mx, s[t]);
           }
           const float correction = std::exp(m[hq] - mx);  // 0 on the first block (m = -1e30)
           float sum = l[hq] * correction;
 #pragma omp simd reduction(+ : sum)
-          for (int64_t t = 0; t < n; ++t) {
+          for (int64_t t = lo; t < n; ++t) {
             s[t] = std::exp(s[t] - mx);
             sum += s[t];
           }
@@ -88,7 +101,7 @@ void decode(const float* q, const kv_t* k_cache, const kv_t* v_cache, const inde
           const float* ah_in = acc.data() + hq * d;
 #pragma omp simd
           for (int64_t i = 0; i < d; ++i) ah[i] = ah_in[i] * correction;
-          for (int64_t t = 0; t < n; ++t) {
+          for (int64_t t = lo; t < n; ++t) {
             const float p = s[t];
             const kv_t* vt = vb + t * row + kv_off;
 #pragma omp simd
@@ -109,9 +122,9 @@ void decode(const float* q, const kv_t* k_cache, const kv_t* v_cache, const inde
 template <typename kv_t, typename index_t>
 void dispatch(const float* q, const kv_t* k, const kv_t* v, const index_t* tables, const int32_t* lens,
               float* out, int64_t batch, int64_t n_heads, int64_t n_kv_heads, int64_t d,
-              int64_t block_size, int64_t max_blocks, float scale) {
+              int64_t block_size, int64_t max_blocks, float scale, Options opt) {
   auto run = [&](auto kernel) {
-    kernel(q, k, v, tables, lens, out, batch, n_heads, n_kv_heads, d, block_size, max_blocks, scale);
+    kernel(q, k, v, tables, lens, out, batch, n_heads, n_kv_heads, d, block_size, max_blocks, scale, opt);
   };
   if (d == 64) run(decode<64, kv_t, index_t>);
   else if (d == 128) run(decode<128, kv_t, index_t>);
@@ -121,13 +134,13 @@ void dispatch(const float* q, const kv_t* k, const kv_t* v, const index_t* table
 template <typename kv_t>
 void dispatch_tables(const float* q, const kv_t* k, const kv_t* v, const torch::Tensor& tables, const int32_t* lens,
                      float* out, int64_t batch, int64_t n_heads, int64_t n_kv_heads, int64_t d,
-                     int64_t block_size, float scale) {
+                     int64_t block_size, float scale, Options opt) {
   const int64_t max_blocks = tables.size(1);
   if (tables.scalar_type() == at::kLong) {
-    dispatch(q, k, v, tables.data_ptr<int64_t>(), lens, out, batch, n_heads, n_kv_heads, d, block_size, max_blocks, scale);
+    dispatch(q, k, v, tables.data_ptr<int64_t>(), lens, out, batch, n_heads, n_kv_heads, d, block_size, max_blocks, scale, opt);
   } else {
     TORCH_CHECK(tables.scalar_type() == at::kInt, "block_tables must be int32 or int64");
-    dispatch(q, k, v, tables.data_ptr<int32_t>(), lens, out, batch, n_heads, n_kv_heads, d, block_size, max_blocks, scale);
+    dispatch(q, k, v, tables.data_ptr<int32_t>(), lens, out, batch, n_heads, n_kv_heads, d, block_size, max_blocks, scale, opt);
   }
 }
 
@@ -135,9 +148,10 @@ void dispatch_tables(const float* q, const kv_t* k, const kv_t* v, const torch::
 
 // q [B, H, d]; k_cache/v_cache [num_blocks, block_size, kvh, d]; block_tables [B, max_blocks];
 // seq_lens [B] int32 (>= 1). Returns [B, H, d] in q's dtype. q, k_cache and v_cache all float32 or
-// all bfloat16, contiguous, on the CPU.
+// all bfloat16, contiguous, on the CPU. window, softcap, sinks ([H] float32 or None): Options above.
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
+                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
+                                     int64_t window, double softcap, c10::optional<torch::Tensor> sinks) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), "bad shapes");
   const auto dtype = k_cache.scalar_type();
   TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && q.scalar_type() == dtype &&
@@ -152,13 +166,19 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   const auto qf = q.to(at::kFloat);   // a few KB: queries and accumulators stay float32
   auto out = torch::empty_like(qf);
   const float s = static_cast<float>(scale);
+  torch::Tensor sink_f;
+  if (sinks.has_value()) {
+    sink_f = sinks->to(at::kFloat).contiguous();
+    TORCH_CHECK(sink_f.dim() == 1 && sink_f.size(0) == n_heads, "sinks must be [n_heads]");
+  }
+  const Options opt{window, static_cast<float>(softcap), sinks.has_value() ? sink_f.data_ptr<float>() : nullptr};
   if (dtype == at::kFloat) {
     dispatch_tables(qf.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), block_tables,
-                    seq_lens.data_ptr<int32_t>(), out.data_ptr<float>(), batch, n_heads, n_kv_heads, d, block_size, s);
+                    seq_lens.data_ptr<int32_t>(), out.data_ptr<float>(), batch, n_heads, n_kv_heads, d, block_size, s, opt);
   } else {
     auto bits = [](const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); };
     dispatch_tables(qf.data_ptr<float>(), bits(k_cache), bits(v_cache), block_tables, seq_lens.data_ptr<int32_t>(),
-                    out.data_ptr<float>(), batch, n_heads, n_kv_heads, d, block_size, s);
+                    out.data_ptr<float>(), batch, n_heads, n_kv_heads, d, block_size, s, opt);
   }
   return out.to(q.scalar_type());
 }

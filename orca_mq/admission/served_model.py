@@ -22,7 +22,8 @@ from transformers import PreTrainedTokenizerBase
 from orca_mq.admission.limits import fit
 from orca_mq.admission.prompts import Prompts
 from orca_mq.config import Config
-from orca_mq.engine.model_info import ModelInfo, read_model_info
+from orca_mq.models.info import ModelInfo
+from orca_mq.models.registry import read_model_info
 from orca_mq.kv.pool import PoolSize
 from orca_mq.protocol.sampling import SamplingParams
 from orca_mq.sched.request import Request

@@ -35,8 +35,8 @@ from orca_mq import __version__
 from orca_mq.auth import KeyCheck, server_keys
 from orca_mq.client import AsyncClient
 from orca_mq.config import Config, host_port
-from orca_mq.engine.model_files import resolve_model_path
-from orca_mq.engine.model_info import read_model_info
+from orca_mq.models.files import resolve_model_path
+from orca_mq.models.registry import read_model_info
 from orca_mq.logs import setup_logging
 from orca_mq.protocol.control_msgs import Ready
 from orca_mq.api.edge import ApiKeyGuard, BodyLimit, Handled

@@ -16,7 +16,7 @@ import torch
 
 from orca_mq.bench.timing import interleaved_medians
 from orca_mq.engine import gemm
-from orca_mq.engine.weights import MATRICES, StageWeights
+from orca_mq.models.weights import MATRICES, StageWeights
 
 Tensor = torch.Tensor
 

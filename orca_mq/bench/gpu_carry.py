@@ -59,7 +59,7 @@ def model_source(folder: Path, work: Path) -> Path:
 def save_model_source(dest: Path) -> None:
     from transformers import AutoConfig
 
-    from orca_mq.engine.model_files import embedded_model_path
+    from orca_mq.models.files import embedded_model_path
     from orca_mq.tokenizer import load_tokenizer
 
     gguf = embedded_model_path()

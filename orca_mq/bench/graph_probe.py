@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from orca_mq.bench.timing import median_time
 
 if TYPE_CHECKING:
-    from orca_mq.engine.model_info import ModelInfo
+    from orca_mq.models.info import ModelInfo
 
 
 class ProbeModel:

@@ -17,7 +17,7 @@ from orca_mq.percentile import percentile
 from orca_mq.bench.scorecard import CONTROL, trace_spec
 from orca_mq.bench.trace import TraceSpec, make_trace
 from orca_mq.config import Config
-from orca_mq.engine.model_info import read_model_info
+from orca_mq.models.registry import read_model_info
 from orca_mq.protocol.iteration import IterationPlan, IterationResult
 from orca_mq.sched import Scheduler, make_scheduler
 from orca_mq.sched.profiler import IterationProfile

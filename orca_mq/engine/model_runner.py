@@ -25,14 +25,15 @@ from orca_mq.protocol.iteration import IterationPlan, IterationResult, PackedPla
 from orca_mq.kv.cache import KVCache
 from orca_mq.kv.pool import PoolSize
 from orca_mq.kv.swapper import KVSwapper
-from orca_mq.engine.model import StageModel
+from orca_mq.models.decoder import StageModel
 from orca_mq.engine.parallel import TensorParallel, TPGroup
 from orca_mq.engine.sampler import SamplingRows, failed_rows, greedy, sample
 from orca_mq.engine.history import TokenHistory
 from orca_mq.engine.logprobs import LogprobsOut, fill_result, prompt_logprobs, prompt_positions, sampled_logprobs
 from orca_mq.runtime.threads import use_threads
-from orca_mq.engine.model_info import ModelInfo, read_model_info
-from orca_mq.engine.weights import MATRICES, StageWeights, load_stage_weights
+from orca_mq.models.info import ModelInfo
+from orca_mq.models.registry import read_model_info
+from orca_mq.models.weights import MATRICES, StageWeights, load_stage_weights
 
 if TYPE_CHECKING:
     from orca_mq.config import Config

@@ -17,12 +17,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from orca_mq.engine.model_info import ModelInfo
-from orca_mq.engine.weights import StageWeights
+from orca_mq.models.info import ModelInfo
+from orca_mq.models.weights import StageWeights
 
 Tensor = torch.Tensor
 # row-parallel biases are added once (rank 0), after the all-reduce would sum them `size` times
-_ROW_BIASES = ("o_b", "proj_b")
+_ROW_BIASES = ("o_b", "down_b", "experts_down_b")
 
 
 @dataclass(slots=True)
@@ -106,24 +106,38 @@ class TensorParallel:
         return w
 
     def _shard_layer(self, layer: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Column-parallel (by output rows): qkv, gate_up / up, each expert's gate_up, with their biases;
+        row-parallel (by input columns): o, down, each expert's down; per head: sinks; the rest whole."""
         d, s = self.info.head_dim, self.spec
         q_rows = _rows(s.heads, d)
         kv_rows = _rows(s.kv_heads, d)
         q_size, kv_size = self.info.n_heads * d, self.info.n_kv_heads * d
         qkv_rows = torch.cat([q_rows, q_size + kv_rows, q_size + kv_size + kv_rows])
-        ffn = torch.arange(s.ffn.start, s.ffn.stop)
         out = dict(layer)
         out["qkv"] = layer["qkv"].index_select(0, qkv_rows)
         if "qkv_b" in layer:
             out["qkv_b"] = layer["qkv_b"].index_select(0, qkv_rows)
         out["o"] = layer["o"].index_select(1, q_rows)
-        if "gate_up" in layer:  # llama: [gate; up] fused by rows
-            inter = self.info.intermediate_size
-            out["gate_up"] = layer["gate_up"].index_select(0, torch.cat([ffn, inter + ffn]))
-            out["down"] = layer["down"].index_select(1, ffn)
-        else:  # gpt2
-            out["fc"], out["fc_b"] = layer["fc"].index_select(0, ffn), layer["fc_b"].index_select(0, ffn)
-            out["proj"] = layer["proj"].index_select(1, ffn)
+        if "sinks" in layer:
+            out["sinks"] = layer["sinks"][s.heads.start: s.heads.stop]
+        inter = self.info.intermediate_size
+        ffn = torch.arange(s.ffn.start, s.ffn.stop)
+        for name, rows in (("gate_up", torch.cat([ffn, inter + ffn])), ("up", ffn)):
+            if name in layer:
+                out[name] = layer[name].index_select(0, rows)
+                if name + "_b" in layer:
+                    out[name + "_b"] = layer[name + "_b"].index_select(0, rows)
+                out["down"] = layer["down"].index_select(1, ffn)
+        if "experts_gate_up" in layer:   # each expert's intermediate width split like a dense MLP's
+            assert self.info.moe is not None
+            e_inter = self.info.moe.intermediate_size
+            r = _split(e_inter, self.size, s.rank)
+            part = torch.arange(r.start, r.stop)
+            rows = torch.cat([part, e_inter + part])
+            out["experts_gate_up"] = layer["experts_gate_up"].index_select(1, rows)
+            if "experts_gate_up_b" in layer:
+                out["experts_gate_up_b"] = layer["experts_gate_up_b"].index_select(1, rows)
+            out["experts_down"] = layer["experts_down"].index_select(2, part)
         for name in _ROW_BIASES:
             if name in out and s.rank != 0:
                 del out[name]

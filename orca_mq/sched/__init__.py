@@ -14,7 +14,7 @@ from orca_mq.sched.registry import POLICIES
 
 if TYPE_CHECKING:
     from orca_mq.config import Config
-    from orca_mq.engine.model_info import ModelInfo
+    from orca_mq.models.info import ModelInfo
 
 __all__ = ["POLICIES", "Scheduler", "StepOutput", "TokenEvent", "make_scheduler", "policy_class"]
 

@@ -27,7 +27,7 @@ from orca_mq.structured.bitmask import fill_masks
 
 if TYPE_CHECKING:
     from orca_mq.config import Config
-    from orca_mq.engine.model_info import ModelInfo
+    from orca_mq.models.info import ModelInfo
 
 RECORD_WINDOW = 10_000   # iterations kept in `record`: it is read by tests and stats, and must not grow forever
 KEPT_METRICS = 10_000    # finished requests whose metrics stay available

@@ -22,7 +22,7 @@ from orca_mq.protocol.iteration import IterationPlan, SeqWork
 
 if TYPE_CHECKING:
     from orca_mq.config import Config
-    from orca_mq.engine.model_info import ModelInfo
+    from orca_mq.models.info import ModelInfo
 
 Points = list[tuple[int, float]]   # (x, seconds), x increasing
 INCREMENT_CONTEXT = 64             # KV length of each request in the increment probes

@@ -10,7 +10,7 @@ from orca_mq.sched.request import Phase, Request
 
 if TYPE_CHECKING:
     from orca_mq.config import Config
-    from orca_mq.engine.model_info import ModelInfo
+    from orca_mq.models.info import ModelInfo
 
 
 @register("request")

@@ -34,7 +34,7 @@ from typing import Any
 import zmq
 
 from orca_mq.config import Config
-from orca_mq.engine.model_files import EMBEDDED_FILE
+from orca_mq.models.files import EMBEDDED_FILE
 from orca_mq.logs import process_started, server_marker, setup_logging, tell
 from orca_mq.protocol import ProtocolError, decode
 from orca_mq.protocol.client_msgs import Error, Ping, Pong

@@ -4,6 +4,6 @@ from __future__ import annotations
 
 from orca_mq.engine.attention import cpu, torch_backend, triton  # noqa: F401  (each registers its backend)
 from orca_mq.engine.attention.base import BACKENDS, AttentionBackend, BackendUnavailable, resolve
-from orca_mq.engine.attention.metadata import AttentionMetadata
+from orca_mq.engine.attention.metadata import AttentionMetadata, AttentionSpec
 
-__all__ = ["BACKENDS", "AttentionBackend", "AttentionMetadata", "BackendUnavailable", "resolve"]
+__all__ = ["BACKENDS", "AttentionBackend", "AttentionMetadata", "AttentionSpec", "BackendUnavailable", "resolve"]

@@ -13,7 +13,7 @@ from typing import ClassVar, Protocol, TypeVar
 
 import torch
 
-from orca_mq.engine.attention.metadata import AttentionMetadata
+from orca_mq.engine.attention.metadata import AttentionMetadata, AttentionSpec
 from orca_mq.engine.layer_ops import LayerOps
 
 Tensor = torch.Tensor
@@ -41,14 +41,15 @@ class AttentionBackend(Protocol):
         ...
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
-               meta: AttentionMetadata, scale: float) -> Tensor:
-        """q [T, H, d] over each request's KV (this iteration's already written) -> [T, H, d]."""
+               meta: AttentionMetadata, spec: AttentionSpec) -> Tensor:
+        """q [T, H, d] over each request's KV (this iteration's already written) -> [T, H, d], masked,
+        scaled, capped and sunk as the layer's spec says."""
         ...
 
     def rotary_write_kv(self, qkv: Tensor, meta: AttentionMetadata, k_cache: Tensor, v_cache: Tensor, cos: Tensor,
-                        sin: Tensor, n_heads: int) -> Tensor:
+                        sin: Tensor, n_heads: int, positions: Tensor) -> Tensor:
         """(fused_rotary_kv backends) Rotate the Q and K heads of a fused QKV output [T, (H + 2 kvh) d] in
-        place, write K and V into their slots; the rotated Q [T, H, d]."""
+        place by the table rows `positions`, write K and V into their slots; the rotated Q [T, H, d]."""
         ...
 
 

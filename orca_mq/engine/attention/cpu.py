@@ -10,7 +10,7 @@ from typing import ClassVar
 import torch
 
 from orca_mq.engine.attention.base import BackendUnavailable, register
-from orca_mq.engine.attention.metadata import AttentionMetadata
+from orca_mq.engine.attention.metadata import AttentionMetadata, AttentionSpec
 from orca_mq.engine.attention.torch_backend import TorchAttention
 from orca_mq.engine.layer_ops import CpuOps, LayerOps
 
@@ -37,5 +37,6 @@ class CpuAttention(TorchAttention):
             raise BackendUnavailable("the CPU kernels cannot be built here (see the log)")
         return cls(ext, CpuOps(ext))
 
-    def decode(self, qd: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
-        return self.ext.paged_decode_attention(qd, k_cache, v_cache, meta.decode_blocks, meta.decode_lens, scale)
+    def decode(self, qd: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, spec: AttentionSpec) -> Tensor:
+        return self.ext.paged_decode_attention(qd, k_cache, v_cache, meta.decode_blocks, meta.decode_lens, spec.scale,
+                                               spec.window, spec.softcap, spec.sinks)

@@ -31,3 +31,18 @@ class AttentionMetadata:
     prefill_slots: list[Tensor | None]    # cached slots before start_pos (None when start_pos == 0)
     decode_tiles: bool | None = None      # triton: tiles of one-token rows or of prompt chunks (None: from the shape)
     prompt_rows: Tensor | None = None     # [P] int64 prompt positions whose logits are asked (prompt logprobs), after logit_rows'
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionSpec:
+    """One layer's attention as the kernels compute it (what a family sets per layer)."""
+
+    scale: float
+    window: int = 0                 # > 0: a query at position p sees keys at p - window < k <= p
+    softcap: float = 0.0            # > 0: scaled scores s -> softcap * tanh(s / softcap) (Gemma 2)
+    sinks: Tensor | None = None     # [n_heads] logits that join each head's softmax denominator (gpt-oss)
+
+    @property
+    def plain(self) -> bool:
+        """Causal softmax attention and nothing else (SDPA computes it)."""
+        return not self.softcap and self.sinks is None

@@ -8,7 +8,7 @@ from typing import ClassVar
 import torch
 
 from orca_mq.engine.attention.base import BackendUnavailable, register
-from orca_mq.engine.attention.metadata import AttentionMetadata
+from orca_mq.engine.attention.metadata import AttentionMetadata, AttentionSpec
 from orca_mq.engine.layer_ops import LayerOps, TritonOps
 
 Tensor = torch.Tensor
@@ -37,15 +37,15 @@ class TritonAttention:
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
 
     def rotary_write_kv(self, qkv: Tensor, meta: AttentionMetadata, k_cache: Tensor, v_cache: Tensor, cos: Tensor,
-                        sin: Tensor, n_heads: int) -> Tensor:
+                        sin: Tensor, n_heads: int, positions: Tensor) -> Tensor:
         from kernels.rotary_kv_kernel import rotary_write_kv
 
-        return rotary_write_kv(qkv, meta.positions, cos, sin, meta.slot_mapping, k_cache, v_cache, n_heads, k_cache.shape[2])
+        return rotary_write_kv(qkv, positions, cos, sin, meta.slot_mapping, k_cache, v_cache, n_heads, k_cache.shape[2])
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
-               meta: AttentionMetadata, scale: float) -> Tensor:
+               meta: AttentionMetadata, spec: AttentionSpec) -> Tensor:
         """k/v are unused: this iteration's are already in the cache."""
         from kernels.attention_kernel import ragged_paged_attention
 
-        return ragged_paged_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_q_lens, meta.seq_lens, scale,
-                                      meta.decode_tiles)
+        return ragged_paged_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_q_lens, meta.seq_lens, spec.scale,
+                                      meta.decode_tiles, spec.window, spec.softcap, spec.sinks)

