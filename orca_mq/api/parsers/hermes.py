@@ -1,0 +1,78 @@
+"""The hermes tool-call parser (Qwen2.5, Qwen3, QwQ, Hermes 2/3): each call is
+`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, with text around the calls as content.
+
+A call is complete at `</tool_call>`; also where the model began the next `<tool_call>` or ended the
+output without writing the closing tag (small models do both). The JSON is delimited by JsonScan,
+so a `</tool_call>` inside a string is text and a call that leaves JSON (`<tool_call>oops`) is given
+back as content at once.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from orca_mq.api.parsers.scan import WS, Scanner, begins, call_of, marks
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+_OPEN = marks(OPEN)
+
+
+@dataclass(slots=True)
+class Hermes(Scanner):
+    openers = (OPEN,)     # what also ends a reasoning block
+    state: Literal["text", "json", "after"] = "text"
+
+    @staticmethod
+    def renders(template: str) -> bool:
+        return OPEN in template
+
+    def step(self, s: str, i: int) -> int:
+        if self.state == "text":
+            j, mark = self.upto(s, i, _OPEN, self.out.content.append)
+            if mark is not None:
+                self.begin(mark)
+                self.state = "json"
+            return j
+        if self.state == "json":
+            j = self.read_json(s, i)
+            if self.json.state == "bad":
+                self.reject()
+            elif self.json.state == "done":
+                self.state = "after"
+            return j
+        j = WS.match(s, i).end()          # after the JSON: whitespace, then the closing tag
+        self.region.append(s[i:j])
+        if j == len(s):
+            return j
+        if s.startswith(CLOSE, j):
+            self.region.append(CLOSE)
+            self.accept()
+            return j + len(CLOSE)
+        if s.startswith(OPEN, j):
+            self.accept()
+            return j
+        if begins(s, j, CLOSE, OPEN):
+            return self.hold(s, j)
+        self.reject()
+        return j
+
+    def accept(self) -> None:
+        if call := call_of(self.decoded(), self.tools):
+            self.send(*call)
+        else:
+            self.give_back()
+        self.state = "text"
+
+    def reject(self, held: str = "") -> None:
+        self.give_back(held)
+        self.state = "text"
+
+    def end(self, held: str, cut: bool) -> None:
+        if cut:
+            self.region.clear()
+        elif self.state == "after":
+            self.accept()
+        elif self.state == "json":
+            self.reject(held)
+        else:
+            self.out.content.append(held)
