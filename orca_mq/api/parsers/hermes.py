@@ -20,6 +20,7 @@ _OPEN = marks(OPEN)
 @dataclass(slots=True)
 class Hermes(Scanner):
     openers = (OPEN,)     # what also ends a reasoning block
+    reading = frozenset({"json", "after"})
     state: Literal["text", "json", "after"] = "text"
 
     @staticmethod
@@ -28,15 +29,11 @@ class Hermes(Scanner):
 
     def step(self, s: str, i: int) -> int:
         if self.state == "text":
-            j, mark = self.upto(s, i, _OPEN, self.out.content.append)
-            if mark is not None:
-                self.begin(mark)
-                self.state = "json"
-            return j
+            return self.text_until(s, i, _OPEN, "json")
         if self.state == "json":
             j = self.read_json(s, i)
             if self.json.state == "bad":
-                self.reject()
+                self.give_back()
             elif self.json.state == "done":
                 self.state = "after"
             return j
@@ -53,26 +50,18 @@ class Hermes(Scanner):
             return j
         if begins(s, j, CLOSE, OPEN):
             return self.hold(s, j)
-        self.reject()
+        self.give_back()
         return j
 
     def accept(self) -> None:
         if call := call_of(self.decoded(), self.tools):
             self.send(*call)
+            self.state = "text"
         else:
             self.give_back()
-        self.state = "text"
-
-    def reject(self, held: str = "") -> None:
-        self.give_back(held)
-        self.state = "text"
 
     def end(self, held: str, cut: bool) -> None:
-        if cut:
-            self.region.clear()
-        elif self.state == "after":
+        if self.state == "after" and not cut:   # the JSON is whole: the output ended before the closing tag
             self.accept()
-        elif self.state == "json":
-            self.reject(held)
         else:
-            self.out.content.append(held)
+            Scanner.end(self, held, cut)

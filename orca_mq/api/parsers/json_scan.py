@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 _WS = re.compile(r"[ \t\r\n]*")
 _IN_STRING = re.compile(r'[^"\\]*')
+_OPENS, _CLOSES = re.compile(r"[\[{]+"), re.compile(r"[\]}]+")
 _BARE = re.compile(r"[ \t\r\n,:0-9.eE+\-truefalsn]*")   # outside strings: separators, numbers, true/false/null
 
 State = Literal["open", "done", "bad"]
@@ -42,20 +43,18 @@ class JsonScan:
                 i = (_BARE if self.depth else _WS).match(s, i).end()
                 if i == n:
                     break
-                c = s[i]
-                if c == '"' and self.depth:
-                    self.string = True
-                elif c in "{[":
-                    self.depth += 1
-                elif c in "}]" and self.depth:
-                    self.depth -= 1
-                    if not self.depth:
+                if m := _OPENS.match(s, i):         # a run of brackets at once (a deep nesting is one step)
+                    self.depth, i = self.depth + m.end() - i, m.end()
+                elif self.depth and (m := _CLOSES.match(s, i)):
+                    if m.end() - i >= self.depth:
                         self.state = "done"
-                        return i + 1
+                        return i + self.depth
+                    self.depth, i = self.depth - (m.end() - i), m.end()
+                elif s[i] == '"' and self.depth:
+                    self.string, i = True, i + 1
                 else:
                     self.state = "bad"
                     return i
-                i += 1
         return n
 
 

@@ -21,6 +21,7 @@ KEYS = ("parameters", "arguments")
 @dataclass(slots=True)
 class Llama3Json(Scanner):
     openers = (TAG,)
+    reading = frozenset({"json"})
     state: Literal["start", "text", "json", "next"] = "start"
     lead: bool = True
 
@@ -40,28 +41,11 @@ class Llama3Json(Scanner):
             self.state = "text"
             return i
         if self.state == "text":
-            j, mark = self.upto(s, i, _TAG, self.out.content.append)
-            if mark is not None:
-                self.begin(mark)
-                self.state = "json"
-            return j
+            return self.text_until(s, i, _TAG, "json")
         j = self.read_json(s, i)
-        if self.json.state == "bad":
+        if self.json.state == "done" and (call := call_of(self.decoded(), self.tools, KEYS)):
+            self.send(*call)
+            self.state = "next"
+        elif self.json.state != "open":
             self.give_back()
-            self.state = "text"
-        elif self.json.state == "done":
-            if call := call_of(self.decoded(), self.tools, KEYS):
-                self.send(*call)
-                self.state = "next"
-            else:
-                self.give_back()
-                self.state = "text"
         return j
-
-    def end(self, held: str, cut: bool) -> None:
-        if cut:
-            self.region.clear()
-        elif self.state == "json":
-            self.give_back(held)
-        else:
-            self.out.content.append(held)

@@ -23,6 +23,7 @@ MAX_NAME = 64     # a function name's longest (the chat API's own bound); an id 
 @dataclass(slots=True)
 class Mistral(Scanner):
     openers = (TAG,)
+    reading = frozenset({"head", "item", "name", "call_id", "args"})
     state: Literal["text", "head", "item", "sep", "name", "call_id", "args"] = "text"
     array: bool = False             # reading the elements of a [TOOL_CALLS] [...] array
     name: list[str] = field(default_factory=list)
@@ -35,10 +36,8 @@ class Mistral(Scanner):
     def step(self, s: str, i: int) -> int:
         match self.state:
             case "text":
-                j, mark = self.upto(s, i, _TAG, self.out.content.append)
-                if mark is not None:
-                    self.region.append(mark)
-                    self.state, self.lead = "head", True
+                j = self.text_until(s, i, _TAG, "head")
+                self.lead = self.state == "head"
                 return j
             case "head":                # the form is told by the first character after the tag
                 self.array = s[i] == "["
@@ -65,7 +64,8 @@ class Mistral(Scanner):
                     self.name.append(s[i:j])
                 self.spelled += j - i
                 if self.spelled > MAX_NAME or (self.state == "name" and j < len(s) and not self.spelled):
-                    return self.malformed(j)
+                    self.give_back()
+                    return j
                 for mark, after in ((ARGS, "args"), (CALL_ID, "call_id")):
                     if s.startswith(mark, j) and (after == "args" or self.state == "name"):
                         self.region.append(mark)
@@ -75,12 +75,15 @@ class Mistral(Scanner):
                         return j + len(mark)
                 if begins(s, j, ARGS, CALL_ID):
                     return self.hold(s, j)
-                return j if j == len(s) else self.malformed(j)
+                if j < len(s):
+                    self.give_back()
+                return j
 
     def value_step(self, s: str, i: int) -> int:
         j = self.read_json(s, i)
         if self.json.state == "bad":
-            return self.malformed(j)
+            self.give_back()
+            return j
         if self.json.state == "done":
             if self.state == "item":
                 call = call_of(self.decoded(), self.tools)
@@ -88,20 +91,8 @@ class Mistral(Scanner):
                 name, args = "".join(self.name), arguments(self.decoded())
                 call = (name, args) if name in self.tools and args is not None else None
             if call is None:
-                return self.malformed(j)
+                self.give_back()
+                return j
             self.send(*call, new_id=mistral_id)
             self.state = "sep" if self.state == "item" else "text"
         return j
-
-    def malformed(self, j: int) -> int:
-        self.give_back()
-        self.state = "text"
-        return j
-
-    def end(self, held: str, cut: bool) -> None:
-        if cut:
-            self.region.clear()
-        elif self.state in ("head", "item", "name", "call_id", "args"):
-            self.give_back(held)
-        else:
-            self.out.content.append(held)

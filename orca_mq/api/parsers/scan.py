@@ -19,7 +19,7 @@ import secrets
 import string
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 from orca_mq.api.parsers.delta import CallDelta, Delta, Parsed
 from orca_mq.api.parsers.json_scan import JsonScan, loads
@@ -90,7 +90,9 @@ class Sink:
 
 @dataclass(slots=True)
 class Scanner:
+    reading: ClassVar[frozenset[str]] = frozenset()    # the states inside a call
     tools: frozenset[str] = frozenset()    # the names a call may have (any other is malformed)
+    state: str = "text"
     out: Sink = field(default_factory=Sink)
     carry: str = ""                        # a possible partial marker, held until the next piece
     region: list[str] = field(default_factory=list)   # the raw text of the call being read
@@ -123,7 +125,14 @@ class Scanner:
         raise NotImplementedError
 
     def end(self, held: str, cut: bool) -> None:
-        raise NotImplementedError
+        """The output ended: the marker held is text, a call it ended inside is malformed — both dropped
+        where it was cut."""
+        if cut:
+            self.region.clear()
+        elif self.state in self.reading:
+            self.give_back(held)
+        else:
+            self.out.content.append(held)
 
     def hold(self, s: str, i: int) -> int:
         self.carry = s[i:]
@@ -141,6 +150,14 @@ class Scanner:
             emit(s[i:end])
         self.carry = s[end:]
         return len(s), None
+
+    def text_until(self, s: str, i: int, openers: Marks, then: str) -> int:
+        """Content up to the first of `openers`, which begins a call's raw text (and state `then`)."""
+        j, mark = self.upto(s, i, openers, self.out.content.append)
+        if mark is not None:
+            self.begin(mark)
+            self.state = then
+        return j
 
     def begin(self, opener: str) -> None:
         """A call's raw text starts with `opener`; its JSON value comes next."""
@@ -164,9 +181,10 @@ class Scanner:
         self.lead = True
 
     def give_back(self, held: str = "") -> None:
-        """A malformed call: its raw text is content."""
+        """A malformed call: its raw text is content, and the text goes on after it."""
         self.out.content.append("".join(self.region) + held)
         self.region.clear()
+        self.state = "text"
 
 
 class Stage(Protocol):
