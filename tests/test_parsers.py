@@ -177,7 +177,7 @@ def test_parsing_is_linear_on_adversarial_text(config):
     n = 1 << 16
     for piece in (1 << 20, 4093):      # whole (the unstreamed parse) and streamed in pieces
         small, large = _seconds(config, ADVERSARIAL[config](n), piece), _seconds(config, ADVERSARIAL[config](4 * n), piece)
-        assert large < 8 * small + 0.02, (config, piece, small, large)   # 4x the text, ~4x the time (quadratic: 16x)
+        assert large < 8 * small + 0.05, (config, piece, small, large)   # 4x the text, ~4x the time (quadratic: 16x)
 
 
 OPENERS = {"hermes": "<tool_call>", "qwen3": "<think>", "r1": "", "llama3": "<|python_tag|>", "mistral": "[TOOL_CALLS]",

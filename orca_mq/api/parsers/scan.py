@@ -3,10 +3,11 @@
 A parser is a state machine that reads the model's text once, left to right, whatever its pieces:
 `feed` runs its `step` over the held-back tail and the new piece, `finish` settles what is left
 (`end`). Only a possible partial marker is ever held back as `carry` (the longest end of the text that
-begins a marker, at most a marker's length) — except a tool call, whose raw text is kept in
-`region` until the call is known complete (it is then sent whole) or malformed (the raw text goes
-out as content). Markers are found with one regex of escaped literals (no quantifier: linear), so no
-text is read twice but the few characters of a carry.
+begins a marker, at most a marker's length; a mistral name, a harmony header: bounded too) — except
+a tool call, whose raw text is kept in `region` until the call is known complete (it is then sent
+whole) or malformed (the raw text goes out as content, and reading goes on where it broke). Markers
+are found with one regex of escaped literals (no quantifier: linear), so no text is read twice but
+the few characters of a carry.
 
 The unstreamed parse is the same code fed once (`parse_all`): a parser's result does not depend on
 where its input was cut.
