@@ -4,7 +4,8 @@ pipeline depths. Every request ends in exactly one final event, nothing after it
 reservation comes back; a FastServe job never waits below Q1 past starve_limit (give or take the one
 iteration between two plans): it is promoted to Q1's tail, where it waits only for the Q1 jobs ahead of it
 (each runs at most one Q1 quantum before it is demoted, and a burst can queue many). With speculative
-decoding on, the engine keeps a random part of each draft, and the same holds."""
+decoding on, the engine keeps a random part of each draft, and the same holds. With a model whose layers all
+slide, every row's window is held when it is planned, and a request holds about a window of blocks."""
 from __future__ import annotations
 
 import os
@@ -13,6 +14,7 @@ from collections import Counter, deque
 from hypothesis import HealthCheck, given, settings, strategies as st, target
 
 from orca_mq.config import load_config
+from orca_mq.kv.tables import HOLE
 from orca_mq.models.info import ModelInfo
 from orca_mq.protocol.iteration import IterationPlan, IterationResult
 from orca_mq.protocol.sampling import SamplingParams
@@ -27,6 +29,8 @@ PROFILE = IterationProfile([(1, 0.001), (1000, 1.0)], [(1, 0.010), (64, 0.020)])
 POLICIES = [("orca", None), ("request", None), ("srpt", None),
             ("fastserve", "proactive"), ("fastserve", "reactive"), ("fastserve", "defer")]
 STARVE_LIMIT = 0.1
+WINDOW = 6
+SLIDING = ModelInfo(**{**INFO.to_json(), "layer_kinds": ["sliding"] * 2, "sliding_window": WINDOW})
 
 
 def duration(plan: IterationPlan) -> float:
@@ -41,8 +45,9 @@ jobs = st.lists(st.tuples(st.floats(0, 0.3), st.integers(1, 40), st.integers(1, 
 
 @settings(max_examples=int(os.environ.get("ORCA_FUZZ_EXAMPLES", 80)), derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(jobs=jobs, policy=st.sampled_from(POLICIES), n_workers=st.integers(1, 2), budget=st.sampled_from([0, 24]),
-       slots=st.sampled_from([64, 1024]), eos_at=st.integers(1, 30), spec=st.booleans())
-def test_every_request_ends_once_frees_its_kv_and_never_starves(jobs, policy, n_workers, budget, slots, eos_at, spec):
+       slots=st.sampled_from([64, 1024]), eos_at=st.integers(1, 30), spec=st.booleans(), sliding=st.booleans())
+def test_every_request_ends_once_frees_its_kv_and_never_starves(jobs, policy, n_workers, budget, slots, eos_at, spec,
+                                                                sliding):
     name, kv_policy = policy
     overrides = {"scheduler.policy": name, "scheduler.max_bs": 2, "scheduler.max_num_batched_tokens": budget,
                  "engine.n_workers": n_workers, "engine.block_size": 4, "engine.n_slots": slots,
@@ -50,7 +55,7 @@ def test_every_request_ends_once_frees_its_kv_and_never_starves(jobs, policy, n_
                  "speculative.method": "ngram" if spec else "off", "speculative.lookup_min": 1}
     if kv_policy:
         overrides["fastserve.kv_policy"] = kv_policy
-    sched: Scheduler = make_scheduler(load_config(overrides=overrides), INFO)
+    sched: Scheduler = make_scheduler(load_config(overrides=overrides), SLIDING if sliding else INFO)
     if sched.needs_profile:
         sched.use_profile(PROFILE)
     reqs = [Request(f"r{i}", [7] * p, SamplingParams(max_tokens=m, ignore_eos=not eos), arrival=t)
@@ -87,6 +92,10 @@ def test_every_request_ends_once_frees_its_kv_and_never_starves(jobs, policy, n_
                 finals[e.request_id] += 1
         for plan in out.plans:
             in_flight.append(plan)
+            for sw in plan.seqs if sliding else ():   # every block a row's window reads is held
+                table, bs = sched.block_manager.table(sw.request_id), 4
+                assert HOLE not in table[max(sw.start_pos - WINDOW + 1, 0) // bs: -(-sw.seq_len // bs)]
+                assert sched.block_manager.held(sw.request_id) <= -(-(WINDOW + len(sw.token_ids)) // bs) + 2 * n_workers
         results = []
         if in_flight:
             plan = in_flight.popleft()

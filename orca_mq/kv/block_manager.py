@@ -17,6 +17,12 @@ blocks + the blocks each started request may still allocate (its maximum, in blo
 it holds on the device). A shared block counts once, so a request that reuses a block another one
 holds reserves only the blocks it still needs; allocation never fails while n_rsrv <= the pool.
 
+Sliding windows (`window`, where every layer of the model slides): a row whose first new token is
+at position p reads no key before p - window + 1, so the blocks wholly before that go back to the
+pool (or the prefix cache) as the request grows, their places left as holes: a long generation holds
+about a window of KV. Its reservation still counts them (they are its to take again), so no
+request's admission changes. Models that mix local and global layers keep every block.
+
 The block tables of both tiers and the copies between them that a plan carries are tables.py's.
 """
 from __future__ import annotations
@@ -27,7 +33,7 @@ from typing import Any
 from orca_mq.kv.pool import PoolSize
 from orca_mq.kv.prefix import extend_chain
 from orca_mq.kv.request import KVRequest
-from orca_mq.kv.tables import BlockTables
+from orca_mq.kv.tables import HOLE, BlockTables
 from orca_mq.kv.tier import KVAllocationError
 
 __all__ = ["BlockManager", "KVAllocationError", "Match"]
@@ -49,8 +55,8 @@ class Match:
 
 
 class BlockManager(BlockTables):
-    def __init__(self, size: PoolSize, seed: bytes | None = None, host: bool = True) -> None:
-        super().__init__(size.device_blocks, size.host_blocks if host else 0)   # host=False: no host pool
+    def __init__(self, size: PoolSize, seed: bytes | None = None, host: bool = True, window: int = 0) -> None:
+        super().__init__(size.device_blocks, size.host_blocks if host else 0, window)   # host=False: no host pool
         self.size = size
         self.block_size = size.block_size
         self.seed = seed                                # prefix hash chain seed; None: no prefix caching
@@ -106,6 +112,26 @@ class BlockManager(BlockTables):
             self._grew(request_id, missing)
         return table
 
+    def _slide(self, request_id: str, table: list[int], first: int) -> None:
+        """With a window, the blocks wholly before the window of its next row (whose first new token is at
+        position `first`) go back to the pool, their places kept as holes."""
+        if not self.window:
+            return
+        dropped = 0
+        gone = min((first - self.window + 1) // self.block_size, len(table))
+        for i in range(gone - 1, -1, -1):   # from the newest: the holes already made lead
+            if table[i] == HOLE:
+                break
+            self.device.drop(table[i])
+            table[i] = HOLE
+            dropped += 1
+        if dropped:
+            self._grew(request_id, -dropped)
+
+    def wire(self, table: list[int]) -> list[int]:
+        """The table a plan carries: holes name block 0, which nothing reads there."""
+        return [max(b, 0) for b in table] if self.window else list(table)
+
     def trim(self, request_id: str, n_tokens: int) -> None:
         """Speculative decoding's rollback: the blocks past n_tokens' that only rejected draft tokens
         wrote go back to the pool (their K/V is beyond the request's length; its reservation keeps them
@@ -113,7 +139,7 @@ class BlockManager(BlockTables):
         table = self.device.tables.get(request_id)
         extra = 0 if table is None else len(table) - -(-n_tokens // self.block_size)
         for _ in range(max(extra, 0)):
-            self.device.drop(table.pop())   # type: ignore[union-attr]
+            self.device.drop(table.pop())   # type: ignore[union-attr]  (holes lead: rollback never reaches them)
         if extra > 0 and request_id in self.started:
             self.pending += extra
 
@@ -172,18 +198,19 @@ class BlockManager(BlockTables):
             self.queries += len(req.prompt_token_ids)
             self.hits += n
         self.reserve(req, blocks)
+        self._slide(rid, table, n)
 
     def reserve(self, req: KVRequest, blocks: int) -> None:
         """`blocks` count against the pool until it leaves (or is unreserved): it is resident."""
         self.started.add(req.request_id)
         req.reserved_blocks = blocks
-        self.pending += blocks - len(self.table(req.request_id))
+        self.pending += blocks - self._held_here(req.request_id)
 
     def unreserve(self, req: KVRequest) -> None:
         """Its reservation returns to the pool: its KV goes to the host tier (FastServe's offload)."""
         if req.request_id in self.started:
             self.started.discard(req.request_id)
-            self.pending -= req.reserved_blocks - len(self.table(req.request_id))
+            self.pending -= req.reserved_blocks - self._held_here(req.request_id)
         req.reserved_blocks = 0
 
     def reuse(self, req: KVRequest) -> None:
@@ -201,34 +228,46 @@ class BlockManager(BlockTables):
             req.cached_tokens += self.block_size
             self.hits += self.block_size
         req.kv_published = max(req.kv_published, len(table))
+        self._slide(req.request_id, table, req.n_prompt_fed)
 
     def computed(self, req: KVRequest, n_tokens: int) -> None:
         """Its first n_tokens tokens' K/V is computed (their iterations came back): publish the full
-        blocks among them."""
+        blocks among them; with a window, then give back those before the window of its next row (at
+        position n_tokens): every iteration that read them has come back, later ones start after."""
         table = self.device.tables.get(req.request_id)
-        n_full = min(n_tokens // self.block_size, len(table or ()))
-        if self.seed is None or table is None or n_full <= req.kv_published:
+        if table is None:
             return
-        tokens = req.prompt_token_ids
-        if n_full * self.block_size > len(tokens):
-            tokens = tokens + req.output_token_ids
-        hashes = extend_chain(req.kv_hashes, tokens, self.block_size, n_full, self.seed)
-        for i in range(req.kv_published, n_full):
-            self.device.publish(table[i], hashes[i])
-        req.kv_published = n_full
+        n_full = min(n_tokens // self.block_size, len(table))
+        if self.seed is not None and n_full > req.kv_published:
+            tokens = req.prompt_token_ids
+            if n_full * self.block_size > len(tokens):
+                tokens = tokens + req.output_token_ids
+            hashes = extend_chain(req.kv_hashes, tokens, self.block_size, n_full, self.seed)
+            for i in range(req.kv_published, n_full):
+                if table[i] != HOLE:   # a block of a cache hit that left the window before it was published
+                    self.device.publish(table[i], hashes[i])
+            req.kv_published = n_full
+        self._slide(req.request_id, table, n_tokens)
 
     def release(self, req: KVRequest) -> None:
         """The request left: its references on both tiers and its reservation return to the pool."""
         rid = req.request_id
         self.unreserve(req)
         for b in self.device.tables.pop(rid, ()):
-            self.device.drop(b)
+            if b != HOLE:
+                self.device.drop(b)
         for b in self.host.tables.pop(rid, ()):
-            self.host.drop(b)
+            if b != HOLE:
+                self.host.drop(b)
 
     def _grew(self, request_id: str, n: int) -> None:
         if request_id in self.started:
             self.pending -= n
+
+    def _held_here(self, request_id: str) -> int:
+        """Device blocks it holds (its table less the holes)."""
+        table = self.table(request_id)
+        return len(table) - table.count(HOLE) if self.window else len(table)
 
     def _prompt_hashes(self, req: KVRequest) -> list[bytes]:
         """Hashes of its prompt's blocks before the one holding its last token (none to look up

@@ -139,7 +139,7 @@ class ReactiveKV(DeferKV):
             if room >= size:
                 break
             rid = victim.request_id
-            n = len(self.bm.table(rid))
+            n = self.bm.held(rid)
             if n <= host_free:   # its blocks other jobs hold stay reserved for them
                 chosen.append(victim)
                 room, host_free = room + victim.reserved_blocks - n + self.bm.freed_by_offload(rid), host_free - n
@@ -156,7 +156,7 @@ class ProactiveKV(ReactiveKV):
         for victim in self.victims(order, taken, enst, self.expect.new_job_s()):
             if self.room >= reserve:
                 break
-            if len(bm.table(victim.request_id)) <= bm.num_free_host_blocks:
+            if bm.held(victim.request_id) <= bm.num_free_host_blocks:
                 self.offload(victim)
         for _, i in sorted((enst[r.request_id], i) for i, r in enumerate(order) if bm.on_host(r.request_id)):
             job = order[i]

@@ -6,14 +6,21 @@ reservations and the prefix cache's lookups on top.
 Swaps: every stage applies a plan's offloads before its uploads, so a device block freed (or
 evicted) by an offload may receive an upload or new K/V in the same plan; host blocks an upload
 reads, and host copies the plan makes, are pinned until the plan is sent (`take_swaps`).
+
+Where every layer of the model slides, the blocks wholly before a request's window are given back
+(block_manager.py): its table keeps their places as HOLE, so a position's block is still
+table[position // block_size]; a hole is never read (the attention kernels start at the window).
 """
 from __future__ import annotations
 
 from orca_mq.kv.tier import Tier
 
+HOLE = -1   # a table entry whose block left every layer's window and went back to the pool
+
 
 class BlockTables:
-    def __init__(self, device_blocks: int, host_blocks: int) -> None:
+    def __init__(self, device_blocks: int, host_blocks: int, window: int = 0) -> None:
+        self.window = window                            # > 0: every layer slides, tables may have holes
         self.device = Tier(device_blocks)
         self.host = Tier(host_blocks)                   # 0: the stages keep no host pool (no swapping)
         self.swap_out: list[tuple[int, int]] = []       # (device, host) copies the next plan carries
@@ -34,7 +41,8 @@ class BlockTables:
 
     def held(self, request_id: str) -> int:
         """Blocks it holds, on whichever tier."""
-        return len(self.device.tables.get(request_id, ())) or len(self.host.tables.get(request_id, ()))
+        table = self.device.tables.get(request_id) or self.host.tables.get(request_id, ())
+        return len(table) - table.count(HOLE) if self.window else len(table)
 
     def movable(self, request_id: str) -> bool:
         """Whether its KV may be offloaded or uploaded by the next plan: not if that plan already
@@ -46,7 +54,7 @@ class BlockTables:
 
     def freed_by_offload(self, request_id: str) -> int:
         """Device blocks its offload would make available: those no other request holds."""
-        return sum(self.device.ref[b] == 1 for b in self.table(request_id))
+        return sum(b != HOLE and self.device.ref[b] == 1 for b in self.table(request_id))
 
     # ------------------------------------------------------------ copies between the tiers
 
@@ -56,7 +64,8 @@ class BlockTables:
         blocks stay cached there, their host copies join the host cache."""
         if not self.movable(request_id):
             raise ValueError(f"request {request_id}: its KV already moves in the next plan")
-        blocks = self.device.tables[request_id]
+        table = self.device.tables[request_id]
+        blocks = [b for b in table if b != HOLE] if self.window else table
         host_blocks, _ = self.host.take(len(blocks))       # the host is the last tier: what it evicts is dropped
         self.moved.add(request_id)
         del self.device.tables[request_id]
@@ -68,7 +77,7 @@ class BlockTables:
                 self.host.acquire(hb)
                 self._pins.append(hb)
             self.device.drop(d)
-        self.host.tables[request_id] = host_blocks
+        self.host.tables[request_id] = [HOLE] * (len(table) - len(blocks)) + host_blocks   # holes lead
         self._grew(request_id, -len(blocks))
         return len(blocks)
 
@@ -77,9 +86,11 @@ class BlockTables:
         by reference, the others copied; returns the blocks copied."""
         if not self.movable(request_id):
             raise ValueError(f"request {request_id}: its KV already moves in the next plan")
-        host_blocks = self.host.tables.pop(request_id)
+        table: list[int | None] = self.host.tables.pop(request_id)   # type: ignore[assignment]
+        holes = table.count(HOLE) if self.window else 0
+        host_blocks: list[int] = table[holes:]   # type: ignore[assignment]
+        table = [HOLE] * holes
         self.moved.add(request_id)
-        table: list[int | None] = []
         for hb in host_blocks:
             h = self.host.hash_of.get(hb)
             d = None if h is None else self.device.index.get(h)
@@ -89,10 +100,10 @@ class BlockTables:
         copies = [i for i, d in enumerate(table) if d is None]
         for i, d in zip(copies, self._take(len(copies))):
             table[i] = d
-            self._upload(host_blocks[i], d)
+            self._upload(host_blocks[i - holes], d)
         self._pins.extend(host_blocks)      # its references, kept until the plan is sent
         self.device.tables[request_id] = table  # type: ignore[assignment]
-        self._grew(request_id, len(table))
+        self._grew(request_id, len(host_blocks))
         return len(copies)
 
     def take_swaps(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:

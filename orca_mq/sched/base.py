@@ -78,7 +78,7 @@ class Scheduler:
         self.n_workers = cfg.engine.n_workers
         # prefix hashes are seeded with what besides the tokens changes K/V: the model and its dtype
         seed = chain_seed(info.path, info.arch, resolve_dtype(cfg.model.dtype, cfg.engine.device)) if cfg.engine.prefix_caching else None
-        self.block_manager = BlockManager(PoolSize.from_config(cfg), seed, host=self.swaps_kv)
+        self.block_manager = BlockManager(PoolSize.from_config(cfg), seed, host=self.swaps_kv, window=info.kv_window)
         self.finished: OrderedDict[str, dict[str, Any]] = OrderedDict()   # metrics of the last KEPT_METRICS finished
         self.eos_token_ids = set(info.eos_token_ids)
         self.pool: dict[str, Request] = {}            # insertion order = arrival order
@@ -195,7 +195,7 @@ class Scheduler:
             tokens = tokens + list(draft) if draft else tokens
             table = self.block_manager.ensure(req.request_id, start + len(tokens))
             p = req.params
-            seqs.append(SeqWork(req.request_id, tokens, start, list(table), p.temperature, p.top_k, p.top_p, p.seed,
+            seqs.append(SeqWork(req.request_id, tokens, start, self.block_manager.wire(table), p.temperature, p.top_k, p.top_p, p.seed,
                                 sample=not req.prompt_pending, prev_row=prev, draft=req.draft))
             req.in_flight += 1
         fill_masks(seqs, [None if r.prompt_pending else r.grammar for r in batch])  # only rows that sample

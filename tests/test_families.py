@@ -1,0 +1,146 @@
+"""Every family is exact against transformers in fp32 (issue 40): a tiny random checkpoint of each, built
+from transformers' own config class and saved with save_pretrained (orca_mq/bench/random_models.py), with
+prompts longer than every window: a mixed iteration's logits on the torch and cpu attention paths; greedy
+tokens and their log probabilities through the offline LLM, batched with joins and leaves; tensor
+parallelism over real worker processes."""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from orca_mq import LLM, SamplingParams
+from orca_mq.bench.plans import mixed_iteration_logits
+from orca_mq.bench.random_models import FAMILIES, family_config, save_byte_tokenizer, save_random_model
+from orca_mq.config import load_config
+from orca_mq.engine.model_runner import ModelRunner
+from workers.local_grid import run_grid
+
+TOL = 1e-4   # fp32 logits: rounding of sums over a few hundred terms, far below this
+PROMPTS = (20, 33, 17, 45, 26)   # past the window of 16
+STEPS = (12, 5, 20, 8, 15)       # each leaves at its own time; max_bs 3 of 5: later ones join
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("families")
+    return {name: save_byte_tokenizer(save_random_model(root / name, family_config(name))) for name in FAMILIES}
+
+
+def _cfg(path: Path, backend: str = "torch", **more: object):
+    return load_config(overrides={"model.path": str(path), "engine.block_size": 8, "engine.n_slots": 4096,
+                                  "engine.threads_per_worker": 1, "engine.attention_backend": backend,
+                                  "model.dtype": "float32"} | more)
+
+
+def _reference(path: Path) -> torch.nn.Module:
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ref.generation_config.eos_token_id = None   # greedy to max_new_tokens, as ignore_eos does
+    return ref
+
+
+def _prompts(seed: int, vocab: int = 256) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in PROMPTS]
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_mixed_iteration_equals_transformers(family, backend, checkpoints):
+    runner = ModelRunner(_cfg(checkpoints[family], backend))
+    rng = random.Random(1)
+    prefills = [[rng.randrange(256) for _ in range(n)] for n in (1, 7, 33, 70)]
+    decodes = [[rng.randrange(256) for _ in range(n)] for n in (2, 9, 17, 40)]
+    ours = mixed_iteration_logits(runner, prefills, decodes, rng)
+    ref = _reference(checkpoints[family])
+    with torch.no_grad():
+        expected = torch.stack([ref(torch.tensor([s])).logits[0, -1] for s in prefills + decodes])
+    assert (ours - expected).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_batched_greedy_tokens_and_logprobs_equal_transformers(family, checkpoints):
+    """Five requests through max_bs 3 (joins and leaves), chunked prompts and the prefix cache on: each
+    one's greedy tokens are transformers' generate of it alone, its log probabilities within TOL."""
+    llm = LLM(model=str(checkpoints[family]), max_bs=3, n_slots=4096, block_size=8, dtype="float32",
+              max_num_batched_tokens=24, progress=False)
+    prompts = _prompts(7)
+    outs = llm.generate(prompts, [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=1)
+                                  for n in STEPS])
+    ref = _reference(checkpoints[family])
+    for prompt, n, out in zip(prompts, STEPS, outs):
+        gen = ref.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, output_scores=True,
+                           return_dict_in_generate=True)
+        assert out.token_ids == gen.sequences[0, len(prompt):].tolist()
+        want = [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(gen.scores, out.token_ids)]
+        assert max(abs(a - b) for a, b in zip(out.logprobs.logprobs, want)) <= TOL
+
+
+TP_FAMILIES = ("qwen3", "gemma2", "phi3", "mixtral", "gpt_oss")
+
+
+def _families_job(step, runner, jobs):  # type: ignore[no-untyped-def]
+    """Each family's plans on this rank's shard (one grid of processes for them all: one spawn)."""
+    from orca_mq.config import Config
+
+    out = []
+    for cfg, plans in jobs:
+        shard = ModelRunner(Config.from_dict(cfg), tp=runner.tp.where)
+        out.append([shard.forward(p) for p in plans][-1].numpy())
+    return out
+
+
+@pytest.fixture(scope="module")
+def tp2(checkpoints):
+    """(each TP family's single-process logits, its two ranks' logits)."""
+    from tests.test_tensor_parallel import _mixed_plans
+
+    jobs, expected = [], []
+    for family in TP_FAMILIES:
+        cfg = _cfg(checkpoints[family])
+        single = ModelRunner(cfg)
+        plans, _ = _mixed_plans(single.info.vocab_size, single.kv.num_blocks, single.block_size, seed=3)
+        expected.append([single.forward(p) for p in plans][-1])
+        jobs.append((cfg.to_dict(), plans))
+    got = run_grid(1, 2, _cfg(checkpoints[TP_FAMILIES[0]]), _families_job, jobs)
+    return dict(zip(TP_FAMILIES, zip(expected, got)))
+
+
+@pytest.mark.parametrize("family", TP_FAMILIES)
+def test_tp2_equals_one_process(family, tp2):
+    """Two tensor-parallel ranks over gloo (each expert's width split for the mixtures; q/k norms, sinks,
+    soft-caps, partial rotary and fused checkpoint tensors sharded) give the single process's logits."""
+    expected, got = tp2[family]
+    assert (torch.from_numpy(got) - expected).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("mode", ["plain", "speculative", "fastserve"])
+def test_sliding_window_holds_a_window_and_stays_exact(mode, checkpoints):
+    """Every layer of the tiny Mistral slides (window 16): generating 4x the window, a request holds at
+    most window / block_size + 2 blocks, and its greedy tokens stay transformers' through the prefix
+    cache (the same prompt twice), speculative verify rows and FastServe's scheduler."""
+    more = {"speculative": dict(speculative__method="ngram", speculative__lookup_min=1),
+            "fastserve": dict(scheduler__policy="fastserve")}.get(mode, {})
+    llm = LLM(model=str(checkpoints["mistral"]), max_bs=4, n_slots=1024, block_size=4, dtype="float32",
+              max_num_batched_tokens=8, progress=False, **more)
+    bm, step = llm.scheduler.block_manager, llm.scheduler.step
+    most = 0
+
+    def watched(*args, **kwargs):  # type: ignore[no-untyped-def]
+        nonlocal most
+        most = max([most, *(bm.held(rid) for rid in llm.scheduler.pool)])
+        return step(*args, **kwargs)
+
+    llm.scheduler.step = watched   # type: ignore[method-assign]
+    prompt = _prompts(11)[0]
+    params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+    first = llm.generate([prompt], params)[0]
+    again = llm.generate([prompt + first.token_ids[:3]], params)[0]   # its prompt's blocks from the cache
+    ref = _reference(checkpoints["mistral"])
+    for p, out in ((prompt, first), (prompt + first.token_ids[:3], again)):
+        assert out.token_ids == ref.generate(torch.tensor([p]), max_new_tokens=64, do_sample=False)[0, len(p):].tolist()
+    assert bm.hits > 0 and 0 < most <= 16 // 4 + 2
+    assert bm.num_free_blocks == bm.num_blocks and bm.n_rsrv == 0
