@@ -144,3 +144,41 @@ def test_sliding_window_holds_a_window_and_stays_exact(mode, checkpoints):
         assert out.token_ids == ref.generate(torch.tensor([p]), max_new_tokens=64, do_sample=False)[0, len(p):].tolist()
     assert bm.hits > 0 and 0 < most <= 16 // 4 + 2
     assert bm.num_free_blocks == bm.num_blocks and bm.n_rsrv == 0
+
+
+def test_a_checkpoint_that_cannot_be_served_is_one_line(checkpoints, tmp_path):
+    """An architecture orca-mq does not have, a config without a key its family needs, tensors whose sizes
+    disagree with the config: one line naming the file and what is wrong, from the launcher with status 1
+    before any worker starts (the GGUF cases: tests/test_gguf_families.py)."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    from orca_mq.models.registry import read_model_info
+    from orca_mq.models.weights import check_checkpoint
+    from orca_mq.server.process import free_port
+
+    def variant(name: str, edit) -> Path:  # type: ignore[no-untyped-def]
+        d = shutil.copytree(checkpoints["qwen3"], tmp_path / name)
+        config = json.loads((d / "config.json").read_text())
+        edit(config)
+        (d / "config.json").write_text(json.dumps(config))
+        return d
+
+    unknown = variant("unknown", lambda c: c.update(model_type="rwkv", architectures=["RwkvForCausalLM"]))
+    with pytest.raises(ValueError, match=r"unknown/config\.json: model_type 'rwkv' \(RwkvForCausalLM\) not supported"):
+        read_model_info(str(unknown))
+    keyless = variant("keyless", lambda c: c.pop("num_hidden_layers"))
+    with pytest.raises(ValueError, match=r"keyless/config\.json lacks the key 'num_hidden_layers' \(model_type 'qwen3'\)"):
+        read_model_info(str(keyless))
+    wider = variant("wider", lambda c: c.update(intermediate_size=128))
+    with pytest.raises(ValueError, match=r"wider: .*mlp\.gate_proj\.weight \+ .*up_proj\.weight has 12288 elements, but the "
+                                         r"config implies gate_up of shape \(256, 64\)"):
+        check_checkpoint(read_model_info(str(wider)))
+    port = free_port()
+    out = subprocess.run([sys.executable, "tools/launch.py", "--model", str(wider), "--port", str(port), "--set",
+                          "server.http_address=", "--set", f"log.dir={tmp_path}/logs"], capture_output=True, text=True,
+                         timeout=120, cwd=Path(__file__).resolve().parent.parent)
+    assert out.returncode == 1 and len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr
+    assert "orca-mq: model:" in out.stderr and "but the config implies gate_up" in out.stderr

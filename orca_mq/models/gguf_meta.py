@@ -49,6 +49,8 @@ class GGUFMeta:
         rot = int(self.get("rope.dimension_count", head_dim))
         window = int(self.get("attention.sliding_window", 0) or 0)
         options.setdefault("rope", RopeSpec("default", float(self.get("rope.freq_base", 10000.0))))
+        options.setdefault("qkv_bias", "blk.0.attn_q.bias" in self.shapes or "blk.0.attn_qkv.bias" in self.shapes)
+        options.setdefault("o_bias", "blk.0.attn_output.bias" in self.shapes)
         return ModelInfo(
             path=str(self.path), arch=family, vocab_size=self.shapes["token_embd.weight"][0],
             hidden_size=int(self.get("embedding_length")), n_layers=int(self.get("block_count")), n_heads=heads,

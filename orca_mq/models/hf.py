@@ -54,4 +54,4 @@ def hf_info(cfg: Any, path: Path, arch: str, kinds: list[str] | None = None, **o
         tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)), bos_token_id=cfg.bos_token_id, **options)
 
 
-LLAMA_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+LLAMA_KEYS = ("vocab_size", "hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size")
