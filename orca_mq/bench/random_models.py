@@ -69,6 +69,7 @@ def check_models(src: Path, out: Path, small: bool = False) -> dict[str, Path]:
 WINDOW = 16
 FAMILIES = ("llama", "llama3_rope", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3", "mixtral", "qwen3_moe",
             "gpt_oss")
+LENGTH_ROPES = ("llama_dynamic", "phi3_longrope")   # rotaries whose tables follow the sequence's length
 
 
 def save_byte_tokenizer(path: Path, bos: int = 1, eos: int = 2) -> Path:
@@ -108,6 +109,11 @@ def family_config(name: str, vocab_size: int = 256, layers: int = 4, **extra: An
                                         attn_logit_softcapping=5.0, final_logit_softcapping=3.0)),
         "gemma3": (t.Gemma3TextConfig, dict(head_dim=16, sliding_window=w, layer_types=alternate, query_pre_attn_scalar=16)),
         "phi3": (t.Phi3Config, dict(partial_rotary_factor=0.5, sliding_window=w)),
+        "phi3_longrope": (t.Phi3Config, dict(partial_rotary_factor=0.75, original_max_position_embeddings=32, rope_parameters={
+            "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0 + 0.1 * i for i in range(6)],
+            "long_factor": [2.0 + 0.5 * i for i in range(6)]})),
+        "llama_dynamic": (t.LlamaConfig, dict(max_position_embeddings=32, rope_parameters={
+            "rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0})),
         "mixtral": (t.MixtralConfig, dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=w)),
         "qwen3_moe": (t.Qwen3MoeConfig, dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                              norm_topk_prob=True, mlp_only_layers=[1])),

@@ -275,6 +275,10 @@ class ModelRunner:
             if mode == "on":
                 log.info("cuda graphs: off on a stage of a pipeline or tensor-parallel group (eager)")
             return None
+        if self.model.by_length:
+            log.info("cuda graphs: off for a rotary whose tables follow the sequence's length (%s: eager)",
+                     self.info.rope.kind)
+            return None
         max_bs = cfg.engine.cuda_graph_max_bs or cfg.scheduler.max_bs
         width = -(-self.geometry.max_len // self.block_size)
         def step(ids: Tensor, meta: AttentionMetadata) -> tuple[Tensor, Tensor]:
