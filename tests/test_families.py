@@ -202,3 +202,22 @@ def test_a_checkpoint_that_cannot_be_served_is_one_line(checkpoints, tmp_path):
                          timeout=120, cwd=Path(__file__).resolve().parent.parent)
     assert out.returncode == 1 and len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr
     assert "orca-mq: model:" in out.stderr and "but the config implies gate_up" in out.stderr
+
+
+def test_the_checkpoints_own_chat_template_and_every_end_of_turn_id(checkpoints, tmp_path):
+    """A checkpoint's chat template (its chat_template.jinja: Qwen3's published one) renders its chat
+    prompts, and every end-of-turn id it declares (generation_config.json's list) ends a request."""
+    import json
+    import shutil
+
+    d = shutil.copytree(checkpoints["qwen3"], tmp_path / "qwen3")
+    template = (Path(__file__).parent / "data" / "chat_templates" / "qwen3.jinja").read_text()
+    (d / "chat_template.jinja").write_text(template)
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 9], "bos_token_id": 1}))
+    llm = LLM(model=str(d), n_slots=1024, dtype="float32", progress=False)
+    assert llm.info.eos_token_ids == [2, 9]
+    messages = [{"role": "user", "content": "Hi"}]
+    ids = llm.model.prompts.encode_chat(messages)
+    assert llm.tokenizer.decode(ids) == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    out = llm.chat(messages, SamplingParams(max_tokens=8, temperature=0, logit_bias={9: 100.0}))[0]
+    assert out.token_ids == [9] and out.finish_reason == "stop"
