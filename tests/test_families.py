@@ -221,3 +221,24 @@ def test_the_checkpoints_own_chat_template_and_every_end_of_turn_id(checkpoints,
     assert llm.tokenizer.decode(ids) == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
     out = llm.chat(messages, SamplingParams(max_tokens=8, temperature=0, logit_bias={9: 100.0}))[0]
     assert out.token_ids == [9] and out.finish_reason == "stop"
+
+
+def test_served_through_a_two_stage_pipeline(checkpoints, tmp_path):
+    """gpt-oss (sinks, windowed and full layers, experts) served by real processes, its layers split over
+    two pipeline stages: three requests at once get transformers' greedy tokens."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from orca_mq.client import Client
+    from tests.serving_harness import start_server
+
+    server = start_server(tmp_path, n_workers=2, **{"model.path": str(checkpoints["gpt_oss"]), "engine.n_slots": 2048})
+    try:
+        prompts = _prompts(5)[:3]
+        with Client(server.address) as client, ThreadPoolExecutor(3) as pool:
+            outs = list(pool.map(lambda p: client.generate(prompt_token_ids=p, max_tokens=10, temperature=0,
+                                                           ignore_eos=True), prompts))
+        ref = _reference(checkpoints["gpt_oss"])
+        for prompt, out in zip(prompts, outs):
+            assert out.finish_reason == "length" and out.token_ids == _greedy(ref, prompt, 10)[0]
+    finally:
+        server.stop()
