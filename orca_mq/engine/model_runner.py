@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from orca_mq.engine import gemm
+from orca_mq.engine import fp8, gemm
 from orca_mq.engine.attention import AttentionMetadata, resolve
 from orca_mq.runtime.device import resolve_device, use_device
 from orca_mq.engine.dtype import native_bf16_flags, resolve_dtype
@@ -73,18 +73,23 @@ class ModelRunner:
                 setattr(weights, name, t.to(self.device))
         if weights.lm_head is not None and weights.embed is not None and self.info.tie_embeddings:
             weights.lm_head = weights.embed  # one copy of a tied head (a second one when the GEMM reorders it)
-        self.gemm = gemm.resolve_method(cfg.engine.gemm, self.device, self.dtype, cfg.engine.deterministic)
+        self.gemm = gemm.resolve_method(cfg.engine.gemm, self.device, self.dtype, cfg.engine.deterministic,
+                                        cfg.model.quantization)
+        if cfg.engine.kv_cache_dtype == "fp8":
+            fp8.refuse_kv(self.device)
         for w in weights.layers:
             for k in MATRICES:
                 if k in w:
                     w[k] = gemm.prepare(w[k], self.gemm)
-        if weights.lm_head is not None:
-            weights.lm_head = gemm.prepare(weights.lm_head, self.gemm)
+        if weights.lm_head is not None:   # in the compute dtype with FP8 too: the sampled logits (as vLLM)
+            weights.lm_head = gemm.prepare(weights.lm_head, "torch" if self.gemm == "fp8" else self.gemm)
         attention = resolve(cfg.engine.attention_backend, self.device, self.dtype)
         self.deterministic = cfg.engine.deterministic
         if self.deterministic and attention.name not in DETERMINISTIC_BACKENDS:
             raise ValueError(f"engine.deterministic needs an attention backend whose rows are batch-invariant "
                              f"({' | '.join(DETERMINISTIC_BACKENDS)}); {attention.name} runs for {self.device} {self.dtype}")
+        if self.deterministic and attention.name == "triton":
+            attention.split_kv = False   # type: ignore[attr-defined]  # a row's splits would follow its batch
         self.rows = self._gemm_rows(cfg, weights) if self.deterministic else gemm.Rows()
         self.max_len = self.info.max_model_len(cfg)
         self.model = StageModel(self.info, weights, layers, self.max_len, self.device, attention, self.tp, self.rows)
