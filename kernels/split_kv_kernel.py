@@ -147,7 +147,7 @@ def _merge_kernel(
 
 
 @functools.cache
-def _sms(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else INTERPRETER_SMS
 
 
@@ -201,14 +201,16 @@ def split_kv_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
     return out
 
 
-def decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor, scale: float,
-           **options: object) -> Tensor | None:
+def decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor, scale: float, *,
+           window: int = 0, softcap: float = 0.0, sinks: Tensor | None = None, k_scale: Tensor | None = None,
+           v_scale: Tensor | None = None) -> Tensor | None:
     """The attention backend's split-KV path: the output of an iteration of one-token rows whose
     rows x KV heads leave the card idle (`choose_splits`), else None (the ragged kernel runs)."""
     rows = q.shape[0]
     if rows != seq_lens.shape[0]:
         return None
-    splits = choose_splits(rows, k_cache.shape[2], block_tables.shape[1] * k_cache.shape[1], _sms(q.device))
+    splits = choose_splits(rows, k_cache.shape[2], block_tables.shape[1] * k_cache.shape[1], sm_count(q.device))
     if splits == 1:
         return None
-    return split_kv_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, splits, **options)  # type: ignore[arg-type]
+    return split_kv_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, splits, window=window, softcap=softcap,
+                           sinks=sinks, k_scale=k_scale, v_scale=v_scale)

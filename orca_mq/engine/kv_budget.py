@@ -11,6 +11,7 @@ refused. The graphs are captured again on the real pool by the runner (the same 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -29,11 +30,11 @@ log = logging.getLogger(__name__)
 Agree = Callable[[int], int]   # this stage's block count -> the one every stage takes (the smallest)
 
 
-def profile_rows(cfg: "Config", max_len: int) -> list[int]:
-    """Prompt lengths of the profiled iteration: the token budget (whole prompts: the context) over
-    max_bs rows (fewer when the budget is smaller), none longer than max_len - 1."""
-    tokens = cfg.scheduler.max_num_batched_tokens or max_len - 1
-    rows = max(min(cfg.scheduler.max_bs, tokens), -(-tokens // (max_len - 1)))
+def profile_rows(budget: int, max_bs: int, max_len: int) -> list[int]:
+    """Prompt lengths of the profiled iteration: the token budget (0, whole prompts: the context)
+    over max_bs rows (fewer when the budget is smaller), none longer than max_len - 1."""
+    tokens = budget or max_len - 1
+    rows = max(min(max_bs, tokens), -(-tokens // (max_len - 1)))
     base, extra = divmod(tokens, rows)
     return [base + (i < extra) for i in range(rows)]
 
@@ -52,8 +53,9 @@ def profile_plan(lengths: list[int], block_size: int) -> IterationPlan:
 
 def size_pool(runner: "ModelRunner", cfg: "Config", layers: range, memory: DeviceMemory, agree: Agree) -> KVSizing:
     """Measure, agree and allocate the stage's pool (runner.use_pool); the terms."""
+    gc.collect()   # a runner dropped before this one may hold its pool until its reference cycles are collected
     bs = cfg.engine.block_size
-    plan = profile_plan(profile_rows(cfg, runner.max_len), bs)
+    plan = profile_plan(profile_rows(cfg.scheduler.max_num_batched_tokens, cfg.scheduler.max_bs, runner.max_len), bs)
     runner.use_pool(PoolSize(bs, sum(len(s.block_table) for s in plan.seqs), 0))
     memory.release()
     start = memory.allocated()
