@@ -27,6 +27,7 @@ Switch = Literal["auto", "on", "off"]
 SpecMethod = Literal["off", "ngram"]
 Quantization = Literal["none", "fp8"]
 KVCacheDType = Literal["auto", "fp8"]
+SplitKV = Literal["auto", "off"]
 
 
 @dataclass(slots=True)
@@ -58,6 +59,7 @@ class EngineConfig:
     deterministic_rows: int = 16
     cuda_graphs: Switch = "auto"
     cuda_graph_max_bs: int = 0
+    split_kv: SplitKV = "auto"
 
 
 @dataclass(slots=True)

@@ -1,4 +1,4 @@
-"""tools/gpu_check.py's `decode` section (issue 42, item 3): attention kernels at long contexts.
+"""tools/gpu_check.py's `decode` and `splitkv` sections (issue 42, item 3): attention at long contexts.
 
 Llama 3 8B's attention (32 query heads over 8 KV heads of 128, blocks of 16, bf16), random KV on
 shuffled blocks. Decode rows: the split-KV kernel beside the ragged one at contexts of 1k-32k, each
@@ -6,7 +6,8 @@ kernel's KV bytes over its time against the card's copy bandwidth, measured in t
 device-to-device copy: bytes read + written over its time); e4m3 KV at the longest context (its
 bytes and its error against bf16), the e4m3 write's bytes against torch's. Prompts: the ragged
 kernel at head_dim 128 beside SDPA's causal attention over the same keys (its FLOPs over its time).
-Kernel times are triton.testing.do_bench's medians (L2 flushed between runs) on a GPU.
+Kernel times are triton.testing.do_bench's medians (L2 flushed between runs) on a GPU. `splitkv`:
+the engine's decode iteration with engine.split_kv auto against off (the random model).
 """
 from __future__ import annotations
 
@@ -159,3 +160,26 @@ def prefill(ctx: Ctx, n: int, dtype: torch.dtype, gen: torch.Generator) -> None:
              unit="TFLOP/s", shown=f"{flops / ragged / 1e9:.0f} ({flops / ref / 1e9:.0f}), {ragged:.3f} / {ref:.3f} ms, "
                                    f"rel err {err:.1g}", ragged_ms=ragged, sdpa_ms=ref, rel_err_vs_sdpa=err,
              how="kernels.attention_kernel.ragged_paged_attention vs F.scaled_dot_product_attention(is_causal, enable_gqa)")
+
+
+def splitkv(ctx: Ctx) -> None:
+    """The engine's decode iteration (the random model as served: CUDA graphs, bf16) with
+    engine.split_kv auto against off: what splitting costs at a short context and gives at a long one."""
+    from orca_mq.bench.plans import plan_for
+    from orca_mq.protocol.iteration import pack
+
+    if not ctx.cuda:   # the Triton backend under the interpreter (before triton is first imported)
+        os.environ["TRITON_INTERPRET"] = "1"
+    batches, contexts = ((1, 4, 16, 32), (256, 2000)) if ctx.cuda else ((1, 2), (24, 100))
+    slots = max(batches) * (max(contexts) + 2 * BLOCK)
+    runners = {mode: ctx.runner("smol", ctx.fast_dtype, engine__split_kv=mode, engine__n_slots=slots,
+                                scheduler__max_bs=max(batches), engine__attention_backend="triton")
+               for mode in ("auto", "off")}
+    for b in batches:
+        for context in contexts:
+            with ctx.attempt(f"engine decode b={b} ctx={context}"):
+                plan = pack(plan_for([(1, context - 1)] * b, BLOCK))
+                auto, off = (ctx.timed_ms(lambda r=r: r.execute(plan)) for r in runners.values())
+                ctx.emit(f"engine decode iteration b={b} ctx={context}: split_kv auto / off", auto / off, unit="x",
+                         shown=f"{auto / off:.2f}x ({auto:.3f} / {off:.3f} ms)", auto_ms=auto, off_ms=off,
+                         how="ModelRunner.execute (smol, graphs as served), median, synchronized")

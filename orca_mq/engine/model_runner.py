@@ -3,7 +3,8 @@
 An iteration is launched (inputs staged in one copy, the forward replayed from a CUDA graph or run
 eagerly, tokens sampled on the device and their copy back started) and later collected (the tokens
 read): between the two the host may launch the next plan, whose placeholders read these tokens on
-the device (async scheduling).
+the device (async scheduling). The KV pool is the config's, or sized at start from the device's
+memory (engine/kv_budget.py) after a profiled iteration on a small one.
 """
 from __future__ import annotations
 
@@ -88,8 +89,8 @@ class ModelRunner:
         if self.deterministic and attention.name not in DETERMINISTIC_BACKENDS:
             raise ValueError(f"engine.deterministic needs an attention backend whose rows are batch-invariant "
                              f"({' | '.join(DETERMINISTIC_BACKENDS)}); {attention.name} runs for {self.device} {self.dtype}")
-        if self.deterministic and attention.name == "triton":
-            attention.split_kv = False   # type: ignore[attr-defined]  # a row's splits would follow its batch
+        if attention.name == "triton" and (self.deterministic or cfg.engine.split_kv == "off"):
+            attention.split_kv = False   # type: ignore[attr-defined]  # deterministic: a row's splits would follow its batch
         self.rows = self._gemm_rows(cfg, weights) if self.deterministic else gemm.Rows()
         self.max_len = self.info.max_model_len(cfg)
         self.model = StageModel(self.info, weights, layers, self.max_len, self.device, attention, self.tp, self.rows)
