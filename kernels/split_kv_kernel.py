@@ -43,7 +43,6 @@ _LOG2E = 1.4426950408889634
 WAVES = 2              # programs per SM the splits aim for
 MIN_SPLIT_KEYS = 128   # keys a split covers at least (of the longest context the tables hold)
 MAX_SPLITS = 64
-BLOCK_N = 64           # keys per inner step
 INTERPRETER_SMS = 132  # no GPU (TRITON_INTERPRET=1): an H100's count stands in
 
 
@@ -191,7 +190,7 @@ def split_kv_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
         float(scale), float(softcap), int(window),
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *(k_scale.stride() if fp8 else (0, 0, 0)),
         block_tables.stride(0), block_size, d, num_splits,
-        G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), BLOCK_N=BLOCK_N, BLOCK_D=block_d,
+        G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), BLOCK_N=64 if block_d <= 64 else 32, BLOCK_D=block_d,
         FP8=fp8, SOFTCAP=softcap > 0, PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4,
     )
     _merge_kernel[(rows, n_heads)](

@@ -39,8 +39,8 @@ class Section:
 SECTIONS = (Section("env", 15, 60, False), Section("refusal", 25, 60, False), Section("kernels", 40, 90, False),
             Section("exactness", 60, 120), Section("iteration", 80, 150), Section("offline", 50, 120),
             Section("served", 90, 240), Section("determinism", 45, 120), Section("fastserve", 45, 120),
-            Section("decode", 70, 240, False, False), Section("splitkv", 40, 240, default=False),
-            Section("kvsize", 90, 180, default=False),
+            Section("decode", 70, 300, False, False), Section("splitkv", 40, 240, default=False),
+            Section("kvsize", 120, 180, default=False),
             Section("fp8", 90, 240, default=False))
 MODELS = Section("models", 75, 120, False)
 DEADLINE_S, SMALL_DEADLINE_S = 345.0, 900.0   # the device call allows 6 minutes

@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from orca_mq.bench.gpu_attention import kernel_ms
 from orca_mq.bench.gpu_context import CLEANUP, Ctx, random_prompts
 
 # Llama 3 8B: (in, out) of qkv, o, gate_up, down
@@ -93,11 +94,11 @@ def fp8(ctx: Ctx) -> None:
         quantized = {k: f8.quantize_weight(w) for k, w in weights.items()}
         for m in rows:
             xs = {k: torch.randn(m, w.shape[1], generator=gen).to(dtype).to(ctx.device) for k, w in weights.items()}
-            plain = sum(ctx.timed_ms(lambda k=k: torch.nn.functional.linear(xs[k], weights[k]), 20) for k in gemms)
-            eight = sum(ctx.timed_ms(lambda k=k: f8.linear(xs[k], quantized[k]), 20) for k in gemms)  # type: ignore[arg-type]
+            plain = sum(kernel_ms(ctx, lambda k=k: torch.nn.functional.linear(xs[k], weights[k])) for k in gemms)
+            eight = sum(kernel_ms(ctx, lambda k=k: f8.linear(xs[k], quantized[k])) for k in gemms)  # type: ignore[arg-type]
             ctx.emit(f"fp8 / bf16 GEMM time, {m} rows, an 8B layer's 4 GEMMs", eight / plain, unit="x",
                      shown=f"{eight / plain:.2f}x ({eight:.3f} / {plain:.3f} ms)", fp8_ms=eight, bf16_ms=plain,
-                     how="engine/fp8.py linear (per-token scaling + torch._scaled_mm) vs F.linear, median of 20, synchronized")
+                     how="engine/fp8.py linear (per-token scaling + torch._scaled_mm) vs F.linear, do_bench medians")
     with ctx.attempt("fp8 model accuracy", on_cpu_unavailable=True):
         accuracy(ctx)
 

@@ -91,9 +91,10 @@ def unsupported(device: torch.device) -> str | None:
     cc = torch.cuda.get_device_capability(device)
     if cc < (8, 9):
         return f"{torch.cuda.get_device_name(device)} (compute capability {cc[0]}.{cc[1]}) has no FP8 tensor cores (8.9+)"
-    try:
-        linear(torch.ones(2, ALIGN, device=device, dtype=torch.bfloat16),
-               quantize_weight(torch.ones(ALIGN, ALIGN, device=device, dtype=torch.bfloat16)))  # type: ignore[arg-type]
+    try:   # one row (decode at batch 1) and a ragged count
+        for rows in (1, 33):
+            linear(torch.ones(rows, ALIGN, device=device, dtype=torch.bfloat16),
+                   quantize_weight(torch.ones(ALIGN, ALIGN, device=device, dtype=torch.bfloat16)))  # type: ignore[arg-type]
     except RuntimeError as e:
         return f"torch._scaled_mm with per-row scales fails on {torch.cuda.get_device_name(device)}: {str(e)[:120]}"
     return None
