@@ -186,18 +186,18 @@ def _check_backend(gen: torch.Generator) -> tuple[bool, float, str]:
     from types import SimpleNamespace
 
     from kernels.split_kv_kernel import INTERPRETER_SMS, choose_splits, decode, split_kv_decode
-    from orca_mq.engine.attention import resolve
+    from orca_mq.engine.attention import AttentionSpec, resolve
 
     backend = resolve("triton", torch.device("cpu"), torch.float32)
     c = make_case(gen, [300, 20], 8, 2, 64, 16)
     splits = choose_splits(2, 2, c["tables"].shape[1] * 16, INTERPRETER_SMS)
     meta = SimpleNamespace(block_tables=c["tables"], seq_lens=c["seq_lens"], cu_q_lens=torch.tensor([0, 1, 2], dtype=torch.int32),
                            decode_tiles=None)
-    out = backend.attend(c["q"], None, None, c["k_cache"], c["v_cache"], meta, 0.125)
+    out = backend.attend(c["q"], None, None, c["k_cache"], c["v_cache"], meta, AttentionSpec(0.125))
     split = split_kv_decode(c["q"], c["k_cache"], c["v_cache"], c["tables"], c["seq_lens"], 0.125, splits)
     err = rel_err(out, decode_ref(c["q"], c["k_cache"], c["v_cache"], c["tables"], c["seq_lens"], 0.125))
     backend.split_kv = False   # deterministic mode: the ragged kernel
-    ragged = backend.attend(c["q"], None, None, c["k_cache"], c["v_cache"], meta, 0.125)
+    ragged = backend.attend(c["q"], None, None, c["k_cache"], c["v_cache"], meta, AttentionSpec(0.125))
     mixed = decode(torch.cat([c["q"], c["q"][:1]]), c["k_cache"], c["v_cache"], c["tables"], c["seq_lens"], 0.125)
     ok = splits > 1 and torch.equal(out, split) and not torch.equal(ragged, split) and rel_err(ragged, out) <= FP32_TOL
     ok = ok and mixed is None   # three tokens over two rows: a prompt chunk, the ragged kernel's
