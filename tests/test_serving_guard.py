@@ -263,10 +263,14 @@ async def _vanish_then_reuse(server, rid: str, want: list[int], prompt: list[int
 # ------------------------------------------------------------------ fuzz
 
 def test_http_fuzz_no_5xx_no_traceback(server):
-    reports = [schema_fuzz(server.base_url, KEYS[0], examples=20, seed=1), body_fuzz(server.base_url, KEYS[1], examples=120, seed=1)]
-    for report in reports:
-        assert report.n_violations == 0, report.to_dict()
-        assert report.statuses[400] > 0 and report.statuses[200] > 0, report.to_dict()
+    """No 5xx for anything; and, by construction whatever hypothesis version draws them (issue 43: a newer
+    one drew no body the server accepts), every body built to be served got 200 and every one built to be
+    refused a 400 naming its field: a violation otherwise."""
+    schema = schema_fuzz(server.base_url, KEYS[0], examples=20, seed=1)
+    bodies = body_fuzz(server.base_url, KEYS[1], examples=120, seed=1)
+    for report in (schema, bodies):
+        assert report.requests > 0 and report.n_violations == 0, report.to_dict()
+    assert bodies.built["served"] > 0 and bodies.built["refused"] > 0, bodies.to_dict()
     assert httpx.get(server.base_url + "/health", timeout=30).json() == {"status": "ok"}
     with _client(server) as c:
         assert c.generate("Hi", max_tokens=2, ignore_eos=True).finish_reason == "length"
