@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
+import time
 
 import httpx
 import openai
@@ -117,6 +120,30 @@ def test_curve_encrypts_the_client_port(server):
         ctx.destroy(linger=0)
     with _client(server) as c:
         assert c.generate("Hi", max_tokens=1).finish_reason == "length"
+
+
+def test_a_client_that_cannot_complete_the_handshake_fails_in_time(server):
+    """Without the server's CurveZMQ key, or with another server's, the real Client and `orca-mq client`
+    end within connect_timeout in one line naming --server-key (issue 43: a request sent once the failed
+    handshake had left the socket no peer hung, the CLI silent for 30 s)."""
+    cli = subprocess.Popen([sys.executable, "-m", "orca_mq.cli", "client", "--address", server.address, "--api-key", KEYS[0],
+                            "--prompt", "Hi"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for server_key in (None, "0" * 40):
+        t0 = time.monotonic()
+        with Client(server.address, api_key=KEYS[0], server_key=server_key, connect_timeout=2) as c:
+            time.sleep(0.5)   # the handshake has failed by now
+            out = c.generate("Hi", max_tokens=2)
+            assert (out.finish_reason, out.code) == ("error", "unavailable") and "\n" not in out.error, out
+            assert "--server-key" in out.error, out.error
+            if server_key is None:
+                with pytest.raises(ConnectionError, match="--server-key"):
+                    c.stats()
+        assert time.monotonic() - t0 < 2 * 2 + 5, "the client waited past its connect_timeout"   # a request, a stats query
+    try:
+        _, stderr = cli.communicate(timeout=30)   # the CLI's connect_timeout is 5 s
+    finally:
+        cli.kill()
+    assert cli.returncode == 1 and len(stderr.strip().splitlines()) == 1 and "--server-key" in stderr, stderr
 
 
 def test_keys_appear_in_no_command_line_log_or_stats(server):
