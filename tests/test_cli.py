@@ -29,12 +29,12 @@ def test_version():
     assert out.returncode == 0 and out.stdout.startswith("orca-mq ")
 
 
-def test_config_mistakes_are_one_line():
+def test_config_mistakes_are_one_line(tmp_path):
     for args, words in ((["--set", "scheduler.maxbs=3"], "unknown config key 'scheduler.maxbs'"),
                         (["--set", "scheduler.policy=lifo"], "expected one of orca | request | fastserve"),
                         (["--set", "scheduler.max_bs=many"], "expected int"),
                         (["--model", "/nonexistent/model.gguf"], "does not exist")):
-        out = _run(*LAUNCH, *args)
+        out = _run(*LAUNCH, *args, "--set", f"log.dir={tmp_path}/logs")   # the refused start logs its details
         assert out.returncode != 0 and words in out.stderr, (args, out.stderr)
         assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
 
