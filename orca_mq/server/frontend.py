@@ -216,7 +216,7 @@ class Frontend:
             final = None
             if reason is not None:
                 text += req.detok.finish()
-                metrics = req.metrics(now) | ({"scheduler": batch.metrics[iid]} if iid in batch.metrics else {})
+                metrics = req.metrics(now, batch.metrics.get(iid))
                 final = Final(reason, INTERNAL_TEXT if reason == "error" else None, metrics, FINAL_CODES.get(reason))
                 self._forget(iid)
                 self.log.info("request finished", request_id=iid, finish_reason=reason,
