@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import time
@@ -144,6 +145,17 @@ def test_a_client_that_cannot_complete_the_handshake_fails_in_time(server):
     finally:
         cli.kill()
     assert cli.returncode == 1 and len(stderr.strip().splitlines()) == 1 and "--server-key" in stderr, stderr
+
+
+def test_the_cli_names_its_own_flag_when_unauthorized(server):
+    """orca-mq client without a key, or with a wrong one: one line naming --api-key, not the Python client's api_key= (issue 43)."""
+    env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}
+    for key, words in ((None, "needs an API key: give it with --api-key"), ("nope", "does not take this API key (--api-key")):
+        out = subprocess.run([sys.executable, "-m", "orca_mq.cli", "client", "--address", server.address, "--server-key",
+                              server.server_key, "--prompt", "Hi", *(["--api-key", key] if key else [])],
+                             capture_output=True, text=True, timeout=60, env=env)
+        assert out.returncode == 1 and words in out.stderr and "api_key=" not in out.stderr, out.stderr
+        assert len(out.stderr.strip().splitlines()) == 1, out.stderr
 
 
 def test_keys_appear_in_no_command_line_log_or_stats(server):
