@@ -73,6 +73,7 @@ class StreamEvent:
     code: str | None = None               # final "error" / "abort" event: a stable common_msgs code
     logprobs: Logprobs | None = None      # token_ids' log probabilities (sampling `logprobs=k`)
     prompt_logprobs: Logprobs | None = None  # with the first tokens: the prompt's (`prompt_logprobs=k`)
+    param: str | None = None              # a refused request's field at fault, where one is (prompt, max_tokens, ...)
 
 
 def _final_error(request_id: str, error: str, code: str) -> StreamEvent:
@@ -184,7 +185,7 @@ class AsyncClient:
             prompt_logprobs = ev.prompt_logprobs or prompt_logprobs
             if ev.finished:
                 return RequestOutput(ev.request_id, "".join(text), ids, ev.finish_reason, ev.error, ev.metrics, ev.code,
-                                     logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+                                     logprobs=logprobs, prompt_logprobs=prompt_logprobs, param=ev.param)
         raise RuntimeError("stream ended without a final event")
 
     async def abort(self, request_id: str) -> None:
@@ -247,7 +248,7 @@ class AsyncClient:
                 for out in events(msg):
                     self._deliver(out.request_id, StreamEvent(out.request_id, out.token_ids, out.text, out.finished,
                                                               out.finish_reason, out.error, out.metrics, out.code,
-                                                              *_checked(out)))
+                                                              *_checked(out), param=out.param))
             elif isinstance(msg, Error) and msg.request_id is not None:
                 self._deliver(msg.request_id, _final_error(msg.request_id, msg.error, msg.code))
             elif isinstance(msg, StatsReply):

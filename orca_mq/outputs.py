@@ -20,6 +20,7 @@ class RequestOutput:
     prompt_token_ids: list[int] = field(default_factory=list)  # offline only: the server keeps its tokenization
     logprobs: Logprobs | None = None         # SamplingParams.logprobs: each generated token's and its top k
     prompt_logprobs: Logprobs | None = None  # SamplingParams.prompt_logprobs: each prompt token's (the first: None)
+    param: str | None = None                 # with "error": the request field at fault, where one is (prompt, max_tokens, ...)
 
 
 def output_metrics(prompt_tokens: int, completion_tokens: int, arrival: float, first_token: float | None, finish: float,

@@ -190,7 +190,16 @@ AUTH = {"authorization": f"Bearer {KEYS[0]}"}
     ("/v1/completions", {"prompt": [[1, 2]] * 65}, "invalid_value", "prompt"),   # over server.http_max_choices
     ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True, "continuous": 1}},
      "unknown_parameter", "continuous"),
-    ("/v1/completions", {"prompt": "hi", "max_tokens": 100000}, "invalid_request", None),   # the frontend's own check
+    # over the context (the frontend's own checks, after tokenizing or before): the field at fault (issue 43: null)
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 100000}, "invalid_request", "max_tokens"),
+    ("/v1/completions", {"prompt": [5] * 60, "max_tokens": 5}, "invalid_request", "max_tokens"),
+    ("/v1/completions", {"prompt": [5] * 65}, "invalid_request", "prompt"),
+    ("/v1/completions", {"prompt": "hi " * 5000}, "invalid_request", "prompt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi " * 5000}]}, "invalid_request", "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 100}, "invalid_request",
+     "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 100, "stream": True},
+     "invalid_request", "max_completion_tokens"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
      "missing_parameter", "tools.0.function"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"},
@@ -208,6 +217,15 @@ def test_strict_http_input(server, path, body, code, param):
     err = r.json()["error"]
     assert r.status_code == 400, r.text
     assert (err["type"], err["code"], err["param"]) == ("invalid_request_error", code, param), err
+
+
+def test_zmq_refusals_name_the_field(server):
+    """The frontend's refusals carry the field at fault over ZeroMQ too (protocol 7's output.param)."""
+    with _client(server) as c:
+        for kw, param in (({"prompt_token_ids": [5] * 65}, "prompt"), ({"prompt": "hi", "max_tokens": 100}, "max_tokens"),
+                          ({"prompt": ""}, "prompt")):
+            out = c.generate(**kw)
+            assert (out.finish_reason, out.code, out.param) == ("error", "invalid_request", param), out
 
 
 def test_nan_and_non_json_bodies(server):

@@ -192,7 +192,7 @@ class Frontend:
     async def _refuse(self, client: bytes, rid: str, e: InvalidRequest, version: int) -> None:
         self.log.info("request rejected", client_request_id=rid, error=str(e))
         code = UNAVAILABLE if isinstance(e, _Unavailable) else INVALID_REQUEST
-        await self.link.to_client(client, Output(rid, [], "", True, "error", str(e), code=code), version)
+        await self.link.to_client(client, Output(rid, [], "", True, "error", str(e), code=code, param=e.param), version)
 
     async def _on_tokens(self, batch: TokenBatch) -> None:
         """One step's tokens: grouped by request, each request detokenized once, a frame per client."""
