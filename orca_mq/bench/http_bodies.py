@@ -10,7 +10,9 @@
   of its bounds): each must get 400 naming that field.
 
 The last two hold by construction, whatever a hypothesis version chooses to draw, so a caller's
-"some served, some refused" never rests on the fuzzer's luck.
+"some served, some refused" never rests on the fuzzer's luck. What "within its bounds" assumes of a
+server: a vocabulary of at least TOKEN_IDS ids, server.http_max_n >= 2, model.max_logprobs >= 2 and
+model.max_logit_bias >= 3 (the defaults: 16, 20, 1024); the context is asked (/tokenize).
 """
 from __future__ import annotations
 
