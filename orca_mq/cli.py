@@ -12,6 +12,7 @@ Every mistake is one line on stderr and exit status 1 (2 for a bad command line)
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import os
 import socket
@@ -22,6 +23,7 @@ from typing import Any, NoReturn
 
 from orca_mq import __version__
 from orca_mq.config import API_KEY_ENV, DEFAULT_CONFIG_PATH, Config, host_port, load_config
+from orca_mq.protocol.common_msgs import UNAUTHORIZED
 
 COMMANDS = ("serve", "client", "logs", "keys", "bench")
 NODE_FLAGS = {"--nnodes": "server.nnodes", "--node-rank": "server.node_rank",
@@ -29,10 +31,25 @@ NODE_FLAGS = {"--nnodes": "server.nnodes", "--node-rank": "server.node_rank",
 
 
 class _Parser(argparse.ArgumentParser):
-    """A command-line mistake is one line (and exit status 2), not the usage block."""
+    """A command-line mistake is one line (and exit status 2), not the usage block; a mistyped option
+    names the closest one of its command (argparse would first ask for a required option it hides)."""
+
+    commands: dict[str, argparse.ArgumentParser] = {}
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+    def parse_args(self, args: Any = None, namespace: Any = None) -> Any:  # type: ignore[override]
+        args = sys.argv[1:] if args is None else list(args)
+        command = self.commands.get(next((a for a in args if not a.startswith("-")), ""))
+        options = [o for p in (self, command) if p is not None for o in p._option_string_actions]
+        for arg in args[:args.index("--") if "--" in args else len(args)]:
+            flag = arg.split("=", 1)[0]
+            if flag.startswith("--") and " " not in arg and not any(o.startswith(flag) for o in options):
+                close = difflib.get_close_matches(flag, options, n=1)
+                if close:   # no match: argparse says what it says
+                    (command or self).error(f"unrecognized argument {flag}: did you mean {close[0]}?")
+        return super().parse_args(args, namespace)
 
 
 def _sections() -> str:
@@ -62,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="orca-mq", description=__doc__, epilog=_sections(), formatter_class=fmt)
     p.add_argument("--version", action="version", version=f"orca-mq {__version__}")
     sub = p.add_subparsers(dest="command", metavar="{" + ",".join(COMMANDS) + "}", parser_class=_Parser)
+    p.commands = sub.choices
     serve = sub.add_parser("serve", help="start a server (every process) and supervise it", epilog=_sections(), formatter_class=fmt)
     _config_args(serve)
     serve.add_argument("--model", help="GGUF file or Hugging Face directory (model.path)")
@@ -205,8 +223,9 @@ def _client(args: argparse.Namespace) -> int:
     with client:
         if args.json:
             out = client.generate(args.prompt, chat=args.chat, **sampling)
+            error = _said(out.code, out.error, args.api_key)
             print(json.dumps({"request_id": out.request_id, "text": out.text, "token_ids": out.token_ids,
-                              "finish_reason": out.finish_reason} | ({"error": out.error, "code": out.code} if out.error else {})))
+                              "finish_reason": out.finish_reason} | ({"error": error, "code": out.code} if error else {})))
             return 1 if out.finish_reason == "error" else 0
         for ev in client.stream(args.prompt, chat=args.chat, **sampling):
             sys.stdout.write(ev.text)
@@ -214,9 +233,19 @@ def _client(args: argparse.Namespace) -> int:
             if ev.finished:
                 sys.stdout.write("\n")
                 if ev.error:
-                    print(f"error ({ev.code}): {ev.error}", file=sys.stderr)
+                    print(f"error ({ev.code}): {_said(ev.code, ev.error, args.api_key)}", file=sys.stderr)
                     return 1
     return 0
+
+
+def _said(code: str | None, error: str | None, api_key: str | None) -> str | None:
+    """A final's error as the command line puts it: an unauthorized one names --api-key (the server's
+    sentence names the Python client's api_key=)."""
+    if code != UNAUTHORIZED:
+        return error
+    if not api_key:
+        return f"unauthorized: this server needs an API key: give it with --api-key KEY (or ${API_KEY_ENV})"
+    return f"unauthorized: the server does not take this API key (--api-key or ${API_KEY_ENV})"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,7 +10,9 @@ sent. Leaving a stream early (break, exception, cancellation) aborts the request
 `api_key=` is sent with every request and stats query (servers with `server.api_key`);
 `server_key=` (the server's CurveZMQ public key, or its key file) encrypts the connection. If the server stops answering — even its broker's pings — for `liveness_timeout`
 seconds, every open stream ends with an `error` event; if no server ever answered there (a wrong
-port, the HTTP port), after `connect_timeout` seconds, saying so. The address may be `host:port`
+port, the HTTP port, a CurveZMQ handshake that fails: no server_key or another one), after
+`connect_timeout` seconds, saying so; no send waits longer either (a failed handshake leaves the socket
+no peer to take a frame), and the reader never waits on one. The address may be `host:port`
 (`tcp://` is added); an http:// URL is a ValueError. Ctrl-C in the blocking `Client` aborts the
 request it waits on and raises KeyboardInterrupt to the caller.
 
@@ -71,6 +73,7 @@ class StreamEvent:
     code: str | None = None               # final "error" / "abort" event: a stable common_msgs code
     logprobs: Logprobs | None = None      # token_ids' log probabilities (sampling `logprobs=k`)
     prompt_logprobs: Logprobs | None = None  # with the first tokens: the prompt's (`prompt_logprobs=k`)
+    param: str | None = None              # a refused request's field at fault, where one is (prompt, max_tokens, ...)
 
 
 def _final_error(request_id: str, error: str, code: str) -> StreamEvent:
@@ -112,12 +115,14 @@ class AsyncClient:
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.RCVHWM, 0)
+        self._sock.setsockopt(zmq.SNDTIMEO, int(self.connect_timeout * 1000))   # no peer to take a frame (a failed
+        # CurveZMQ handshake leaves none) or a full queue: a send gives up, the request fails saying why
         if self.server_key:
             curve_client(self._sock, self.server_key)
         self._sock.connect(self.address)
         self._last_heard = time.monotonic()
         self._reader = asyncio.create_task(self._read())
-        await self._send(Ping(0))  # learn the broker's identity before any request
+        self._post(Ping(0))  # learn the broker's identity before any request
 
     async def close(self) -> None:
         if self._reader is not None:
@@ -153,7 +158,10 @@ class AsyncClient:
         queue: asyncio.Queue[StreamEvent] = asyncio.Queue()
         self._streams[rid] = queue
         try:
-            await self._send_raw(frame)
+            if not await self._send_raw(frame):
+                self._streams.pop(rid, None)
+                yield _final_error(rid, self._no_server(self.connect_timeout), UNAVAILABLE)
+                return
             while True:
                 ev = await queue.get()
                 yield ev
@@ -161,7 +169,7 @@ class AsyncClient:
                     return
         finally:
             if self._streams.pop(rid, None) is not None and self._sock is not None:
-                await self._send(Abort(rid))  # left early: free the request's KV
+                self._post(Abort(rid))  # left early: free the request's KV
 
     async def generate(self, prompt: str | None = None, **kwargs: Any) -> RequestOutput:
         """Run a request to the end and return everything it produced."""
@@ -177,7 +185,7 @@ class AsyncClient:
             prompt_logprobs = ev.prompt_logprobs or prompt_logprobs
             if ev.finished:
                 return RequestOutput(ev.request_id, "".join(text), ids, ev.finish_reason, ev.error, ev.metrics, ev.code,
-                                     logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+                                     logprobs=logprobs, prompt_logprobs=prompt_logprobs, param=ev.param)
         raise RuntimeError("stream ended without a final event")
 
     async def abort(self, request_id: str) -> None:
@@ -189,36 +197,58 @@ class AsyncClient:
         qid = uuid.uuid4().hex
         fut = self._stats[qid] = asyncio.get_running_loop().create_future()
         try:
-            await self._send(Stats(qid, record, reset, self.api_key))
+            if not await self._send(Stats(qid, record, reset, self.api_key)) and not fut.done():
+                fut.set_exception(ConnectionError(self._no_server(self.connect_timeout)))
             return await asyncio.wait_for(fut, timeout)
         finally:
             self._stats.pop(qid, None)
 
-    async def _send(self, msg: Any) -> None:
-        await self._send_raw(encode(msg))
+    async def _send(self, msg: Any) -> bool:
+        return await self._send_raw(encode(msg))
 
-    async def _send_raw(self, frame: bytes) -> None:
+    async def _send_raw(self, frame: bytes) -> bool:
+        """False when the frame could not be handed to a peer within connect_timeout (SNDTIMEO)."""
         if self._sock is None:
             raise RuntimeError("client is not connected (use `async with` or connect())")
-        await self._sock.send(frame)
+        try:
+            await self._sock.send(frame)
+        except zmq.Again:
+            return False
+        return True
+
+    def _post(self, msg: Any) -> None:
+        """Send without waiting (the reader must never wait on a send): a ping or a parting abort that
+        cannot go now is dropped; liveness covers the rest."""
+        if self._sock is not None:
+            self._sock.send(encode(msg), zmq.NOBLOCK).add_done_callback(_retrieved)
+
+    def _no_server(self, silent: float) -> str:
+        key = ("is server_key (--server-key) its CurveZMQ public key" if self.server_key else
+               "does it use CurveZMQ (then give its public key: server_key=, --server-key on the command line)")
+        return (f"no orca-mq server answers at {self.address} after {silent:.0f} s: is it running, is this its client "
+                f"port (--port, not --http-port), and {key}?")
 
     async def _read(self) -> None:
         assert self._sock is not None
         while True:
             interval = self.ping_interval if self._server else min(self.ping_interval, 0.5)  # until the first pong
-            if not await self._sock.poll(int(interval * 1000)):
-                await self._check_liveness()
+            try:   # a poll may wake without a frame (a CurveZMQ handshake that fails): recv never waits
+                frame = await self._sock.recv(zmq.NOBLOCK) if await self._sock.poll(int(interval * 1000)) else None
+            except zmq.Again:
+                frame = None
+            if frame is None:
+                self._check_liveness()
                 continue
             self._last_heard = time.monotonic()
             try:
-                msg = decode(await self._sock.recv(), TO_CLIENT)
+                msg = decode(frame, TO_CLIENT)
             except ProtocolError:
                 continue  # not for us to act on; the server never sends these
             if isinstance(msg, (Output, Outputs)):  # `outputs`: one iteration, a row per request of ours it moved
                 for out in events(msg):
                     self._deliver(out.request_id, StreamEvent(out.request_id, out.token_ids, out.text, out.finished,
                                                               out.finish_reason, out.error, out.metrics, out.code,
-                                                              *_checked(out)))
+                                                              *_checked(out), param=out.param))
             elif isinstance(msg, Error) and msg.request_id is not None:
                 self._deliver(msg.request_id, _final_error(msg.request_id, msg.error, msg.code))
             elif isinstance(msg, StatsReply):
@@ -235,21 +265,19 @@ class AsyncClient:
                     self._fail_all("server unavailable: it restarted and lost the request, retry it", UNAVAILABLE)
                 self._server = msg.server
 
-    async def _check_liveness(self) -> None:
+    def _check_liveness(self) -> None:
         if not self._streams and not self._stats:
             self._last_heard = time.monotonic()
             return
         silent = time.monotonic() - self._last_heard
         if not self._server and silent >= self.connect_timeout:  # never a pong: nothing of ours listens there
-            self._fail_all(f"no orca-mq server answers at {self.address} after {silent:.0f} s: is it running, and is "
-                           "this its client port (--port, not --http-port)" + (", and server_key its public key"
-                                                                             if self.server_key else "") + "?", UNAVAILABLE)
+            self._fail_all(self._no_server(silent), UNAVAILABLE)
             self._last_heard = time.monotonic()
         elif silent >= self.liveness_timeout:
             self._fail_all(f"server unreachable: no reply for {silent:.0f} s", UNAVAILABLE)
             self._last_heard = time.monotonic()
         else:
-            await self._send(Ping(int(time.monotonic() * 1000)))
+            self._post(Ping(int(time.monotonic() * 1000)))
 
     def _deliver(self, request_id: str, ev: StreamEvent) -> None:
         queue = self._streams.get(request_id)
@@ -265,6 +293,12 @@ class AsyncClient:
         for fut in self._stats.values():
             if not fut.done():
                 fut.set_exception(ConnectionError(error))
+
+
+def _retrieved(fut: asyncio.Future[Any]) -> None:
+    """A posted frame's outcome, read so that asyncio does not report a dropped one."""
+    if not fut.cancelled():
+        fut.exception()
 
 
 async def _cancel(running: list[asyncio.Task[Any]]) -> None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import os
 import re
@@ -170,11 +171,11 @@ class Config:
         if "." in dotted:
             section, key = dotted.split(".", 1)
             if section not in _SECTIONS or key not in _fields(_SECTIONS[section]):
-                raise KeyError(f"unknown config key {dotted!r}")
+                raise KeyError(f"unknown config key {dotted!r}{_did_you_mean(dotted)}")
             return section, key
         owners = [s for s, cls in _SECTIONS.items() if dotted in _fields(cls)]
         if len(owners) != 1:
-            raise KeyError(f"unknown or ambiguous config key {dotted!r}")
+            raise KeyError(f"unknown or ambiguous config key {dotted!r}{_did_you_mean(dotted)}")
         return owners[0], dotted
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
@@ -185,7 +186,8 @@ class Config:
         cfg = cls()
         for section, values in data.items():
             if section not in _SECTIONS:
-                raise KeyError(f"unknown config section [{section}]")
+                close = difflib.get_close_matches(section, _SECTIONS, n=1)
+                raise KeyError(f"unknown config section [{section}]" + (f" (did you mean [{close[0]}]?)" if close else ""))
             for key, value in values.items():
                 cfg.set(f"{section}.{key}", value)
         return cfg
@@ -199,6 +201,16 @@ _HINTS: dict[str, dict[str, Any]] = {name: get_type_hints(cls) for name, cls in 
 
 def _fields(cls: type) -> set[str]:
     return {f.name for f in dataclasses.fields(cls)}
+
+
+def _did_you_mean(dotted: str) -> str:
+    """' (did you mean KEY?)': the keys of that name in other sections (engine.max_bs -> scheduler.max_bs),
+    else the closest spelling (scheduler.maxbs -> scheduler.max_bs); '' when nothing is close."""
+    keys = [f"{s}.{k}" for s, cls in _SECTIONS.items() for k in sorted(_fields(cls))]
+    name = dotted.rsplit(".", 1)[-1]
+    close = [k for k in keys if k.endswith(f".{name}")] or difflib.get_close_matches(
+        dotted, keys if "." in dotted else [k.split(".", 1)[1] for k in keys], n=1)
+    return f" (did you mean {' or '.join(close)}?)" if close else ""
 
 
 def _coerce(value: Any, kind: Any, name: str) -> Any:

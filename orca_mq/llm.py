@@ -17,11 +17,12 @@ from orca_mq.models.files import resolve_model_path
 from orca_mq.models.registry import read_model_info
 from orca_mq.errors import InvalidRequest
 from orca_mq.logs import tell
-from orca_mq.outputs import RequestOutput
+from orca_mq.outputs import RequestOutput, output_metrics
 from orca_mq.protocol.iteration import IterationResult
 from orca_mq.protocol.logprobs import Logprobs, TokenLogprobs
 from orca_mq.protocol.sampling import SamplingParams
 from orca_mq.sched import make_scheduler
+from orca_mq.sched.request import Request
 
 
 class LLM:
@@ -45,6 +46,7 @@ class LLM:
         self.info, self.tokenizer = self.model.info, self.model.tokenizer
         self.scheduler = make_scheduler(self.cfg, self.info)
         self._logprobs: dict[str, list[TokenLogprobs | None]] = {}   # the events' (sampled, prompt), by request
+        self._finals: dict[str, dict[str, Any]] = {}   # the scheduler's metrics of each final event, by request
         self._texts: dict[int, str] = {}
         self.run_until_done()   # a policy that needs this engine's iteration profile times its probes now
         self._ids = itertools.count()
@@ -68,11 +70,19 @@ class LLM:
         self.run_until_done()
         return [
             RequestOutput(r.request_id, self._decode(r.output_token_ids, r.finish_reason, r.params.skip_special_tokens),
-                          r.output_token_ids, r.finish_reason, prompt_token_ids=r.prompt_token_ids,
-                          metrics=None if r.grammar is None else {"structured_output": r.grammar.report()},
+                          r.output_token_ids, r.finish_reason, prompt_token_ids=r.prompt_token_ids, metrics=self._metrics(r),
                           **self._outputs_logprobs(r.request_id, r.params, r.prompt_token_ids))
             for r in reqs
         ]
+
+    def _metrics(self, r: Request) -> dict[str, Any]:
+        """A finished request's metrics, as the server's final message gives them (its times on the wall
+        clock: the scheduler's is monotonic)."""
+        wall = time.time() - time.monotonic()
+        first = None if r.first_token_time is None else r.first_token_time + wall
+        finish = (r.finish_time or time.monotonic()) + wall
+        return output_metrics(len(r.prompt_token_ids), len(r.output_token_ids), r.arrival + wall, first, finish,
+                              self._finals.pop(r.request_id, None))
 
     def _decode(self, ids: list[int], finish_reason: str | None, skip_special_tokens: bool) -> str:
         """A finished request's text, as the server's detokenizer makes it (without the EOS that ended it)."""
@@ -91,8 +101,12 @@ class LLM:
             text = self._texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False) or ""
         return text
 
-    def _keep_logprobs(self, events: list[Any]) -> None:
+    def _keep(self, events: list[Any]) -> None:
+        """What the events carry that the outputs give: the finals' metrics (as the server's scheduler
+        takes them) and the log probabilities."""
         for e in events:
+            if e.finish_reason:
+                self._finals[e.request_id] = self.scheduler.final_metrics(e)
             if e.logprobs is None and e.prompt_logprobs is None:
                 continue
             kept = self._logprobs.setdefault(e.request_id, [None, None])
@@ -123,7 +137,7 @@ class LLM:
         while True:
             out = self.scheduler.step(time.monotonic(), results)
             if out.events:
-                self._keep_logprobs(out.events)
+                self._keep(out.events)
             launched.extend(self.runner.launch(plan) for plan in out.plans)
             if not launched:
                 if self.scheduler.has_work():

@@ -1,4 +1,7 @@
-"""Shared fixtures: tiny random Llama / GPT-2 models saved as safetensors dirs, and the embedded model."""
+"""Shared fixtures: tiny random Llama / GPT-2 models saved as safetensors dirs, and the embedded model;
+and the suite's own check that it wrote nothing into the checkout (issue 43: a test's refused launch
+left logs/5555/launcher.log there, which `orca-mq logs` then showed as the last server's): every test
+writes under a temporary directory only, or the session fails naming what it wrote."""
 from __future__ import annotations
 
 import os
@@ -10,6 +13,35 @@ import torch
 from orca_mq.bench.random_models import random_llama, save_random_model
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+ROOT = Path(__file__).resolve().parents[1]
+CACHES = frozenset({".git", "__pycache__", ".pytest_cache", ".hypothesis"})   # the tools' own, git-ignored
+_BEFORE: set[str] = set()
+
+
+def checkout_paths(root: Path = ROOT) -> set[str]:
+    """Every file and folder of the checkout but git's, the caches and a virtual environment's."""
+    found: set[str] = set()
+    for top, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in CACHES and not os.path.exists(os.path.join(top, d, "pyvenv.cfg"))]
+        rel = os.path.relpath(top, root)
+        found.update(os.path.normpath(os.path.join(rel, name)) for name in dirs + [f for f in files if not f.endswith(".pyc")])
+    return found
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    _BEFORE.update(checkout_paths())
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    written = sorted(checkout_paths() - _BEFORE)
+    if written:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        report = session.config.pluginmanager.get_plugin("terminalreporter")
+        report.ensure_newline()
+        report.write_sep("=", f"FAILED: the suite wrote {len(written)} paths into the checkout {ROOT} "
+                              "(tests write under a temporary directory only)", red=True)
+        for path in written[:20]:
+            report.write_line(f"  {path}")
 
 
 @pytest.fixture(scope="session")

@@ -29,14 +29,24 @@ def test_version():
     assert out.returncode == 0 and out.stdout.startswith("orca-mq ")
 
 
-def test_config_mistakes_are_one_line():
-    for args, words in ((["--set", "scheduler.maxbs=3"], "unknown config key 'scheduler.maxbs'"),
+def test_config_mistakes_are_one_line(tmp_path):
+    for args, words in ((["--set", "scheduler.maxbs=3"], "unknown config key 'scheduler.maxbs' (did you mean scheduler.max_bs?)"),
+                        (["--set", "engine.max_bs=3"], "unknown config key 'engine.max_bs' (did you mean scheduler.max_bs?)"),
                         (["--set", "scheduler.policy=lifo"], "expected one of orca | request | fastserve"),
                         (["--set", "scheduler.max_bs=many"], "expected int"),
                         (["--model", "/nonexistent/model.gguf"], "does not exist")):
-        out = _run(*LAUNCH, *args)
+        out = _run(*LAUNCH, *args, "--set", f"log.dir={tmp_path}/logs")   # the refused start logs its details
         assert out.returncode != 0 and words in out.stderr, (args, out.stderr)
         assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def test_a_mistyped_option_names_the_close_one():
+    """argparse alone asked for the required --prompt that `--promt` hides (issue 43)."""
+    client = [*LAUNCH[:-1], str(ROOT / "tools" / "client.py")]
+    _one_line(_run(*client, "--promt", "Hi"), 2, "unrecognized argument --promt: did you mean --prompt?")
+    _one_line(_run(*LAUNCH, "--modle", "x.gguf"), 2, "did you mean --model?")
+    _one_line(_run(sys.executable, "-m", "orca_mq.cli", "logs", "--folow"), 2, "did you mean --follow?")
+    _one_line(_run(*client, "--prompt", "Hi", "--xyz"), 2, "unrecognized arguments: --xyz")   # nothing close: argparse's
 
 
 def test_busy_port_is_one_line():

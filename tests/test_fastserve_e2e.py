@@ -51,7 +51,7 @@ def _generate(llm: LLM, kv_policy: str) -> tuple[list[list[int]], list[dict], Fa
     sched = llm.scheduler = FastServeScheduler(llm.cfg, llm.info, llm.scheduler.profile)
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in MAX_TOKENS]
     outs = llm.generate(PROMPTS, params)
-    return [o.token_ids for o in outs], [sched.request_metrics(o.request_id) for o in outs], sched
+    return [o.token_ids for o in outs], [o.metrics["scheduler"] for o in outs], sched
 
 
 @pytest.mark.e2e

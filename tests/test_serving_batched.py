@@ -141,6 +141,24 @@ def _log_lines(server) -> int:
                if p.stem in ("broker", "frontend", "scheduler"))
 
 
+def test_offline_metrics_are_the_servers(server, tiny_served_dir):
+    """The offline LLM's outputs carry the metrics the server's final message does, made by the same code
+    (issue 43: offline they were None but for structured outputs): the same keys, the same counts."""
+    from orca_mq import LLM, SamplingParams
+
+    prompt = [911, 912, 913, 914, 915]   # its own: nothing of it in the server's prefix cache
+    with Client(server.address) as c:
+        served = c.generate(prompt_token_ids=prompt, max_tokens=6, temperature=0.0, ignore_eos=True).metrics
+    llm = LLM(str(tiny_served_dir), dtype="float32", max_bs=16, max_model_len=128, progress=False)
+    offline = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))[0].metrics
+    assert served.keys() == offline.keys() and served["scheduler"] == offline["scheduler"] == {"cached_tokens": 0,
+                                                                                               "iterations": 6}
+    for m in (served, offline):
+        assert (m["prompt_tokens"], m["completion_tokens"]) == (5, 6), m
+        assert m["arrival_time"] <= m["first_token_time"] <= m["finish_time"] and min(m["ttft"], m["tpot"], m["e2e_latency"]) > 0
+        assert abs(m["finish_time"] - time.time()) < 600, m   # wall-clock times, as the server's
+
+
 def test_no_log_line_per_token(server):
     """A burst of 8 requests x 24 tokens adds a few lines per request to the serving processes' logs, none per token."""
     settled(server.address)

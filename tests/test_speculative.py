@@ -186,15 +186,16 @@ def test_a_stop_inside_a_kept_draft_ends_there(tiny_served_dir) -> None:
     assert [o.token_ids for o in outs] == off and [o.finish_reason for o in outs] == off_reasons and "stop" in off_reasons
     assert stats["spec_accepted_tokens"] > 0 and stats["free_slots"] == stats["n_slots"] - stats["used_slots"]
     for o in outs:   # a draft token counts as accepted only where it was output: a token a step and those beyond it
-        m = llm.scheduler.request_metrics(o.request_id)
+        m = o.metrics["scheduler"]
         assert len(o.token_ids) == m["iterations"] + m["spec_accepted_tokens"]
 
 
 def test_final_metrics_and_stats_count_drafts(tiny_served_dir) -> None:
+    """Each offline output's metrics count its drafts (issue 43: they were None), and they add up to the stats."""
     llm = LLM(str(tiny_served_dir), dtype="float32", speculative__method="ngram")
-    llm.generate(_prompts(3), SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    outs = llm.generate(_prompts(3), SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
     stats = llm.scheduler.stats()
-    per_request = [llm.scheduler.request_metrics(rid) for rid in list(llm.scheduler.finished)]
+    per_request = [o.metrics["scheduler"] for o in outs]
     assert sum(m["spec_accepted_tokens"] for m in per_request) == stats["spec_accepted_tokens"] > 0
     assert sum(m["spec_draft_tokens"] for m in per_request) == stats["spec_draft_tokens"]
     assert sum(stats["spec_accepted_per_pos"]) == stats["spec_accepted_tokens"]

@@ -268,7 +268,7 @@ def test_random_weight_model_offline(tiny_llm):
     for (name, _, schema, m, _), out in zip(jobs, outs):
         assert out.finish_reason == "stop" and len(out.token_ids) <= m, (name, m, out.text)
         jsonschema.validate(json.loads(out.text), schema)
-        assert digits_of(out.text.encode()) <= 16 and out.metrics["structured_output"]["complete"] is True
+        assert digits_of(out.text.encode()) <= 16 and out.metrics["scheduler"]["structured_output"]["complete"] is True
     spec = SO(json=SCHEMAS["points"])
     n = llm.model.grammars.shortest(spec)
     with pytest.raises(InvalidRequest, match=rf"max_tokens \({n - 1}\) cannot hold any output"):

@@ -55,11 +55,11 @@ def test_sampled_json_validates_across_seeds(embedded_llm):
     for (schema, _), out in zip(jobs, outs):
         assert out.finish_reason == "stop", out.text
         jsonschema.validate(json.loads(out.text), schema)
-        assert out.metrics["structured_output"]["complete"] is True
+        assert out.metrics["scheduler"]["structured_output"]["complete"] is True
     for max_tokens in (8, 60):   # an unbounded object closes within max_tokens
         obj = llm.chat(ASK, SamplingParams(max_tokens=max_tokens, temperature=0.8, seed=7, structured_outputs={"json_object": True}))[0]  # type: ignore[arg-type]
         assert obj.finish_reason == "stop" and isinstance(json.loads(obj.text), dict), obj.text
-        assert obj.metrics["structured_output"]["complete"] is True and len(obj.token_ids) <= max_tokens
+        assert obj.metrics["scheduler"]["structured_output"]["complete"] is True and len(obj.token_ids) <= max_tokens
     tight = llm.chat([ASK] * 2, [SamplingParams(max_tokens=34, temperature=0.8, seed=s, structured_outputs={"json": PET})  # type: ignore[arg-type]
                                  for s in range(2)])   # 2 tokens above PET's shortest
     for out in tight:

@@ -6,7 +6,8 @@ every example of the README against that server, then make the mistakes a new us
    `bash tools/install.sh` too; by default the environment is taken as installed).
 2. Every fenced bash line and python block of the README runs, in order, against the server of the
    launch line before it (`python tools/launch.py`, `orca-mq serve`, with the environment they set):
-   each launch gets free ports in place of 5555 / 8000 (never the shared defaults), `~/.orca-keys`
+   each launch gets free ports in place of 5555 / 8000 (never the shared defaults) and its logs in a
+   temporary directory (never the checkout's logs/, `orca-mq logs` reads them there), `~/.orca-keys`
    a temporary directory, other hosts' addresses loopback. A line must exit 0, a curl must not
    answer an error object. Skipped, and said so: placeholders (`/path/to/`), other hosts'
    launchers, tensor parallelism, benchmarks and their peer, the test suite (tests/ runs it).
@@ -106,6 +107,8 @@ class Newcomer:
         line = self.substitute(line)
         if line.startswith("orca-mq client") and " --port " not in line and " --address " not in line:
             line += f" --port {self.ports[0]}"
+        if line.startswith("orca-mq logs"):
+            line += f" --set log.dir={self.log_dirs}"
         out = self.shell(line.replace("orca-mq ", f"{_orca_mq()} ", 1) if line.startswith("orca-mq") else line, 300)
         if line.startswith("curl") and out.lstrip().startswith('{"error"'):
             raise RuntimeError(f"an error object: {out[:300]}")
@@ -118,11 +121,17 @@ class Newcomer:
             return "the same server as before"
         zmq_port, http_port = free_port(), free_port()
         sets = dict(re.findall(r"--set (\S+?)=(\S+)", self.substitute(args, zmq_port, http_port)))
-        sets |= {"server.frontend_address": f"tcp://127.0.0.1:{zmq_port}", "server.http_address": f"127.0.0.1:{http_port}"}
+        sets |= {"server.frontend_address": f"tcp://127.0.0.1:{zmq_port}", "server.http_address": f"127.0.0.1:{http_port}",
+                 "log.dir": self.log_dirs}   # never into the checkout
         env_vars = dict(item.split("=", 1) for item in env.split())
         handle = spawn(sets, self.tmp / f"server{len(self.servers)}.stderr", env=env_vars, ready_timeout=600)
         self.servers[key], self.current = (handle, zmq_port, http_port), key
         return f"{handle.ready_line} (HTTP on {http_port})"
+
+    @property
+    def log_dirs(self) -> str:
+        """log.dir of every server it starts: under its temporary directory, as the checkout's would be."""
+        return f"{self.tmp}/logs/{{port}}"
 
     def substitute(self, text: str, zmq_port: int | None = None, http_port: int | None = None) -> str:
         zmq_port, http_port = (zmq_port, http_port) if zmq_port else self.ports
@@ -167,9 +176,9 @@ class Newcomer:
         (bad / "empty.gguf").write_bytes(b"")
         (bad / "corrupt.gguf").write_bytes(b"GGUF" + bytes(range(256)) * 8)
         (bad / "hf").mkdir(exist_ok=True)
-        log_dir = ROOT / "logs" / str(zmq_port)
+        log_dir = self.tmp / "logs" / str(zmq_port)
         before = {p.name: p.stat().st_size for p in log_dir.glob("*.log")}
-        elsewhere = f"--port {free_port()} --http-port {free_port()} --set log.dir={self.tmp}/logs/{{port}}"
+        elsewhere = f"--port {free_port()} --http-port {free_port()}"
         for args, words in ((f"--port {zmq_port}", "--port"), (f"--port {free_port()} --http-port {http_port}", "--http-port"),
                             ("--set server.http_address=localhost:99999", "1-65535"),
                             (f"--model {bad / 'empty.gguf'} {elsewhere}", "not a readable GGUF"),
@@ -178,7 +187,7 @@ class Newcomer:
                             (f"--model HuggingFaceTB/SmolLM2-135M {elsewhere}", "does not download"),
                             (f"--set scheduler.max_bs=-3 {elsewhere}", "scheduler.max_bs must be >= 1")):
             self.step(f"orca-mq serve {args.split(' --port')[0] if '--model' in args else args}: one line", self.one_line,
-                      f"{_orca_mq()} serve {args}", words)
+                      f"{_orca_mq()} serve {args} --set log.dir={self.log_dirs}", words)
         after = {p.name: p.stat().st_size for p in log_dir.glob("*.log")}
         self.step("the refused launches wrote nothing into the running server's logs", _same, after, before)
         client = f"{_orca_mq()} client --prompt hi --max-tokens 2"
@@ -237,12 +246,11 @@ class Newcomer:
         return f"dtype {loaded[-1]['dtype']}" + (f"; {auto[-1]}" if auto else "")
 
     def stop(self) -> None:
-        for key, (handle, zmq_port, _) in self.servers.items():
+        for key, (handle, _, _) in self.servers.items():
             code = handle.stop()
             stderr = handle.stderr()
             self.step(f"stop {key.strip() or 'the quick-start server'}: exit 0, no traceback on its terminal", _same,
                       (code, "Traceback" in stderr), (0, False))
-            shutil.rmtree(ROOT / "logs" / str(zmq_port), ignore_errors=True)
 
 
 class Skip(Exception):

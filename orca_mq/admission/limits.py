@@ -30,33 +30,33 @@ def fit(prompt_token_ids: list[int], params: SamplingParams, max_len: int, vocab
                  f"the {fitted.max_tokens} tokens the prompt leaves within the context length and the KV pool")
         kind = params.structured_outputs.kind   # type: ignore[union-attr]
         raise InvalidRequest(f"{given} cannot hold any output the structured_outputs.{kind} constraint allows: "
-                             f"its shortest takes {shortest} tokens")
+                             f"its shortest takes {shortest} tokens", "max_tokens")
     return fitted
 
 
 def _fit(prompt_token_ids: list[int], params: SamplingParams, max_len: int, vocab_size: int, pool: PoolSize) -> SamplingParams:
     if not isinstance(prompt_token_ids, list) or not prompt_token_ids:
-        raise InvalidRequest("empty prompt: at least one token is required")
+        raise InvalidRequest("empty prompt: at least one token is required", "prompt")
     if len(prompt_token_ids) > max_len:
-        raise InvalidRequest(f"prompt has {len(prompt_token_ids)} tokens; the context length is {max_len}")
+        raise InvalidRequest(f"prompt has {len(prompt_token_ids)} tokens; the context length is {max_len}", "prompt")
     bad = [t for t in prompt_token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size]
     if bad:
-        raise InvalidRequest(f"prompt token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+        raise InvalidRequest(f"prompt token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}", "prompt")
     n = len(prompt_token_ids)
     if params.max_tokens is None:
         room = min(max_len, pool.device_slots) - n
         if room < 1:
             raise InvalidRequest(f"prompt ({n} tokens) leaves no room to generate within the context length "
-                                 f"{max_len} and the KV pool of {pool.device_slots} slots")
+                                 f"{max_len} and the KV pool of {pool.device_slots} slots", "prompt")
         if params.min_tokens > room:
             raise InvalidRequest(f"min_tokens ({params.min_tokens}) exceeds the {room} tokens the prompt ({n} tokens) "
-                                 f"leaves within the context length {max_len} and the KV pool")
+                                 f"leaves within the context length {max_len} and the KV pool", "min_tokens")
         return dataclasses.replace(params, max_tokens=room)
     total = n + params.max_tokens
     if total > max_len:
         raise InvalidRequest(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {total} "
-                             f"exceeds the context length {max_len}")
+                             f"exceeds the context length {max_len}", "max_tokens")
     if not pool.fits(total):
         raise InvalidRequest(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {total} "
-                             f"exceeds the KV pool of {pool.device_slots} slots (engine.n_slots)")
+                             f"exceeds the KV pool of {pool.device_slots} slots (engine.n_slots)", "max_tokens")
     return params

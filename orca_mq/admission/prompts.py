@@ -38,16 +38,17 @@ def check_template_kwargs(kwargs: Any) -> None:
     """chat_template_kwargs: a JSON object of at most MAX_TEMPLATE_KWARGS_CHARS characters, none of
     whose keys is one of TEMPLATE_ARGUMENTS."""
     if not isinstance(kwargs, dict):
-        raise InvalidRequest("chat_template_kwargs must be an object")
+        raise InvalidRequest("chat_template_kwargs must be an object", "chat_template_kwargs")
     if clash := sorted(TEMPLATE_ARGUMENTS.intersection(kwargs)):
         raise InvalidRequest(f"chat_template_kwargs may not set {', '.join(map(repr, clash))}: the chat template's own "
-                             "argument (give it as a request field where there is one)")
+                             "argument (give it as a request field where there is one)", "chat_template_kwargs")
     try:
         chars = len(json.dumps(kwargs))
     except (TypeError, ValueError, RecursionError):   # bytes from a msgpack client, too deep a nesting
-        raise InvalidRequest("chat_template_kwargs must hold JSON values") from None
+        raise InvalidRequest("chat_template_kwargs must hold JSON values", "chat_template_kwargs") from None
     if chars > MAX_TEMPLATE_KWARGS_CHARS:
-        raise InvalidRequest(f"chat_template_kwargs of {chars} characters as JSON (at most {MAX_TEMPLATE_KWARGS_CHARS})")
+        raise InvalidRequest(f"chat_template_kwargs of {chars} characters as JSON (at most {MAX_TEMPLATE_KWARGS_CHARS})",
+                             "chat_template_kwargs")
 
 
 def check_prompt_size(prompt: str | None, prompt_token_ids: list[int] | None, messages: list[Any] | None,
@@ -55,17 +56,18 @@ def check_prompt_size(prompt: str | None, prompt_token_ids: list[int] | None, me
     """Refuse, before tokenizing, what cannot fit `max_model_len` tokens: a token covers at most
     `max_chars // max_model_len` characters (the vocabulary's longest token) and a message at least one token."""
     if prompt_token_ids is not None and len(prompt_token_ids) > max_model_len:
-        raise InvalidRequest(f"prompt has {len(prompt_token_ids)} tokens; the context length is {max_model_len}")
+        raise InvalidRequest(f"prompt has {len(prompt_token_ids)} tokens; the context length is {max_model_len}", "prompt")
     if prompt is not None and len(prompt) > max_chars:
         raise InvalidRequest(f"prompt of {len(prompt)} characters cannot fit the context length "
-                             f"of {max_model_len} tokens (at most {max_chars} characters)")
+                             f"of {max_model_len} tokens (at most {max_chars} characters)", "prompt")
     if messages is not None:
         if len(messages) > max_model_len:
-            raise InvalidRequest(f"{len(messages)} messages cannot fit the context length of {max_model_len} tokens")
+            raise InvalidRequest(f"{len(messages)} messages cannot fit the context length of {max_model_len} tokens",
+                                 "prompt")
         chars = sum(len(v) for m in messages if isinstance(m, dict) for v in m.values() if isinstance(v, str))
         if chars > max_chars:
             raise InvalidRequest(f"messages of {chars} characters cannot fit the context length "
-                                 f"of {max_model_len} tokens (at most {max_chars} characters)")
+                                 f"of {max_model_len} tokens (at most {max_chars} characters)", "prompt")
 
 
 def longest_token_chars(tokenizer: PreTrainedTokenizerBase) -> int:
@@ -90,7 +92,7 @@ class Prompts:
         if msg.prompt_token_ids is not None and msg.chat:
             raise InvalidRequest("chat=True needs prompt or messages, not prompt_token_ids")
         if msg.messages is None and not msg.chat and msg.prompt is not None and not msg.prompt:
-            raise InvalidRequest("empty prompt")
+            raise InvalidRequest("empty prompt", "prompt")
         if msg.chat_template_kwargs is not None:
             if msg.messages is None and not msg.chat:
                 raise InvalidRequest("chat_template_kwargs needs messages or chat=True (a chat template)")
@@ -116,14 +118,14 @@ class Prompts:
             isinstance(m, dict) and set(m) == {"role", "content"} and isinstance(m["role"], str)
             and isinstance(m["content"], str) for m in messages
         ):
-            raise InvalidRequest("messages must be a non-empty list of {'role': str, 'content': str}")
+            raise InvalidRequest("messages must be a non-empty list of {'role': str, 'content': str}", "prompt")
         if bad := next((m["role"] for m in messages if m["role"] not in ROLES), None):
-            raise InvalidRequest(f"message role {bad[:40]!r} is not one of {', '.join(ROLES)}")
+            raise InvalidRequest(f"message role {bad[:40]!r} is not one of {', '.join(ROLES)}", "prompt")
         try:
             text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
                                                       **(template_kwargs or {}))
         except Exception as e:  # jinja raises for roles or orders the template forbids
-            raise InvalidRequest(f"chat template: {e}") from None
+            raise InvalidRequest(f"chat template: {e}", "prompt") from None
         return self._encode(text, special)  # by default not: the template already holds any BOS
 
     def encode_text(self, text: str, special: bool = True) -> list[int]:

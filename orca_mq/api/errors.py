@@ -32,12 +32,14 @@ STATUS_BY_CODE = {INVALID_REQUEST: 400, PROTOCOL: 400, UNAUTHORIZED: 401, OVERLO
 INTERNAL_TEXT = "internal server error"
 
 
-def classify(code: str | None, error: str | None) -> ApiError:
+def classify(code: str | None, error: str | None, param: str | None = None) -> ApiError:
+    """A final's error as the HTTP API's (`param`: the field at fault, as the server names it on the
+    wire; the route gives it the request's name: ChatCompletionRequest.field)."""
     code = code or INTERNAL
     status = STATUS_BY_CODE.get(code, 500)
     if status == 500:
         return ApiError(500, INTERNAL_TEXT, INTERNAL)  # a 500 says nothing more
-    return ApiError(status, error or code, code)
+    return ApiError(status, error or code, code, param)
 
 
 def error_type(status: int) -> str:

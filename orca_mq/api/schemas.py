@@ -161,6 +161,10 @@ class _Sampling(Strict):
     def limit(self) -> int | None:
         return self.max_tokens
 
+    def field(self, param: str | None) -> str | None:
+        """The request's name for a field the server blames by its wire name (InvalidRequest.param)."""
+        return param
+
     def sampling(self) -> dict[str, Any]:
         """The SamplingParams fields that were given; max_tokens None = the rest of the context (the frontend's)."""
         given = {"temperature": self.temperature, "top_p": self.top_p, "seed": self.seed,
@@ -291,6 +295,11 @@ class ChatCompletionRequest(_Sampling):
 
     def limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def field(self, param: str | None) -> str | None:
+        if param == "prompt":
+            return "messages"
+        return "max_completion_tokens" if param == "max_tokens" and self.max_completion_tokens is not None else param
 
     @model_validator(mode="after")
     def _top_logprobs(self) -> "ChatCompletionRequest":

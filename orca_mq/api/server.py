@@ -159,9 +159,13 @@ class Api:
                      whole: Build, opening: Callable[[Choice], BaseModel] | None = None) -> Response:
         check_bounds(body, self.cfg.server.http_max_n, self.cfg.server.http_max_choices)
         fan = Fanout(body, self.client, self.metrics)
-        if not body.stream:
-            return JSONResponse((await answer(fan, request, whole)).model_dump())
-        await begin(fan, request)   # the first tokens before the headers: a refused request gets its HTTP status
+        try:
+            if not body.stream:
+                return JSONResponse((await answer(fan, request, whole)).model_dump())
+            await begin(fan, request)   # the first tokens before the headers: a refused request gets its HTTP status
+        except ApiError as e:   # refused: the field at fault by this request's name for it
+            e.param = body.field(e.param)
+            raise
         return StreamingResponse(events(fan, chunk, body.include_usage, opening), media_type="text/event-stream")
 
     # ---------------------------------------------------------------- state

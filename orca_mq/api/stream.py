@@ -95,7 +95,7 @@ class Generation:
                     elif ev.finished:
                         text += self.stops.flush()
                 if ev.finished:
-                    self._finish(ev.finish_reason, ev.code, ev.error, ev.metrics, stopped)  # raises if refused or failed
+                    self._finish(ev, stopped)  # raises if refused or failed
                     yield text
                     return
                 if text or not stopped:
@@ -135,15 +135,16 @@ class Generation:
         self.token_times.extend([now] * n)
         self.completion_tokens += n
 
-    def _finish(self, reason: str | None, code: str | None, error: str | None, metrics: dict[str, Any] | None,
-                stopped: bool) -> None:
-        self.prompt_tokens = int((metrics or {}).get("prompt_tokens", 0))
-        self.cached_tokens = int(((metrics or {}).get("scheduler") or {}).get("cached_tokens", 0))
+    def _finish(self, ev: StreamEvent, stopped: bool) -> None:
+        reason, metrics = ev.finish_reason, ev.metrics or {}
+        self.prompt_tokens = int(metrics.get("prompt_tokens", 0))
+        self.cached_tokens = int((metrics.get("scheduler") or {}).get("cached_tokens", 0))
         if stopped or reason in ("stop", "length"):
             self.finish_reason = "stop" if stopped else reason
             self.metrics.finished(self, time.monotonic())
             return
-        err = classify(code or (ABORTED if reason == "abort" else None), error or f"request {reason} by the server")
+        err = classify(ev.code or (ABORTED if reason == "abort" else None), ev.error or f"request {reason} by the server",
+                       ev.param)
         self.finish_reason = "error"
         self.metrics.outcome(OUTCOME_BY_STATUS.get(err.status, "error"))
         raise err

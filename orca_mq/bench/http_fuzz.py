@@ -3,57 +3,62 @@ tools/bench_reliability.py (at length):
 
 - `schema_fuzz`: schemathesis, from the server's own OpenAPI schema, positive and negative cases of
   every operation;
-- `body_fuzz`: hypothesis bodies the schema knows nothing of: the request fields (known,
-  unsupported and misspelt) with JSON values of every kind and magnitude (1e308, 2**200, NaN),
-  bodies that are not objects, not JSON, not UTF-8, with odd content types.
+- `body_fuzz`: hypothesis requests to the generation routes (orca_mq.bench.http_bodies): wild ones
+  the schema knows nothing of, and ones built to be served or to be refused for one named field.
 
 Every reply is judged by the contract: never a 5xx, a JSON error object with a message, type and
-code on every 4xx (and with a param when the schema refused a field), and the server still
-healthy afterwards. A violation is counted with a sample, never raised, so a caller sees them all.
+code on every 4xx (and with a param when the schema refused a field); a request built to be served
+gets 200 and its whole answer, one built to be refused a 400 naming its field. A violation is counted
+with a sample, never raised, so a caller sees them all.
 """
 from __future__ import annotations
 
 import json
-import math
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 from hypothesis import HealthCheck, Phase, given, seed as hypothesis_seed, settings
-from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
 
-PATHS = ("/v1/completions", "/v1/chat/completions")
+from orca_mq.bench.http_bodies import ANY, MAX_TOKENS, Expect, Request, refused, served, wild
+
 SERVED = {200}
 REFUSED = {400, 404, 405, 413, 422, 429}
 SAMPLES = 10
+BUILT_SHARE = 8   # a served request costs a generation: a few of them beside the wild ones
 
 
 @dataclass(slots=True)
 class FuzzReport:
     requests: int = 0
     statuses: Counter[int] = field(default_factory=Counter)
+    built: Counter[str] = field(default_factory=Counter)   # requests built to be "served" / "refused"
     violations: list[str] = field(default_factory=list)   # up to SAMPLES, each "why: request"
     n_violations: int = 0
 
-    def judge(self, what: str, status: int, body: bytes, content_type: str) -> None:
+    def judge(self, what: str, status: int, body: bytes, content_type: str, expect: Expect = ANY) -> None:
         self.requests += 1
         self.statuses[status] += 1
-        why = _violation(status, body, content_type)
+        if expect != ANY:
+            self.built["served" if expect.served else "refused"] += 1
+        why = _violation(status, body, content_type, expect)
         if why is not None:
             self.n_violations += 1
             if len(self.violations) < SAMPLES:
                 self.violations.append(f"{why}: {what[:300]}")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"requests": self.requests, "statuses": dict(sorted(self.statuses.items())),
+        return {"requests": self.requests, "statuses": dict(sorted(self.statuses.items())), "built": dict(self.built),
                 "violations": self.n_violations, "samples": self.violations}
 
 
-def _violation(status: int, body: bytes, content_type: str) -> str | None:
+def _violation(status: int, body: bytes, content_type: str, expect: Expect) -> str | None:
+    if expect.served:
+        return None if status in SERVED and _whole(body, content_type) else f"status {status} for a request built to be served"
     if status in SERVED:
-        return None
+        return None if expect.param is None else f"served a request built to be refused for {expect.param!r}"
     if status not in REFUSED:
         return f"status {status}"
     if "json" not in content_type:
@@ -62,8 +67,25 @@ def _violation(status: int, body: bytes, content_type: str) -> str | None:
         err = json.loads(body)["error"]
         ok = isinstance(err["message"], str) and isinstance(err["type"], str) and isinstance(err["code"], str)
     except (ValueError, KeyError, TypeError):
-        ok = False
+        return f"{status} without OpenAI's error object"
+    if ok and expect.param is not None and not (status == 400 and _names(err.get("param"), expect.param)):
+        return f"{status} with param {err.get('param')!r}, not {expect.param!r}"
     return None if ok else f"{status} without OpenAI's error object"
+
+
+def _names(param: Any, field_name: str) -> bool:
+    return isinstance(param, str) and (param == field_name or param.startswith(field_name + "."))
+
+
+def _whole(body: bytes, content_type: str) -> bool:
+    """A served answer is whole: a completion with choices, or a stream to its [DONE] without an error event."""
+    if "event-stream" in content_type:
+        text = body.decode()
+        return text.endswith("data: [DONE]\n\n") and '\ndata: {"error"' not in "\n" + text
+    try:
+        return bool(json.loads(body)["choices"])
+    except (ValueError, KeyError, TypeError):
+        return False
 
 
 def _capped(body: Any, cap: int) -> Any:
@@ -106,64 +128,37 @@ def schema_fuzz(base_url: str, api_key: str | None, examples: int, seed: int = 0
     return report
 
 
-_NAMES = ["prompt", "messages", "model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
-          "stop", "stream", "stream_options", "n", "logprobs", "top_logprobs", "echo", "user", "ignore_eos", "stop_token_ids",
-          "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "min_p", "logit_bias", "tools",
-          "response_format", "skip_special_tokens", "chat_template_kwargs", "temprature", "", "\x00", "é"]
-_EDGE = st.sampled_from([0, 1, -1, 2**31, 2**63, 2**64, 10**30, 2**200, -(2**200), 1e30, 1e308, -1e308, 0.5, 1e-320,
-                         math.inf, -math.inf, math.nan, True, False, None, "", "x" * 300, [], {}])
-_JSON = st.recursive(st.one_of(_EDGE, st.integers(), st.floats(), st.text(max_size=20), st.booleans(), st.none()),
-                     lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=8), inner, max_size=4)),
-                     max_leaves=10)
-_MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool", "x"]),
-                                  "content": st.one_of(st.text(max_size=20), _JSON)},
-                                 optional={"name": _JSON, "extra": _JSON})
-_BODY = st.one_of(
-    st.dictionaries(st.sampled_from(_NAMES), st.one_of(_JSON, st.lists(_MESSAGE, max_size=3)), max_size=6),
-    st.fixed_dictionaries({"prompt": st.one_of(st.text(max_size=30), st.lists(st.integers(-5, 2**40), max_size=5))},
-                          optional={k: _JSON for k in ("max_tokens", "temperature", "top_p", "seed", "stop", "top_k", "n")}),
-    st.fixed_dictionaries({"messages": st.lists(_MESSAGE, max_size=3)},
-                          optional={k: _JSON for k in ("max_completion_tokens", "stream", "stream_options", "tools")}),
-    _JSON,
-)
-
-
-def _encode(body: Any) -> bytes:
-    return json.dumps(body, allow_nan=True).encode()   # NaN / Infinity tokens: Python's json reads them
-
-
-@st.composite
-def _request(draw: st.DrawFn) -> tuple[str, bytes, str]:
-    path = draw(st.sampled_from(PATHS))
-    kind = draw(st.integers(0, 9))
-    body = draw(_BODY)
-    if isinstance(body, dict) and "max_tokens" not in body:
-        body["max_tokens"] = 4  # what is served costs milliseconds (the schema and the tests cover an absent one)
-    if kind == 0:
-        payload = draw(st.binary(max_size=64))                            # not JSON, maybe not UTF-8
-    elif kind == 1:
-        payload = _encode(body)[: draw(st.integers(0, 40))]               # truncated JSON
-    else:
-        payload = _encode(body)
-    content_type = draw(st.sampled_from(["application/json"] * 6 + ["text/plain", "", "application/json; charset=latin-1"]))
-    return path, payload, content_type
-
-
 def body_fuzz(base_url: str, api_key: str | None, examples: int, seed: int = 0) -> FuzzReport:
-    """`examples` hypothesis requests of every shape to the two generation routes."""
+    """`examples` wild requests to the two generation routes, and `examples // BUILT_SHARE` (at least one) each
+    built to be served and built to be refused: each family is its own hypothesis run, so every one is sent."""
     report = FuzzReport()
     auth = {"authorization": f"Bearer {api_key}"} if api_key else {}
-    with httpx.Client(base_url=base_url, timeout=120) as http:
-        @hypothesis_seed(seed)
-        @settings(max_examples=examples, deadline=None, database=None, suppress_health_check=list(HealthCheck),
-                  phases=[Phase.generate])
-        @given(req=_request())
-        def run(req: tuple[str, bytes, str]) -> None:
-            path, payload, content_type = req
-            headers = auth | ({"content-type": content_type} if content_type else {})
-            resp = http.post(path, content=payload, headers=headers)
-            report.judge(f"POST {path} {content_type} {payload[:200]!r}", resp.status_code, resp.content,
-                         resp.headers.get("content-type", ""))
+    with httpx.Client(base_url=base_url, headers=auth, timeout=120) as http:
+        rooms = _rooms(http)
+        built = max(1, examples // BUILT_SHARE)
+        for strategy, n in ((wild(), examples), (served(*rooms), built), (refused(*rooms), built)):
+            @hypothesis_seed(seed)
+            @settings(max_examples=n, deadline=None, database=None, suppress_health_check=list(HealthCheck),
+                      phases=[Phase.generate])
+            @given(req=strategy)
+            def run(req: Request) -> None:
+                path, payload, content_type, expect = req
+                resp = http.post(path, content=payload, headers={"content-type": content_type} if content_type else {})
+                report.judge(f"POST {path} {content_type} {payload[:200]!r}", resp.status_code, resp.content,
+                             resp.headers.get("content-type", ""), expect)
 
-        run()
+            run()
     return report
+
+
+def _rooms(http: httpx.Client) -> tuple[int, int]:
+    """The tokens a completion's and a chat's prompt text may take on this server: its context less
+    MAX_TOKENS, a token of margin, and what /tokenize counts for a one-character prompt and an empty chat."""
+    def count(body: dict[str, Any]) -> tuple[int, int]:
+        r = http.post("/tokenize", json=body)
+        r.raise_for_status()
+        return r.json()["count"], r.json()["max_model_len"]
+
+    plain, max_len = count({"prompt": "a"})
+    chat, _ = count({"messages": [{"role": "user", "content": ""}]})
+    return max_len - plain - MAX_TOKENS, max_len - chat - MAX_TOKENS - 1

@@ -73,6 +73,7 @@ class Output:
     code: str | None = added(2, default=None)   # a common_msgs code on an "error" or "abort" final
     logprobs: Logprobs | None = added(5, default=None)          # token_ids' log probabilities, when asked
     prompt_logprobs: Logprobs | None = added(5, default=None)   # the prompt's, with the first tokens, when asked
+    param: str | None = added(7, default=None)   # a refusal's request field at fault, where one is (InvalidRequest.param)
 
 
 @dataclass(slots=True)

@@ -365,6 +365,11 @@ class Scheduler:
         and what the policy adds (FastServe: queues, swaps)."""
         return {"cached_tokens": req.cached_tokens, "iterations": req.n_iterations, **Speculator.metrics(req)}
 
+    def final_metrics(self, event: TokenEvent) -> dict[str, Any]:
+        """A final event's scheduler metrics, as the server's final message and the offline LLM's output
+        carry them: the request's and what the event adds (a structured output's report)."""
+        return (self.request_metrics(event.request_id) or {}) | (event.metrics or {})
+
     def request_metrics(self, request_id: str) -> dict[str, Any] | None:
         """A request's metrics, live or (one of the last KEPT_METRICS) finished; None if unknown."""
         if request_id in self.finished:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from orca_mq.detokenizer import IncrementalDetokenizer
+from orca_mq.outputs import output_metrics
 from orca_mq.protocol.client_msgs import Generate
 from orca_mq.protocol.sampling import SamplingParams
 
@@ -38,16 +39,6 @@ class ActiveRequest:
             self.first_token = now
         return self.detok.step(new_ids, hide_last)
 
-    def metrics(self, now: float) -> dict[str, Any]:
-        """The final message's metrics, as it finishes at `now`."""
-        n, first = len(self.detok.ids), self.first_token
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": n,
-            "arrival_time": self.arrival,
-            "first_token_time": first,
-            "finish_time": now,
-            "ttft": None if first is None else first - self.arrival,
-            "tpot": (now - first) / (n - 1) if first is not None and n > 1 else None,
-            "e2e_latency": now - self.arrival,
-        }
+    def metrics(self, now: float, scheduler: dict[str, Any] | None) -> dict[str, Any]:
+        """The final message's metrics, as it finishes at `now` (`scheduler`: the scheduler's for it)."""
+        return output_metrics(self.prompt_tokens, len(self.detok.ids), self.arrival, self.first_token, now, scheduler)

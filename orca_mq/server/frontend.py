@@ -192,7 +192,7 @@ class Frontend:
     async def _refuse(self, client: bytes, rid: str, e: InvalidRequest, version: int) -> None:
         self.log.info("request rejected", client_request_id=rid, error=str(e))
         code = UNAVAILABLE if isinstance(e, _Unavailable) else INVALID_REQUEST
-        await self.link.to_client(client, Output(rid, [], "", True, "error", str(e), code=code), version)
+        await self.link.to_client(client, Output(rid, [], "", True, "error", str(e), code=code, param=e.param), version)
 
     async def _on_tokens(self, batch: TokenBatch) -> None:
         """One step's tokens: grouped by request, each request detokenized once, a frame per client."""
@@ -216,7 +216,7 @@ class Frontend:
             final = None
             if reason is not None:
                 text += req.detok.finish()
-                metrics = req.metrics(now) | ({"scheduler": batch.metrics[iid]} if iid in batch.metrics else {})
+                metrics = req.metrics(now, batch.metrics.get(iid))
                 final = Final(reason, INTERNAL_TEXT if reason == "error" else None, metrics, FINAL_CODES.get(reason))
                 self._forget(iid)
                 self.log.info("request finished", request_id=iid, finish_reason=reason,

@@ -194,7 +194,7 @@ class SchedulerProcess:
 
     async def _emit(self, iteration: int, events: list[TokenEvent]) -> None:
         if events:
-            batch = token_batch(iteration, events, self.sched.request_metrics)
+            batch = token_batch(iteration, events, self.sched.final_metrics)
             self.telemetry.finished(batch.metrics.values())
             await self.link.to_peer("frontend", batch)
 
@@ -237,7 +237,7 @@ class SchedulerProcess:
         await self.link.to_peer(pending.source, StatsResult(q.query_id, stats))
 
 
-def token_batch(iteration: int, events: list[TokenEvent], request_metrics: Callable[[str], dict[str, Any] | None]) -> TokenBatch:
+def token_batch(iteration: int, events: list[TokenEvent], final_metrics: Callable[[TokenEvent], dict[str, Any]]) -> TokenBatch:
     """A step's events as one TokenBatch, in one pass: two flat columns of tokens (msgpack packs them
     in C), the few finals with their metrics (the scheduler's and the event's) beside."""
     rids: list[str] = []
@@ -250,7 +250,7 @@ def token_batch(iteration: int, events: list[TokenEvent], request_metrics: Calla
             tokens.append(e.token_id)
         if e.finish_reason:
             finals[e.request_id] = e.finish_reason
-            if m := (request_metrics(e.request_id) or {}) | (e.metrics or {}):
+            if m := final_metrics(e):
                 metrics[e.request_id] = m
     batch = TokenBatch(iteration, rids, tokens, finals, metrics)
     if any(e.logprobs is not None or e.prompt_logprobs is not None for e in events):
