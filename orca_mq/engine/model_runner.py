@@ -65,7 +65,8 @@ class ModelRunner:
         self.first, self.last = stage == 0, stage == n_stages - 1
         layers = self.info.stage_layers(stage, n_stages)
         self.tp = TensorParallel(self.info, tp)
-        weights = self.tp.shard(load_stage_weights(self.info, layers, self.first, self.last, self.dtype, cfg.model.cache_dir))
+        weights = self.tp.shard(load_stage_weights(self.info, layers, self.first, self.last, self.dtype,
+                                                    cfg.model.cache_dir, self.device))
         for w in [*weights.layers, weights.final_norm or {}]:
             for k, t in w.items():
                 w[k] = t.to(self.device)

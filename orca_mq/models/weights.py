@@ -14,6 +14,7 @@ from orca_mq.models.files import cache_key
 from orca_mq.models.info import ModelInfo
 from orca_mq.models.layers.rotary import partial_order
 from orca_mq.models.names import Names, Source
+from orca_mq.models.random_weights import random_stage_weights, random_weights
 from orca_mq.models.registry import family
 from orca_mq.models.sources import Source as Checkpoint
 from orca_mq.models.sources import open_source
@@ -40,10 +41,13 @@ def names_of(info: ModelInfo) -> Names:
 
 
 def load_stage_weights(info: ModelInfo, layers: range, first: bool, last: bool, dtype: torch.dtype,
-                       cache_dir: str = "") -> StageWeights:
+                       cache_dir: str = "", device: torch.device | None = None) -> StageWeights:
     """A stage's weights; with `cache_dir`, a GGUF's dequantized tensors are saved there once and
-    memory-mapped afterwards (seconds instead of a minute of dequantizing when a worker restarts)."""
+    memory-mapped afterwards (seconds instead of a minute of dequantizing when a worker restarts).
+    A checkpoint of random weights (models/random_weights.py) is drawn on `device` (default: the CPU)."""
     path = Path(info.path)
+    if (spec := random_weights(path)) is not None:
+        return random_stage_weights(info, spec, layers, first, last, dtype, device or torch.device("cpu"))
     if not cache_dir or not path.is_file():
         return _load(info, layers, first, last, dtype)
     cached = Path(cache_dir).expanduser() / f"stage2-{cache_key(path, layers.start, layers.stop, first, last, str(dtype))}.pt"
@@ -169,6 +173,8 @@ def check_checkpoint(info: ModelInfo, cache_dir: str = "") -> None:
 
 
 def _check(info: ModelInfo) -> None:
+    if random_weights(Path(info.path)) is not None:   # drawn from the config's own shapes: nothing to check
+        return
     src, names = open_source(Path(info.path)), names_of(info)
     want = expected_shapes(info)
     specs = [names.layer(i) for i in range(info.n_layers)]
