@@ -72,18 +72,20 @@ FAMILIES = ("llama", "llama3_rope", "qwen2", "qwen3", "mistral", "gemma2", "gemm
 LENGTH_ROPES = ("llama_dynamic", "phi3_longrope")   # rotaries whose tables follow the sequence's length
 
 
-def save_byte_tokenizer(path: Path, bos: int = 1, eos: int = 2) -> Path:
-    """A byte-level tokenizer of 256 tokens (token i is byte i, no merges) saved in `path`: text for a
-    tiny model whose vocabulary is 256 (bos and eos are bytes too, as the tiny configs name them)."""
+def save_byte_tokenizer(path: Path, bos: int = 1, eos: int = 2, size: int = 256) -> Path:
+    """A byte-level tokenizer of `size` tokens saved in `path`: token i < 256 is byte i (no merges: text
+    encodes to bytes), a token past them reads "<i>" (a random model's vocabulary of a real size, every
+    id it samples decodable). bos and eos are tokens of it, as the config names them."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     chars = bytes_to_unicode()   # byte -> the printable character byte-level BPE spells it with
-    tok = Tokenizer(models.BPE({chars[b]: b for b in range(256)}, []))
+    spell = [chars[b] for b in range(256)] + [f"<{i}>" for i in range(256, size)]
+    tok = Tokenizer(models.BPE({s: i for i, s in enumerate(spell)}, []))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=chars[bos], eos_token=chars[eos]).save_pretrained(path)
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=spell[bos], eos_token=spell[eos]).save_pretrained(path)
     return path
 
 
