@@ -120,5 +120,5 @@ class Ctx:
         return AutoModelForCausalLM.from_pretrained(self.models / model, dtype=dtype).to(self.device).eval()
 
 
-def random_prompts(rng: random.Random, n: int, lo: int, hi: int) -> list[list[int]]:
-    return [[rng.randrange(100, 40000) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+def random_prompts(rng: random.Random, n: int, lo: int, hi: int, vocab: int = 40000) -> list[list[int]]:
+    return [[rng.randrange(100, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]

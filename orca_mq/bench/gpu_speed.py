@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -20,7 +21,7 @@ GRAPH_MODES = ("on", "off")   # engine.cuda_graphs: the runner as served, and ea
 
 
 def iteration(ctx: Ctx) -> None:
-    from orca_mq.bench.graph_probe import ProbeModel, probe
+    from orca_mq.bench.graph_probe import ProbeModel, pool_caches, probe
     from orca_mq.bench.plans import plan_for
     from orca_mq.protocol.iteration import pack
 
@@ -40,17 +41,17 @@ def iteration(ctx: Ctx) -> None:
                  shown=f"{len(g.graphs)} of {len(g.all)} ({len(g.sizes)} decode up to {g.sizes[-1]}, {len(g.token_sizes)} "
                        f"mixed up to {max(g.token_sizes, default=0)} tokens), {g.memory / 2**20:.0f} MiB, {g.capture_s:.1f} s"
                  if g else f"none: {on.graph_error or 'not on this device'}", how="ModelRunner.graphs after start")
-    info = next(iter(runners.values())).info
-    yard = ProbeModel(info, torch.device(ctx.device), getattr(torch, dtype))
+    first = next(iter(runners.values()))
+    yard = ProbeModel(first.info, first.model.w, first.model.mlps)   # its weights and its pool's memory
     how = (f"ModelRunner.execute of a packed plan (as a worker receives it: inputs staged, forward, sampling, "
            f"tokens back), median of {sz.repeat}, {dtype}, synchronized")
     for b in sz.decode_batches:
-        plan = pack(plan_for([(1, sz.ctx - 1)] * b, next(iter(runners.values())).block_size))
+        plan = pack(plan_for([(1, sz.ctx - 1)] * b, first.block_size))
         ms = {}
         for mode, r in runners.items():
             with ctx.attempt(f"decode b={b} graphs {mode}"):
                 ms[mode] = ctx.timed_ms(lambda r=r: r.execute(plan))
-        p = probe(yard, b, sz.ctx, repeat=2 * sz.repeat)
+        p = probe(yard, b, sz.ctx, pool_caches(first.kv, b, sz.ctx), repeat=2 * sz.repeat)
         best = ms.get("on")
         base = p.get("graph_ms", p["eager_ms"])
         engine = " / ".join(f"{m} {v:.2f}" for m, v in ms.items())
@@ -119,7 +120,7 @@ def burst(ctx: Ctx, llm: Any, prompts: list[list[int]], params: list[Any]) -> tu
     tokens: the timed prompts must not find their prefixes cached."""
     from orca_mq import SamplingParams
 
-    warm = random_prompts(random.Random(99), max(1, len(prompts) // 4), 1, 1)
+    warm = random_prompts(random.Random(99), max(1, len(prompts) // 4), 1, 1, min(40000, llm.runner.info.vocab_size))
     warm = [w * len(p) for w, p in zip(warm, prompts)]
     llm.generate(warm, [SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)] * len(warm))
     ctx.sync()
@@ -132,43 +133,68 @@ def burst(ctx: Ctx, llm: Any, prompts: list[list[int]], params: list[Any]) -> tu
     return sum(len(o.token_ids) for o in outs), s
 
 
+@dataclass(frozen=True, slots=True)
+class Burst:
+    """A served burst of the orca trace (every request at once, through a launched server and
+    tools/bench.py) and the same requests offline, on one model's checkpoint, with its targets (gen tok/s)."""
+
+    n: int
+    warm_n: int                       # the untimed served burst before it (0: none)
+    input_len: tuple[int, int]
+    output_len: tuple[int, int]
+    max_bs: int
+    budget: int
+    slots: int
+    sets: dict[str, Any] = field(default_factory=dict)   # more config keys, for the server and offline alike
+    served_target: float | None = None
+    offline_target: float | None = None
+    ratio_target: float | None = None
+
+
 def served(ctx: Ctx) -> None:
+    sz = ctx.sizes
+    served_and_offline(ctx, "smol", Burst(sz.served_n, sz.served_warm_n, sz.served_in, sz.served_out, sz.served_bs,
+                                          sz.served_budget, sz.served_slots, served_target=30_000, ratio_target=0.8))
+
+
+def served_and_offline(ctx: Ctx, name: str, b: Burst) -> None:
+    """The served burst's gen tok/s and errors, the same trace's offline, and their ratio."""
     from orca_mq import SamplingParams
     from orca_mq.bench.trace import TraceSpec, load_corpus, make_trace
     from orca_mq.server.process import free_port, spawn
     from orca_mq.tokenizer import load_tokenizer
 
-    sz, model = ctx.sizes, str(ctx.models / "smol")
-    budget = f"scheduler.max_num_batched_tokens={sz.served_budget}"
+    model = str(ctx.models / name)
+    budget = f"scheduler.max_num_batched_tokens={b.budget}"
     # the bench's clients in 4 processes: one Python client spends ~60 us a token, a ceiling near 16k tok/s
     procs = "1" if ctx.small else "4"
-    common = ["--policy", "orca", "--trace", "orca", "--rate", "0", "--client-procs", procs, "--input-len", "%d:%d" % sz.served_in,
-              "--output-len", "%d:%d" % sz.served_out, "--max-bs", str(sz.served_bs), "--set", f"model.path={model}",
+    common = ["--policy", "orca", "--trace", "orca", "--rate", "0", "--client-procs", procs, "--input-len", "%d:%d" % b.input_len,
+              "--output-len", "%d:%d" % b.output_len, "--max-bs", str(b.max_bs), "--set", f"model.path={model}",
               "--set", budget, "--no-progress"]
-    sets = {"model.path": model, "engine.device": ctx.device, "model.dtype": ctx.fast_dtype, "scheduler.max_bs": sz.served_bs,
-            "scheduler.max_num_batched_tokens": sz.served_budget, "engine.n_slots": sz.served_slots,
+    sets = {"model.path": model, "engine.device": ctx.device, "model.dtype": ctx.fast_dtype, "scheduler.max_bs": b.max_bs,
+            "scheduler.max_num_batched_tokens": b.budget, "engine.n_slots": b.slots, **b.sets,
             "server.frontend_address": f"tcp://127.0.0.1:{free_port()}", "server.http_address": "",
-            "log.dir": ctx.work / "served_logs"}
+            "log.dir": ctx.work / f"{ctx.section}_logs"}
     t = time.perf_counter()
-    server = spawn(sets, ctx.work / "served.launch.log", ready_timeout=240)
+    server = spawn(sets, ctx.work / f"{ctx.section}.launch.log", ready_timeout=240)
     CLEANUP.append(lambda: os.killpg(server.proc.pid, signal.SIGKILL))
     ctx.emit(detail="server ready", s=time.perf_counter() - t, sets=sets)
     from orca_mq.client import Client
 
     try:
         runs = {}
-        for name, n, seed in (("warm-up", sz.served_warm_n, 12), ("measured", sz.served_n, 11)):
+        for what, n, seed in (("warm-up", b.warm_n, 12), ("measured", b.n, 11))[not b.warm_n:]:
             with Client(server.address) as c:
                 c.stats(reset=True)
-            out = ctx.work / f"served_{seed}.json"
+            out = ctx.work / f"{ctx.section}_{seed}.json"
             cmd = [sys.executable, str(ROOT / "tools" / "bench.py"), "--address", server.address, "--num-requests", str(n),
                    "--seed", str(seed), "--out", str(out), *common]
             run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
-            (ctx.work / f"served_{seed}.log").write_text(run.stdout + run.stderr)
+            (ctx.work / f"{ctx.section}_{seed}.log").write_text(run.stdout + run.stderr)
             if not out.exists():
-                raise RuntimeError(f"bench ({name}) exit {run.returncode}: {run.stderr.strip()[-300:]}")
-            runs[name] = json.loads(out.read_text())["summary"]
-            ctx.emit(detail=f"served {name} burst", **{k: runs[name].get(k) for k in (
+                raise RuntimeError(f"bench ({what}) exit {run.returncode}: {run.stderr.strip()[-300:]}")
+            runs[what] = json.loads(out.read_text())["summary"]
+            ctx.emit(detail=f"served {what} burst", **{k: runs[what].get(k) for k in (
                 "n_ok", "n_errors", "makespan_s", "throughput_tok_s", "total_prompt_tokens", "total_generated_tokens")})
         with Client(server.address) as c:
             st = c.stats()
@@ -182,23 +208,29 @@ def served(ctx: Ctx) -> None:
     finally:
         server.stop(60)
     m = runs["measured"]
-    how = (f"tools/bench.py --address (server: tools/launch.py, {ctx.fast_dtype}, max_bs {sz.served_bs}, budget "
-           f"{sz.served_budget}, n_slots {sz.served_slots}) orca trace, {sz.served_n} requests at once from "
-           f"{procs} client processes, after a {sz.served_warm_n}-request warm-up burst")
-    ctx.emit(f"served burst, orca trace, {sz.served_n} requests: gen tok/s", m["throughput_tok_s"], unit="tok/s",
-             target=">= 30k" if ctx.cuda else None, met=m["throughput_tok_s"] >= 30_000 if ctx.cuda else None, how=how)
-    ctx.emit("served burst: errors", m["n_errors"], target="0", met=m["n_errors"] == 0 and m["n_ok"] == sz.served_n)
+    conf = f"{ctx.fast_dtype}, max_bs {b.max_bs}, budget {b.budget}, n_slots {b.slots}" + "".join(f", {k} {v}" for k, v in b.sets.items())
+    how = (f"tools/bench.py --address (server: orca-mq serve, {conf}) orca trace, {b.n} requests at once from "
+           f"{procs} client processes" + f", after a {b.warm_n}-request warm-up burst" * bool(b.warm_n))
+    tok_s = m["throughput_tok_s"]
+    ctx.emit(f"served burst, orca trace, {b.n} requests: gen tok/s", tok_s, unit="tok/s", how=how, **_target(ctx, tok_s, b.served_target, "k"))
+    ctx.emit("served burst: errors", m["n_errors"], target="0", met=m["n_errors"] == 0 and m["n_ok"] == b.n)
     # the same trace offline: the same requests (the bench's trace, seed 11), batch cap, budget and KV room
     tok = load_tokenizer(model)
-    trace = make_trace(TraceSpec(kind="orca", num_requests=sz.served_n, rate=0, input_len=sz.served_in,
-                                 output_len=sz.served_out, seed=11), load_corpus(tok))
+    trace = make_trace(TraceSpec(kind="orca", num_requests=b.n, rate=0, input_len=b.input_len,
+                                 output_len=b.output_len, seed=11), load_corpus(tok))
     if (p := sum(t.input_len for t in trace)) != m["total_prompt_tokens"]:
         raise RuntimeError(f"offline trace has {p} prompt tokens, the served one {m['total_prompt_tokens']}")
-    llm = ctx.llm("smol", dtype=ctx.fast_dtype, max_bs=sz.served_bs, n_slots=sz.served_slots,
-                  max_num_batched_tokens=sz.served_budget)
+    llm = ctx.llm(name, dtype=ctx.fast_dtype, max_bs=b.max_bs, n_slots=b.slots, max_num_batched_tokens=b.budget, **b.sets)
     gen, s = burst(ctx, llm, [t.prompt_token_ids for t in trace],
                    [SamplingParams(max_tokens=t.max_tokens, temperature=0, ignore_eos=True) for t in trace])
-    ctx.emit("the same trace offline (LLM.generate): gen tok/s", gen / s, unit="tok/s",
-             how="orca_mq.LLM, the same requests, max_bs, budget and n_slots, after a warm-up burst")
-    ratio = m["throughput_tok_s"] / (gen / s)
-    ctx.emit("served / offline on the same trace", ratio, unit="x", target=">= 0.8", met=ratio >= 0.8 if ctx.cuda else None)
+    ctx.emit("the same trace offline (LLM.generate): gen tok/s", gen / s, unit="tok/s", **_target(ctx, gen / s, b.offline_target, "k"),
+             how=f"orca_mq.LLM ({conf}), the same requests, after a warm-up burst", prompt_tokens=p, gen_tokens=gen, s=s)
+    ratio = tok_s / (gen / s)
+    ctx.emit("served / offline on the same trace", ratio, unit="x", **_target(ctx, ratio, b.ratio_target))
+
+
+def _target(ctx: Ctx, value: float, target: float | None, scale: str = "") -> dict[str, Any]:
+    """A figure's target and whether it is met (a floor: value >= target), on a GPU only."""
+    if target is None or not ctx.cuda:
+        return {}
+    return {"target": f">= {target / 1e3:g}k" if scale == "k" else f">= {target:g}", "met": value >= target}
