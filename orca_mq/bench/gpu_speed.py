@@ -144,7 +144,7 @@ class Burst:
     output_len: tuple[int, int]
     max_bs: int
     budget: int
-    slots: int
+    slots: int                        # engine.n_slots of the server (0: sized from the card); offline gets its pool
     sets: dict[str, Any] = field(default_factory=dict)   # more config keys, for the server and offline alike
     served_target: float | None = None
     offline_target: float | None = None
@@ -199,6 +199,7 @@ def served_and_offline(ctx: Ctx, name: str, b: Burst) -> None:
         with Client(server.address) as c:
             st = c.stats()
         worker, sched = st["workers"][0], st["scheduler"]
+        slots = sched["n_slots"]   # the pool as served (n_slots 0: sized from the card), offline too
         # where the served iteration loses time to the offline one: the round trip between iterations
         ctx.emit(detail="served measured burst: the round trip, median / p90 ms", **{
             k: (round(v["median_ms"], 3), round(v["p90_ms"], 3), round(v["sum_ms"], 1)) for k, v in (
@@ -208,7 +209,7 @@ def served_and_offline(ctx: Ctx, name: str, b: Burst) -> None:
     finally:
         server.stop(60)
     m = runs["measured"]
-    conf = f"{ctx.fast_dtype}, max_bs {b.max_bs}, budget {b.budget}, n_slots {b.slots}" + "".join(f", {k} {v}" for k, v in b.sets.items())
+    conf = f"{ctx.fast_dtype}, max_bs {b.max_bs}, budget {b.budget}, n_slots {slots}" + "".join(f", {k} {v}" for k, v in b.sets.items())
     how = (f"tools/bench.py --address (server: orca-mq serve, {conf}) orca trace, {b.n} requests at once from "
            f"{procs} client processes" + f", after a {b.warm_n}-request warm-up burst" * bool(b.warm_n))
     tok_s = m["throughput_tok_s"]
@@ -220,7 +221,7 @@ def served_and_offline(ctx: Ctx, name: str, b: Burst) -> None:
                                  output_len=b.output_len, seed=11), load_corpus(tok))
     if (p := sum(t.input_len for t in trace)) != m["total_prompt_tokens"]:
         raise RuntimeError(f"offline trace has {p} prompt tokens, the served one {m['total_prompt_tokens']}")
-    llm = ctx.llm(name, dtype=ctx.fast_dtype, max_bs=b.max_bs, n_slots=b.slots, max_num_batched_tokens=b.budget, **b.sets)
+    llm = ctx.llm(name, dtype=ctx.fast_dtype, max_bs=b.max_bs, n_slots=slots, max_num_batched_tokens=b.budget, **b.sets)
     gen, s = burst(ctx, llm, [t.prompt_token_ids for t in trace],
                    [SamplingParams(max_tokens=t.max_tokens, temperature=0, ignore_eos=True) for t in trace])
     ctx.emit("the same trace offline (LLM.generate): gen tok/s", gen / s, unit="tok/s", **_target(ctx, gen / s, b.offline_target, "k"),
