@@ -9,9 +9,12 @@ import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from orca_mq.bench.shapes import ShapeRun
 
 # what a section started in sessions of their own (a server): stopped when the run kills it at its budget
 CLEANUP: list[Callable[[], None]] = []
@@ -62,8 +65,9 @@ def one_line(e: BaseException) -> str:
 
 
 class Ctx:
-    def __init__(self, section: str, work: Path, small: bool) -> None:
+    def __init__(self, section: str, work: Path, small: bool, shape: "ShapeRun | None" = None) -> None:
         self.section, self.work, self.small = section, work, small
+        self.shape = shape   # --shape: the published shape the shape sections measure
         self.sizes = SMALL if small else Sizes()
         self.cuda = torch.cuda.is_available()
         self.device = "cuda" if self.cuda else "cpu"
