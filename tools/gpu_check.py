@@ -6,6 +6,10 @@ the embedded model's tokenizer + config.json; prints its size):
     python tools/gpu_check.py prepare
 There (the device call carries .gpu/; <= 6 minutes; one JSON line per result, a table last):
     python3 tools/gpu_check.py run --out DIR [--sections env,kernels,...] [--small]
+    python3 tools/gpu_check.py run --out DIR --shape NAME [--layers N] [--fp8] [--small]
+--shape (issue 42: llama-3.2-1b, llama-3.1-8b, qwen3-8b, qwen3-30b-a3b; one call per shape) runs its own
+sections, shape_iteration and shape_burst: the published config.json with random weights drawn on the
+device (orca_mq/bench/gpu_shapes.py).
 DIR gets gpu_check.jsonl, gpu_check.json and gpu_check_logs.tgz (nothing else: a device call brings
 back at most 8 files). Models, server logs and bench outputs go under --work (default /tmp/gpu_check).
 
@@ -28,8 +32,9 @@ from pathlib import Path
 # orca-mq is not installed (its children get the tree through PYTHONPATH: orca_mq/bench/gpu_check.py child_env)
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from orca_mq.bench.gpu_check import SECTIONS, run  # noqa: E402
+from orca_mq.bench.gpu_check import SECTIONS, SHAPE_SECTIONS, run  # noqa: E402
 from orca_mq.bench.gpu_carry import FOLDER, prepare  # noqa: E402
+from orca_mq.bench.shapes import ShapeRun, add_shape_args  # noqa: E402
 
 
 def main() -> int:
@@ -44,13 +49,17 @@ def main() -> int:
     r.add_argument("--small", action="store_true", help="tiny sizes: a plumbing run (on the CPU, engine.device=cpu)")
     r.add_argument("--deadline", type=float, default=None, metavar="S", help="seconds for the whole run "
                    "(default 345, --small 900)")
+    add_shape_args(r)
     args = ap.parse_args()
     if args.mode == "prepare":
         return prepare(args.folder)
     names = args.sections.split(",") if args.sections else None
     if names and (unknown := set(names) - {s.name for s in SECTIONS}):
         ap.error(f"unknown sections: {', '.join(sorted(unknown))}")
-    return run(args.out, args.work, names, args.small, args.deadline)
+    shape, shaped = ShapeRun.from_args(args), [s.name for s in SHAPE_SECTIONS]
+    if shape is None and (args.layers is not None or args.fp8 or set(names or ()) & set(shaped)):
+        ap.error(f"--layers, --fp8 and the sections {', '.join(shaped)} need --shape")
+    return run(args.out, args.work, names or (shaped if shape else None), args.small, args.deadline, shape)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from typing import IO, Any
 
 from orca_mq.bench.gpu_carry import FOLDER, ROOT, ensure_packages
 from orca_mq.bench.result_files import git_rev
+from orca_mq.bench.shapes import ShapeRun
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,9 @@ SECTIONS = (Section("env", 15, 60, False), Section("refusal", 25, 60, False), Se
             Section("kvsize", 120, 180, default=False),
             Section("fp8", 90, 240, default=False))
 MODELS = Section("models", 75, 120, False)
+# issue 42's published shapes, run by `--shape NAME` (one call per shape: orca_mq/bench/gpu_shapes.py)
+SHAPE_SECTIONS = (Section("shape_iteration", 130, 240, False, False), Section("shape_burst", 210, 300, False, False))
+SECTIONS += SHAPE_SECTIONS
 DEADLINE_S, SMALL_DEADLINE_S = 345.0, 900.0   # the device call allows 6 minutes
 TABLE_COLUMNS = ("section", "figure", "value", "target", "met")
 
@@ -71,9 +75,10 @@ class Report:
 class Child:
     """One section's process: its JSON lines go to the report, anything else to WORK/NAME.log."""
 
-    def __init__(self, section: Section, work: Path, small: bool, report: Report) -> None:
+    def __init__(self, section: Section, work: Path, small: bool, report: Report, shape: ShapeRun | None = None) -> None:
         self.section, self.report, self.t0 = section, report, time.monotonic()
         cmd = [sys.executable, "-u", "-m", "orca_mq.bench.gpu_sections", section.name, "--work", str(work)]
+        cmd += shape.argv() if shape else []
         self.err = (work / f"{section.name}.err").open("w")
         self.proc = subprocess.Popen(cmd + ["--small"] * small, stdout=subprocess.PIPE, stderr=self.err, text=True,
                                      cwd=ROOT, env=child_env(), start_new_session=True)
@@ -129,14 +134,15 @@ def child_env() -> dict[str, str]:
                          "TOKENIZERS_PARALLELISM": "false", "TRANSFORMERS_VERBOSITY": "error"}
 
 
-def run(out: Path, work: Path, names: list[str] | None, small: bool, deadline_s: float | None = None) -> int:
+def run(out: Path, work: Path, names: list[str] | None, small: bool, deadline_s: float | None = None,
+        shape: ShapeRun | None = None) -> int:
     t0 = time.monotonic()
     deadline = t0 + (deadline_s or (SMALL_DEADLINE_S if small else DEADLINE_S))
     work.mkdir(parents=True, exist_ok=True)
     report = Report(out)
     chosen = [s for s in SECTIONS if (s.default if names is None else s.name in names)]
     report.add({"section": "setup", "detail": "start", "argv": sys.argv, "small": small, "sections": [s.name for s in chosen],
-                "git": git_rev(), "deadline_s": round(deadline - t0)})
+                "git": git_rev(), "deadline_s": round(deadline - t0), "shape": shape})
     try:
         report.add({"section": "setup", "detail": ensure_packages(FOLDER), "s": round(time.monotonic() - t0, 1)})
     except Exception as e:   # noqa: BLE001 - the sections then fail on their imports, each in its row
@@ -150,7 +156,7 @@ def run(out: Path, work: Path, names: list[str] | None, small: bool, deadline_s:
         if left < 10:
             report.fail(s.name, "skipped", f"{left:.0f} s left of the {deadline - t0:.0f} s deadline")
             continue
-        Child(s, work, small, report).wait(min(budget(s, small), left))
+        Child(s, work, small, report, shape).wait(min(budget(s, small), left))
     if models is not None:
         models.wait(deadline - time.monotonic())
     summary = {"elapsed_s": round(time.monotonic() - t0, 1), "rows": report.rows}

@@ -24,7 +24,9 @@ from orca_mq.bench.gpu_carry import FOLDER, ROOT
 from orca_mq.bench.gpu_context import CLEANUP, Ctx, one_line, random_prompts
 from orca_mq.bench.gpu_attention import decode, splitkv
 from orca_mq.bench.gpu_scale import fp8, kvsize
+from orca_mq.bench.gpu_shapes import shape_burst, shape_iteration
 from orca_mq.bench.gpu_speed import iteration, offline, served
+from orca_mq.bench.shapes import ShapeRun, add_shape_args
 
 
 def models(ctx: Ctx) -> None:
@@ -230,6 +232,8 @@ def fastserve(ctx: Ctx) -> None:
 SECTIONS: dict[str, Callable[[Ctx], None]] = {f.__name__: f for f in (
     models, env, kernels, refusal, exactness, iteration, offline, served, determinism, fastserve, decode, splitkv, kvsize, fp8)}
 
+SECTIONS |= {f.__name__: f for f in (shape_iteration, shape_burst)}   # --shape NAME's (orca_mq/bench/gpu_shapes.py)
+
 
 def _on_sigterm(signum: int, _frame: object) -> None:
     for fn in CLEANUP:
@@ -244,8 +248,9 @@ def main() -> int:
     ap.add_argument("section", choices=SECTIONS)
     ap.add_argument("--work", type=Path, required=True)
     ap.add_argument("--small", action="store_true")
+    add_shape_args(ap)
     args = ap.parse_args()
-    ctx = Ctx(args.section, args.work, args.small)
+    ctx = Ctx(args.section, args.work, args.small, ShapeRun.from_args(args))
     try:
         SECTIONS[args.section](ctx)
     except Exception as e:   # noqa: BLE001 - one line for the table, the traceback in the JSON
