@@ -68,12 +68,13 @@ def make_case(seed: int, t: int, e: int, k: int, h: int, i: int, bias: bool, cro
               dtype: torch.dtype = torch.float32) -> dict:
     """Random experts and routing; `crowd`: expert 0 in every token's k (T rows on one expert)."""
     g = torch.Generator().manual_seed(seed)
-    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]) if t else torch.zeros(0, k, dtype=torch.long)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]) if t else torch.zeros(0, k).long()
     if crowd and t:
         ids[:, 0] = torch.where((ids == 0).any(1), ids[:, 0], 0)   # expert 0 once per token (k distinct)
     weights = torch.rand(t, k, generator=g)
     case = dict(x=torch.randn(t, h, generator=g), gate_up=torch.randn(e, 2 * i, h, generator=g) / h ** 0.5,
-                down=torch.randn(e, h, i, generator=g) / i ** 0.5, ids=ids, weights=weights / weights.sum(1, keepdim=True),
+                down=torch.randn(e, h, i, generator=g) / i ** 0.5, ids=ids,
+                weights=weights / weights.sum(1, keepdim=True),
                 gate_up_b=torch.randn(e, 2 * i, generator=g) if bias else None,
                 down_b=torch.randn(e, h, generator=g) if bias else None)
     return {n: v.to(dtype) if v is not None and v.is_floating_point() else v for n, v in case.items()}
@@ -239,8 +240,8 @@ if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--child":
 
 def test_gpu_check_moe_section_is_skipped_cleanly_on_the_cpu(tmp_path):
     """tools/gpu_check.py's moe section (orca_mq/bench/gpu_moe.py) needs CUDA: here one row says so, exit 0."""
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "tools", "gpu_check.py"), "run", "--small", "--sections", "moe",
-                           "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work")],
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "tools", "gpu_check.py"), "run", "--small",
+                           "--sections", "moe", "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work")],
                           capture_output=True, text=True, timeout=300, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     rows = [r for r in json.loads((tmp_path / "out" / "gpu_check.json").read_text())["rows"] if r["section"] == "moe"]

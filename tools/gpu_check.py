@@ -13,7 +13,9 @@ Sections: env, refusal (more workers than GPUs refused at start), kernels (tools
 bf16), exactness (vs transformers; cuda_graphs on vs off), iteration (decode / prefill / mixed times
 beside a CUDA-graph probe of the same shape; kernel launches per layer), offline (LLM burst),
 served (tools/bench.py against a launched server, and the same trace offline), determinism,
-fastserve (offload/upload exactness). --small runs them all at tiny sizes (a CPU plumbing run).
+fastserve (offload/upload exactness), moe (the fused MoE kernel at Qwen3-30B-A3B's expert shape beside the
+dense GEMMs of the same active parameters, and against the grouped path; skipped on the CPU).
+--small runs them all at tiny sizes (a CPU plumbing run).
 """
 from __future__ import annotations
 

@@ -36,7 +36,8 @@ class Section:
 # the re-confirmations; budgets sum past the deadline, which cuts whatever comes last
 SECTIONS = (Section("env", 15, 60, False), Section("refusal", 25, 60, False), Section("kernels", 40, 90, False),
             Section("exactness", 60, 120), Section("iteration", 80, 150), Section("offline", 50, 120),
-            Section("served", 90, 240), Section("determinism", 45, 120), Section("fastserve", 45, 120))
+            Section("served", 90, 240), Section("determinism", 45, 120), Section("fastserve", 45, 120),
+            Section("moe", 60, 60, False))
 MODELS = Section("models", 75, 120, False)
 DEADLINE_S, SMALL_DEADLINE_S = 345.0, 900.0   # the device call allows 6 minutes
 TABLE_COLUMNS = ("section", "figure", "value", "target", "met")

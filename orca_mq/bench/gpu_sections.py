@@ -22,6 +22,7 @@ import torch
 
 from orca_mq.bench.gpu_carry import FOLDER, ROOT
 from orca_mq.bench.gpu_context import CLEANUP, Ctx, one_line, random_prompts
+from orca_mq.bench.gpu_moe import moe
 from orca_mq.bench.gpu_speed import iteration, offline, served
 
 
@@ -226,7 +227,8 @@ def fastserve(ctx: Ctx) -> None:
 
 
 SECTIONS: dict[str, Callable[[Ctx], None]] = {f.__name__: f for f in (
-    models, env, kernels, refusal, exactness, iteration, offline, served, determinism, fastserve)}
+    models, env, kernels, refusal, exactness, iteration, offline, served, determinism, fastserve,
+    moe)}
 
 
 def _on_sigterm(signum: int, _frame: object) -> None:
