@@ -154,7 +154,11 @@ def _preflight(cfg: Config) -> None:
             _check_free(*host_port(cfg.server.http_address, "server.http_address"), cfg.server.http_address, "--http-port")
     from orca_mq.server.nodes import check_gpus
 
-    steps = [("workers", lambda: check_gpus(cfg)), ("model", lambda: read_model_info(cfg.model.path, cfg.model.cache_dir))]
+    from orca_mq.engine.fp8 import check_config
+    from orca_mq.models.weights import check_checkpoint
+
+    steps = [("workers", lambda: check_gpus(cfg)), ("fp8", lambda: check_config(cfg)),
+             ("model", lambda: check_checkpoint(read_model_info(cfg.model.path, cfg.model.cache_dir), cfg.model.cache_dir))]
     if cfg.server.curve_secret_key:
         steps.append(("server.curve_secret_key", lambda: server_keys(cfg.server.curve_secret_key)))
     for what, step in steps:

@@ -25,6 +25,9 @@ LogLevel = Literal["debug", "info", "warning", "error"]
 JsonWhitespace = Literal["compact", "flexible"]
 Switch = Literal["auto", "on", "off"]
 SpecMethod = Literal["off", "ngram"]
+Quantization = Literal["none", "fp8"]
+KVCacheDType = Literal["auto", "fp8"]
+SplitKV = Literal["auto", "off"]
 
 
 @dataclass(slots=True)
@@ -35,6 +38,7 @@ class ModelConfig:
     cache_dir: str = "~/.cache/orca_mq"
     max_logprobs: int = 20
     max_logit_bias: int = 1024
+    quantization: Quantization = "none"
 
 
 @dataclass(slots=True)
@@ -45,7 +49,9 @@ class EngineConfig:
     device: Device = "auto"
     attention_backend: AttentionBackend = "auto"
     gemm: Gemm = "auto"
-    n_slots: int = 16384
+    n_slots: int = 0
+    gpu_memory_utilization: float = 0.9
+    kv_cache_dtype: KVCacheDType = "auto"
     block_size: int = 16
     host_slots: int = 65536
     prefix_caching: bool = True
@@ -53,6 +59,7 @@ class EngineConfig:
     deterministic_rows: int = 16
     cuda_graphs: Switch = "auto"
     cuda_graph_max_bs: int = 0
+    split_kv: SplitKV = "auto"
 
 
 @dataclass(slots=True)
@@ -268,8 +275,8 @@ _ONE = Range(1)
 RANGES: dict[str, Range] = {
     "model.max_model_len": _ONE, "model.max_logprobs": Range(0, 1 << 20),
     "model.max_logit_bias": Range(0, 4096, note="protocol.sampling.MAX_LOGIT_BIAS_ENTRIES"),
-    "engine.n_workers": _ONE, "engine.tp_size": _ONE, "engine.threads_per_worker": _ONE, "engine.n_slots": _ONE,
-    "engine.block_size": _ONE, "engine.host_slots": _COUNT, "engine.deterministic_rows": _ONE,
+    "engine.n_workers": _ONE, "engine.tp_size": _ONE, "engine.threads_per_worker": _ONE, "engine.n_slots": Range(0, note="0: sized at start"),
+    "engine.gpu_memory_utilization": Range(0, 1, above=True), "engine.block_size": _ONE, "engine.host_slots": _COUNT, "engine.deterministic_rows": _ONE,
     "engine.cuda_graph_max_bs": Range(0, note="0: scheduler.max_bs"),
     "scheduler.max_bs": _ONE, "scheduler.max_num_batched_tokens": Range(0, note="0: whole prompts"),
     "speculative.num_tokens": Range(1, 64), "speculative.lookup_min": _ONE, "speculative.lookup_max": Range(1, 64),

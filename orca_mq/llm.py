@@ -14,6 +14,7 @@ from orca_mq.config import load_config
 from orca_mq.detokenizer import ends_on_eos
 from orca_mq.engine.model_runner import Launched, ModelRunner
 from orca_mq.models.files import resolve_model_path
+from orca_mq.models.registry import read_model_info
 from orca_mq.errors import InvalidRequest
 from orca_mq.logs import tell
 from orca_mq.outputs import RequestOutput
@@ -33,12 +34,15 @@ class LLM:
         if model is not None:
             self.cfg.model.path = model
         self.cfg.engine.n_workers = self.cfg.engine.tp_size = 1
-        self.model = ServedModel(self.cfg)   # admission: this process is the whole server
         self._progress(started, f"loading the model {resolve_model_path(self.cfg.model.path).name}")
-        self.info, self.tokenizer = self.model.info, self.model.tokenizer
-        self.runner = ModelRunner(self.cfg, info=self.info)
+        self.runner = ModelRunner(self.cfg, info=read_model_info(self.cfg.model.path, self.cfg.model.cache_dir))
         self._progress(started, f"model loaded in {time.monotonic() - started:.1f} s "
                                 f"({str(self.runner.dtype).removeprefix('torch.')} on {self.runner.device})")
+        if (sizing := self.runner.kv_sizing) is not None:   # admission and the scheduler take the measured pool
+            self.cfg.engine.n_slots = self.runner.pool.device_slots
+            self._progress(started, f"KV pool from the device's memory: {sizing.describe()}")
+        self.model = ServedModel(self.cfg, self.runner.info)   # admission: this process is the whole server
+        self.info, self.tokenizer = self.model.info, self.model.tokenizer
         self.scheduler = make_scheduler(self.cfg, self.info)
         self._logprobs: dict[str, list[TokenLogprobs | None]] = {}   # the events' (sampled, prompt), by request
         self._texts: dict[int, str] = {}

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from orca_mq import LLM, SamplingParams
 from orca_mq.bench.plans import mixed_iteration_logits
-from orca_mq.bench.random_models import FAMILIES, family_config, save_byte_tokenizer, save_random_model
+from orca_mq.bench.random_models import FAMILIES, LENGTH_ROPES, family_config, save_byte_tokenizer, save_random_model
 from orca_mq.config import load_config
 from orca_mq.engine.model_runner import ModelRunner
 from workers.local_grid import run_grid
@@ -27,7 +27,7 @@ STEPS = (12, 5, 20, 8, 15)       # each leaves at its own time; max_bs 3 of 5: l
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("families")
-    return {name: save_byte_tokenizer(save_random_model(root / name, family_config(name))) for name in FAMILIES}
+    return {name: save_byte_tokenizer(save_random_model(root / name, family_config(name))) for name in FAMILIES + LENGTH_ROPES}
 
 
 def _cfg(path: Path, backend: str = "torch", **more: object):
@@ -48,35 +48,55 @@ def _prompts(seed: int, vocab: int = 256) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + LENGTH_ROPES)
 def test_mixed_iteration_equals_transformers(family, backend, checkpoints):
-    runner = ModelRunner(_cfg(checkpoints[family], backend))
+    """Whole prompts beside decode steps whose prefix an earlier iteration cached; transformers computes the
+    same: a prompt in one forward, a decode step on its cache (a length-dependent rotary's keys are those
+    of the length they were computed at, in transformers' cache as in the paged KV)."""
+    runner = ModelRunner(_cfg(checkpoints[family], backend, **{"model.max_model_len": 512}))
     rng = random.Random(1)
     prefills = [[rng.randrange(256) for _ in range(n)] for n in (1, 7, 33, 70)]
     decodes = [[rng.randrange(256) for _ in range(n)] for n in (2, 9, 17, 40)]
     ours = mixed_iteration_logits(runner, prefills, decodes, rng)
     ref = _reference(checkpoints[family])
     with torch.no_grad():
-        expected = torch.stack([ref(torch.tensor([s])).logits[0, -1] for s in prefills + decodes])
-    assert (ours - expected).abs().max().item() <= TOL
+        expected = [ref(torch.tensor([s])).logits[0, -1] for s in prefills]
+        for s in decodes:
+            cache = ref(torch.tensor([s[:-1]]), use_cache=True).past_key_values
+            expected.append(ref(torch.tensor([s[-1:]]), past_key_values=cache).logits[0, -1])
+    assert (ours - torch.stack(expected)).abs().max().item() <= TOL
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + LENGTH_ROPES)
 def test_batched_greedy_tokens_and_logprobs_equal_transformers(family, checkpoints):
-    """Five requests through max_bs 3 (joins and leaves), chunked prompts and the prefix cache on: each
-    one's greedy tokens are transformers' generate of it alone, its log probabilities within TOL."""
+    """Five requests through max_bs 3 (joins and leaves), chunked prompts (whole ones for a length-dependent
+    rotary, as transformers computes a prompt) and the prefix cache on: each one's greedy tokens are
+    transformers' generate of it alone, its log probabilities within TOL."""
     llm = LLM(model=str(checkpoints[family]), max_bs=3, n_slots=4096, block_size=8, dtype="float32",
-              max_num_batched_tokens=24, progress=False)
+              max_num_batched_tokens=0 if family in LENGTH_ROPES else 24, max_model_len=512, progress=False)
     prompts = _prompts(7)
     outs = llm.generate(prompts, [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=1)
                                   for n in STEPS])
     ref = _reference(checkpoints[family])
     for prompt, n, out in zip(prompts, STEPS, outs):
-        gen = ref.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, output_scores=True,
-                           return_dict_in_generate=True)
-        assert out.token_ids == gen.sequences[0, len(prompt):].tolist()
-        want = [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(gen.scores, out.token_ids)]
-        assert max(abs(a - b) for a, b in zip(out.logprobs.logprobs, want)) <= TOL
+        tokens, logprobs = _greedy(ref, prompt, n)
+        assert out.token_ids == tokens
+        assert max(abs(a - b) for a, b in zip(out.logprobs.logprobs, logprobs)) <= TOL
+
+
+@torch.no_grad()
+def _greedy(ref: torch.nn.Module, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+    """transformers' greedy decoding on its own cache, a token per forward: the tokens and their log
+    probabilities. (generate() is the same but for a length-dependent rotary, where at the step that
+    crosses the original length it departs from the model's cached forward: not what a cache computes.)"""
+    out = ref(torch.tensor([prompt]), use_cache=True)
+    tokens, logprobs = [], []
+    for _ in range(n):
+        lp = torch.log_softmax(out.logits[0, -1].float(), -1)
+        tokens.append(int(lp.argmax()))
+        logprobs.append(lp[tokens[-1]].item())
+        out = ref(torch.tensor([tokens[-1:]]), past_key_values=out.past_key_values, use_cache=True)
+    return tokens, logprobs
 
 
 TP_FAMILIES = ("qwen3", "gemma2", "phi3", "mixtral", "gpt_oss")
@@ -141,6 +161,84 @@ def test_sliding_window_holds_a_window_and_stays_exact(mode, checkpoints):
     again = llm.generate([prompt + first.token_ids[:3]], params)[0]   # its prompt's blocks from the cache
     ref = _reference(checkpoints["mistral"])
     for p, out in ((prompt, first), (prompt + first.token_ids[:3], again)):
-        assert out.token_ids == ref.generate(torch.tensor([p]), max_new_tokens=64, do_sample=False)[0, len(p):].tolist()
+        assert out.token_ids == _greedy(ref, p, 64)[0]
     assert bm.hits > 0 and 0 < most <= 16 // 4 + 2
     assert bm.num_free_blocks == bm.num_blocks and bm.n_rsrv == 0
+
+
+def test_a_checkpoint_that_cannot_be_served_is_one_line(checkpoints, tmp_path):
+    """An architecture orca-mq does not have, a config without a key its family needs, tensors whose sizes
+    disagree with the config: one line naming the file and what is wrong, from the launcher with status 1
+    before any worker starts (the GGUF cases: tests/test_gguf_families.py)."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    from orca_mq.models.registry import read_model_info
+    from orca_mq.models.weights import check_checkpoint
+    from orca_mq.server.process import free_port
+
+    def variant(name: str, edit) -> Path:  # type: ignore[no-untyped-def]
+        d = shutil.copytree(checkpoints["qwen3"], tmp_path / name)
+        config = json.loads((d / "config.json").read_text())
+        edit(config)
+        (d / "config.json").write_text(json.dumps(config))
+        return d
+
+    unknown = variant("unknown", lambda c: c.update(model_type="rwkv", architectures=["RwkvForCausalLM"]))
+    with pytest.raises(ValueError, match=r"unknown/config\.json: model_type 'rwkv' \(RwkvForCausalLM\) not supported"):
+        read_model_info(str(unknown))
+    keyless = variant("keyless", lambda c: c.pop("num_hidden_layers"))
+    with pytest.raises(ValueError, match=r"keyless/config\.json lacks the key 'num_hidden_layers' \(model_type 'qwen3'\)"):
+        read_model_info(str(keyless))
+    wider = variant("wider", lambda c: c.update(intermediate_size=128))
+    with pytest.raises(ValueError, match=r"wider: .*mlp\.gate_proj\.weight \+ .*up_proj\.weight has 12288 elements, but the "
+                                         r"config implies gate_up of shape \(256, 64\)"):
+        check_checkpoint(read_model_info(str(wider)))
+    port = free_port()
+    out = subprocess.run([sys.executable, "tools/launch.py", "--model", str(wider), "--port", str(port), "--set",
+                          "server.http_address=", "--set", f"log.dir={tmp_path}/logs"], capture_output=True, text=True,
+                         timeout=120, cwd=Path(__file__).resolve().parent.parent)
+    assert out.returncode == 1 and len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr
+    assert "orca-mq: model:" in out.stderr and "but the config implies gate_up" in out.stderr
+
+
+def test_the_checkpoints_own_chat_template_and_every_end_of_turn_id(checkpoints, tmp_path):
+    """A checkpoint's chat template (its chat_template.jinja: Qwen3's published one) renders its chat
+    prompts, and every end-of-turn id it declares (generation_config.json's list) ends a request."""
+    import json
+    import shutil
+
+    d = shutil.copytree(checkpoints["qwen3"], tmp_path / "qwen3")
+    template = (Path(__file__).parent / "data" / "chat_templates" / "qwen3.jinja").read_text()
+    (d / "chat_template.jinja").write_text(template)
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 9], "bos_token_id": 1}))
+    llm = LLM(model=str(d), n_slots=1024, dtype="float32", progress=False)
+    assert llm.info.eos_token_ids == [2, 9]
+    messages = [{"role": "user", "content": "Hi"}]
+    ids = llm.model.prompts.encode_chat(messages)
+    assert llm.tokenizer.decode(ids) == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    out = llm.chat(messages, SamplingParams(max_tokens=8, temperature=0, logit_bias={9: 100.0}))[0]
+    assert out.token_ids == [9] and out.finish_reason == "stop"
+
+
+def test_served_through_a_two_stage_pipeline(checkpoints, tmp_path):
+    """gpt-oss (sinks, windowed and full layers, experts) served by real processes, its layers split over
+    two pipeline stages: three requests at once get transformers' greedy tokens."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from orca_mq.client import Client
+    from tests.serving_harness import start_server
+
+    server = start_server(tmp_path, n_workers=2, **{"model.path": str(checkpoints["gpt_oss"]), "engine.n_slots": 2048})
+    try:
+        prompts = _prompts(5)[:3]
+        with Client(server.address) as client, ThreadPoolExecutor(3) as pool:
+            outs = list(pool.map(lambda p: client.generate(prompt_token_ids=p, max_tokens=10, temperature=0,
+                                                           ignore_eos=True), prompts))
+        ref = _reference(checkpoints["gpt_oss"])
+        for prompt, out in zip(prompts, outs):
+            assert out.finish_reason == "length" and out.token_ids == _greedy(ref, prompt, 10)[0]
+    finally:
+        server.stop()

@@ -27,7 +27,7 @@ from orca_mq.engine.model_runner import ModelRunner
 from orca_mq.protocol import ProtocolError, decode, encode
 from orca_mq.protocol.common_msgs import PROTOCOL, Error
 from orca_mq.protocol.codec import channel
-from orca_mq.protocol.control_msgs import Ready
+from orca_mq.protocol.control_msgs import Progress, Ready
 from orca_mq.protocol.engine_msgs import ControlFrame, IterationDone, WorkerStats, WorkerStatsQuery
 from orca_mq.server.zmq_queue import BrokerLink, serve
 from workers.control_chain import ControlChain
@@ -70,7 +70,9 @@ class Controller:
         if self._failed.done():
             self._failed.result()   # the build failed: raise it, the worker exits
         self.runner = built.result()
-        await self.link.to_peer("launcher", Ready(self.name, os.getpid()))
+        if (sizing := self.runner.kv_sizing) is not None and self.runner.tp.where.rank == 0:   # a line per stage
+            await self.link.to_peer("launcher", Progress(self.name, f"KV pool from the device's memory: {sizing.describe()}"))
+        await self.link.to_peer("launcher", Ready(self.name, os.getpid(), self.runner.pool.device_slots))
         code = await serve([self._control_loop(), self._broker_loop(), self._compute_watch()], self.log)
         self.executor.stop()
         self.chain.close()

@@ -29,6 +29,7 @@ class DataPlane:
                  tp_rank: int = 0, tp_size: int = 1, timeout: float = 600.0) -> None:
         self.stage, self.n_stages, self.tp_size = stage, n_stages, tp_size
         self.rank = stage * tp_size + tp_rank
+        self.device = device
         self.tp = TPGroup(tp_rank, tp_size)
         self._pending: deque[tuple[dist.Work, torch.Tensor]] = deque()
         world = n_stages * tp_size
@@ -43,6 +44,15 @@ class DataPlane:
         if tp_size > 1:  # every rank creates every stage's group, in the same order
             groups = [dist.new_group(list(range(s * tp_size, (s + 1) * tp_size))) for s in range(n_stages)]
             self.tp.group = groups[stage]
+
+    def agree_min(self, n: int) -> int:
+        """The smallest of every worker's `n` (the KV blocks each stage's memory leaves it): one
+        all-reduce, which every worker makes once, at start."""
+        if not dist.is_initialized():
+            return n
+        t = torch.tensor([n], dtype=torch.int64, device=self.device if self.device.type == "cuda" else "cpu")
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return int(t.item())
 
     def recv(self, iteration: int, shape: tuple[int, int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         buf = torch.empty(shape, dtype=dtype, device=device)

@@ -45,7 +45,7 @@ def _serve(cfg: Config, args: argparse.Namespace, name: str) -> int:
     data_plane = DataPlane(args.stage, n, device, store, args.tp_rank, tp, timeout=max(600.0, cfg.server.ready_timeout))
 
     def build() -> ModelRunner:   # on the compute thread
-        runner = ModelRunner(cfg, stage=args.stage, n_stages=n, tp=data_plane.tp, device=device)
+        runner = ModelRunner(cfg, stage=args.stage, n_stages=n, tp=data_plane.tp, device=device, agree=data_plane.agree_min)
         if policy_class(cfg.scheduler.policy).swaps_kv:  # copy the plans' KV offloads/uploads on their own thread
             runner.start_swap_thread()
         use_threads(cfg.engine.threads_per_worker)   # the process's last set_num_threads (threads.py)

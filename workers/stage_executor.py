@@ -168,6 +168,8 @@ class StageExecutor:
             out = {"stage": self.stage, "iterations": self.iterations, "failed_iterations": self.failed_iterations,
                    "idle": summarize_ms(self._idle), "compute": summarize_ms(self._compute),
                    "plan_latency": summarize_ms(self._plan_latency)}
+            if self.runner is not None and (sizing := self.runner.kv_sizing) is not None:
+                out["kv_pool"] = sizing.as_dict()
             if self.runner is not None and (graphs := self.runner.graphs) is not None:
                 out["cuda_graphs"] = {"buckets": graphs.sizes, "captured": len(graphs.graphs), "bytes": graphs.memory}
             if record:

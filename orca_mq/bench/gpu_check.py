@@ -30,14 +30,19 @@ class Section:
     budget: float          # seconds on the GPU
     small_budget: float    # seconds with --small on a 2-core CPU
     needs_models: bool = True
+    default: bool = True   # run without --sections (False: only when named)
 
 
 # the run's order: cheap and model-free first (beside the models build), the headline figures before
-# the re-confirmations; budgets sum past the deadline, which cuts whatever comes last
+# the re-confirmations; budgets sum past the deadline, which cuts whatever comes last. Issue 42's
+# sections (memory, long contexts, FP8) run when named: `--sections decode,splitkv,kvsize,fp8`, one call;
+# so does issue 40's fused MoE kernel: `--sections moe`
 SECTIONS = (Section("env", 15, 60, False), Section("refusal", 25, 60, False), Section("kernels", 40, 90, False),
             Section("exactness", 60, 120), Section("iteration", 80, 150), Section("offline", 50, 120),
             Section("served", 90, 240), Section("determinism", 45, 120), Section("fastserve", 45, 120),
-            Section("moe", 60, 60, False))
+            Section("decode", 70, 300, False, False), Section("splitkv", 40, 240, default=False),
+            Section("kvsize", 120, 180, default=False),
+            Section("fp8", 90, 240, default=False), Section("moe", 60, 60, False, False))
 MODELS = Section("models", 75, 120, False)
 DEADLINE_S, SMALL_DEADLINE_S = 345.0, 900.0   # the device call allows 6 minutes
 TABLE_COLUMNS = ("section", "figure", "value", "target", "met")
@@ -130,7 +135,7 @@ def run(out: Path, work: Path, names: list[str] | None, small: bool, deadline_s:
     deadline = t0 + (deadline_s or (SMALL_DEADLINE_S if small else DEADLINE_S))
     work.mkdir(parents=True, exist_ok=True)
     report = Report(out)
-    chosen = [s for s in SECTIONS if names is None or s.name in names]
+    chosen = [s for s in SECTIONS if (s.default if names is None else s.name in names)]
     report.add({"section": "setup", "detail": "start", "argv": sys.argv, "small": small, "sections": [s.name for s in chosen],
                 "git": git_rev(), "deadline_s": round(deadline - t0)})
     try:

@@ -15,6 +15,7 @@ import torch
 
 # what a section started in sessions of their own (a server): stopped when the run kills it at its budget
 CLEANUP: list[Callable[[], None]] = []
+RUNNER_SLOTS = 16384   # a runner's KV pool unless its section says (engine.n_slots = 0 would take most of the card)
 
 
 @dataclass(frozen=True)
@@ -104,7 +105,8 @@ class Ctx:
         from orca_mq.engine.model_runner import ModelRunner
 
         over = {"model.path": str(self.models / model), "engine.block_size": 16, "engine.device": self.device,
-                "model.dtype": dtype, **{k.replace("__", "."): v for k, v in sets.items() if v is not None}}
+                "model.dtype": dtype, "engine.n_slots": RUNNER_SLOTS,
+                **{k.replace("__", "."): v for k, v in sets.items() if v is not None}}
         return ModelRunner(load_config(overrides=over))
 
     def llm(self, model: str, **kw: Any) -> Any:

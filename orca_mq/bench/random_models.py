@@ -69,6 +69,7 @@ def check_models(src: Path, out: Path, small: bool = False) -> dict[str, Path]:
 WINDOW = 16
 FAMILIES = ("llama", "llama3_rope", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3", "mixtral", "qwen3_moe",
             "gpt_oss")
+LENGTH_ROPES = ("llama_dynamic", "phi3_longrope")   # rotaries whose tables follow the sequence's length
 
 
 def save_byte_tokenizer(path: Path, bos: int = 1, eos: int = 2) -> Path:
@@ -87,34 +88,37 @@ def save_byte_tokenizer(path: Path, bos: int = 1, eos: int = 2) -> Path:
 
 
 def family_config(name: str, vocab_size: int = 256, layers: int = 4, **extra: Any) -> Any:
-    """A transformers config of family `name` (FAMILIES), tiny, with every option that sets it apart on."""
+    """A transformers config of family `name` (FAMILIES), tiny, with every option that sets it apart on
+    (`extra` overrides any of them)."""
     import transformers as t
 
     c = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1,
-             eos_token_id=2, pad_token_id=0) | extra
+             eos_token_id=2, pad_token_id=0)
     w, alternate = WINDOW, ["sliding_attention", "full_attention"] * (layers // 2)
-    make = {
-        "llama": lambda: t.LlamaConfig(**c, head_dim=24, attention_bias=True),
-        "llama3_rope": lambda: t.LlamaConfig(**c, rope_parameters={
+    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128}
+    cls, options = {
+        "llama": (t.LlamaConfig, dict(head_dim=24, attention_bias=True)),
+        "llama3_rope": (t.LlamaConfig, dict(rope_parameters={
             "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 64}),
-        "qwen2": lambda: t.Qwen2Config(**c, tie_word_embeddings=True, rope_parameters={
-            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128}),
-        "qwen3": lambda: t.Qwen3Config(**c, head_dim=24),
-        "mistral": lambda: t.MistralConfig(**c, sliding_window=w, head_dim=16),
-        "gemma2": lambda: t.Gemma2Config(**c, head_dim=16, sliding_window=w, query_pre_attn_scalar=24,
-                                         attn_logit_softcapping=5.0, final_logit_softcapping=3.0),
-        "gemma3": lambda: t.Gemma3TextConfig(**c, head_dim=16, sliding_window=w, layer_types=alternate,
-                                             query_pre_attn_scalar=16),
-        "phi3": lambda: t.Phi3Config(**c, partial_rotary_factor=0.5, sliding_window=w),
-        "mixtral": lambda: t.MixtralConfig(**c, num_local_experts=4, num_experts_per_tok=2, sliding_window=w),
-        "qwen3_moe": lambda: t.Qwen3MoeConfig(**c, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                                              norm_topk_prob=True, mlp_only_layers=[1]),
-        "gpt_oss": lambda: t.GptOssConfig(**c, num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=w,
-                                          layer_types=alternate, rope_parameters={
-                                              "rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
-                                              "original_max_position_embeddings": 128, "beta_fast": 32.0,
-                                              "beta_slow": 1.0, "truncate": False}),
-    }
-    return make[name]()
+            "original_max_position_embeddings": 64})),
+        "qwen2": (t.Qwen2Config, dict(tie_word_embeddings=True, rope_parameters=yarn)),
+        "qwen3": (t.Qwen3Config, dict(head_dim=24)),
+        "mistral": (t.MistralConfig, dict(sliding_window=w, head_dim=16)),
+        "gemma2": (t.Gemma2Config, dict(head_dim=16, sliding_window=w, query_pre_attn_scalar=24,
+                                        attn_logit_softcapping=5.0, final_logit_softcapping=3.0)),
+        "gemma3": (t.Gemma3TextConfig, dict(head_dim=16, sliding_window=w, layer_types=alternate, query_pre_attn_scalar=16)),
+        "phi3": (t.Phi3Config, dict(partial_rotary_factor=0.5, sliding_window=w)),
+        "phi3_longrope": (t.Phi3Config, dict(partial_rotary_factor=0.75, original_max_position_embeddings=32, rope_parameters={
+            "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0 + 0.1 * i for i in range(6)],
+            "long_factor": [2.0 + 0.5 * i for i in range(6)]})),
+        "llama_dynamic": (t.LlamaConfig, dict(max_position_embeddings=32, rope_parameters={
+            "rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0})),
+        "mixtral": (t.MixtralConfig, dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=w)),
+        "qwen3_moe": (t.Qwen3MoeConfig, dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                             norm_topk_prob=True, mlp_only_layers=[1])),
+        "gpt_oss": (t.GptOssConfig, dict(num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=w,
+                                         layer_types=alternate, rope_parameters=yarn | {
+                                             "rope_theta": 150000.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False})),
+    }[name]
+    return cls(**c | options | extra)

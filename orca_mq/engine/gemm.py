@@ -19,6 +19,9 @@ Methods (`engine.gemm`):
   extension's `linear_rows`, which streams the plain weight from memory once (float32, K a multiple of
   8): oneDNN read a decode's weights at ~0.75x this kernel's rate here. The price: the plain weight
   is kept beside the reordered one (twice the weights' memory).
+- `fp8` (`model.quantization = "fp8"`, CUDA with FP8 tensor cores): the weight in e4m3 with a scale
+  per output channel, the activations scaled per token, multiplied by torch._scaled_mm (engine/fp8.py);
+  a weight whose shape _scaled_mm cannot take stays as it was.
 - `auto`: `stream` for float32 on a CPU where oneDNN and the extension run (except in deterministic
   mode: a row's bits would change where a batch crosses STREAM_ROWS); else `onednn` where oneDNN runs
   the dtype (float32 with any oneDNN build; bfloat16 only on CPUs with native bfloat16, found by
@@ -35,8 +38,10 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from orca_mq.engine import fp8
+
 Tensor = torch.Tensor
-Method = Literal["torch", "onednn", "stream"]
+Method = Literal["torch", "onednn", "stream", "fp8"]
 ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 STREAM_ROWS = 8   # the most rows linear_rows takes (its register tiles)
 
@@ -59,7 +64,7 @@ class Streamed:
         return self.plain.element_size()
 
 
-Weight = Tensor | Streamed
+Weight = Tensor | Streamed | fp8.Fp8Weight
 
 
 def onednn_usable(device: torch.device, dtype: torch.dtype) -> bool:
@@ -92,7 +97,13 @@ def _stream_kernel() -> Callable[[Tensor, Tensor], Tensor] | None:
     return None if ext is None else ext.linear_rows
 
 
-def resolve_method(name: str, device: torch.device, dtype: torch.dtype, deterministic: bool = False) -> Method:
+def resolve_method(name: str, device: torch.device, dtype: torch.dtype, deterministic: bool = False,
+                   quantization: str = "none") -> Method:
+    if quantization == "fp8":
+        fp8.require("model.quantization = fp8", device)
+        if name != "auto":
+            raise ValueError(f"model.quantization = fp8 multiplies by torch._scaled_mm: engine.gemm must be auto, not {name}")
+        return "fp8"
     if name == "auto":
         if onednn_usable(device, dtype):
             return "stream" if not deterministic and stream_usable(device, dtype) else "onednn"
@@ -110,6 +121,8 @@ def prepare(w: Tensor, method: Method) -> Weight:
     """The weight [out, in] in the layout(s) `linear` reads for `method`."""
     if method == "torch":
         return w
+    if method == "fp8":
+        return fp8.quantize_weight(w)
     reordered = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), None)
     if method == "onednn" or w.shape[1] % 8:   # linear_rows takes K in whole vectors of 8
         return reordered
@@ -148,6 +161,8 @@ def row_invariant(w: Weight, b: Tensor | None, max_rows: int) -> bool:
 
 
 def _linear(x: Tensor, w: Weight, b: Tensor | None) -> Tensor:
+    if isinstance(w, fp8.Fp8Weight):
+        return fp8.linear(x, w, b)
     if isinstance(w, Streamed):
         if 0 < x.shape[0] <= STREAM_ROWS:
             y = _stream_kernel()(x.contiguous(), w.plain)  # type: ignore[misc]

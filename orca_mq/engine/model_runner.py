@@ -3,7 +3,8 @@
 An iteration is launched (inputs staged in one copy, the forward replayed from a CUDA graph or run
 eagerly, tokens sampled on the device and their copy back started) and later collected (the tokens
 read): between the two the host may launch the next plan, whose placeholders read these tokens on
-the device (async scheduling).
+the device (async scheduling). The KV pool is the config's, or sized at start from the device's
+memory (engine/kv_budget.py) after a profiled iteration on a small one.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from orca_mq.engine import gemm
+from orca_mq.engine import fp8, gemm
 from orca_mq.engine.attention import AttentionMetadata, resolve
 from orca_mq.runtime.device import resolve_device, use_device
 from orca_mq.engine.dtype import native_bf16_flags, resolve_dtype
@@ -24,6 +25,8 @@ from orca_mq.engine.step_inputs import Geometry, build, metadata
 from orca_mq.protocol.iteration import IterationPlan, IterationResult, PackedPlan, PlanArrays, SeqWork, pack
 from orca_mq.kv.cache import KVCache
 from orca_mq.kv.pool import PoolSize
+from orca_mq.kv.sizing import KVSizing, memory_source
+from orca_mq.engine.kv_budget import Agree, size_pool
 from orca_mq.kv.swapper import KVSwapper
 from orca_mq.models.decoder import StageModel
 from orca_mq.engine.parallel import TensorParallel, TPGroup
@@ -48,7 +51,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 class ModelRunner:
     def __init__(self, cfg: "Config", stage: int = 0, n_stages: int = 1, info: ModelInfo | None = None,
-                 tp: TPGroup | None = None, device: torch.device | None = None) -> None:
+                 tp: TPGroup | None = None, device: torch.device | None = None, agree: Agree | None = None) -> None:
         self.device = device or resolve_device(cfg.engine.device)
         use_device(self.device)   # the thread that builds a runner is the one that runs it
         dtype = resolve_dtype(cfg.model.dtype, self.device.type)
@@ -72,39 +75,58 @@ class ModelRunner:
                 setattr(weights, name, t.to(self.device))
         if weights.lm_head is not None and weights.embed is not None and self.info.tie_embeddings:
             weights.lm_head = weights.embed  # one copy of a tied head (a second one when the GEMM reorders it)
-        self.gemm = gemm.resolve_method(cfg.engine.gemm, self.device, self.dtype, cfg.engine.deterministic)
+        self.gemm = gemm.resolve_method(cfg.engine.gemm, self.device, self.dtype, cfg.engine.deterministic,
+                                        cfg.model.quantization)
+        if cfg.engine.kv_cache_dtype == "fp8":
+            fp8.refuse_kv(self.device)
         for w in weights.layers:
             for k in MATRICES:
                 if k in w:
                     w[k] = gemm.prepare(w[k], self.gemm)
-        if weights.lm_head is not None:
-            weights.lm_head = gemm.prepare(weights.lm_head, self.gemm)
-        self.pool = PoolSize.from_config(cfg)
-        self.block_size = self.pool.block_size
+        if weights.lm_head is not None:   # in the compute dtype with FP8 too: the sampled logits (as vLLM)
+            weights.lm_head = gemm.prepare(weights.lm_head, "torch" if self.gemm == "fp8" else self.gemm)
         attention = resolve(cfg.engine.attention_backend, self.device, self.dtype)
         self.deterministic = cfg.engine.deterministic
         if self.deterministic and attention.name not in DETERMINISTIC_BACKENDS:
             raise ValueError(f"engine.deterministic needs an attention backend whose rows are batch-invariant "
                              f"({' | '.join(DETERMINISTIC_BACKENDS)}); {attention.name} runs for {self.device} {self.dtype}")
+        if attention.name == "triton" and (self.deterministic or cfg.engine.split_kv == "off"):
+            attention.split_kv = False   # type: ignore[attr-defined]  # deterministic: a row's splits would follow its batch
         self.rows = self._gemm_rows(cfg, weights) if self.deterministic else gemm.Rows()
-        self.model = StageModel(self.info, weights, layers, self.info.max_model_len(cfg), self.device, attention,
-                                self.tp, self.rows)
-        # one block past the pool's: the scratch block padding rows write to
-        self.kv = KVCache.allocate(len(layers), self.pool.device_blocks + 1, self.block_size,
-                                   self.tp.n_kv_heads, self.info.head_dim, self.dtype, self.device)
+        self.max_len = self.info.max_model_len(cfg)
+        self.model = StageModel(self.info, weights, layers, self.max_len, self.device, attention, self.tp, self.rows)
         # FastServe's copies: a worker starts its copy thread (start_swap_thread); offline, an inline
         # swapper (and its host pool) is made at the first plan that swaps
         self.swapper: KVSwapper | None = None
-        self.geometry = Geometry(self.block_size, self.pool.device_blocks, self.info.vocab_size,
-                                 self.info.max_model_len(cfg), self.deterministic, attention.split_decode)
-        self.stager = Stager(self.device, scratch_block=self.pool.device_blocks)
         self._prev: tuple[int, Tensor] | None = None   # the last iteration sampled here: (number, its tokens on the device)
         # the penalized requests' token histories, where this stage samples (engine/history.py)
         self.history = TokenHistory(self.info.vocab_size, self.device) if self.last and self.tp.where.rank == 0 else None
         self.graph_error = ""   # why the CUDA graphs asked for could not be captured (the stage runs eagerly)
-        self.graphs = self._graphs(cfg, layers)
+        self.graphs: Graphs | None = None
+        self.n_layers = len(layers)
+        memory = memory_source(cfg, self.device, stage)
+        self.kv_sizing: KVSizing | None = None   # the terms, where the pool is sized from the device's memory
+        if memory is None:
+            self.use_pool(PoolSize.from_config(cfg))
+        else:
+            self.kv_sizing = size_pool(self, cfg, layers, memory, agree or (lambda n: n))
+        self.graphs = self.build_graphs(cfg, layers)
         if self.device.type == "cuda":
             self._warm_up()
+
+    def use_pool(self, pool: PoolSize | None) -> None:
+        """The stage's KV pool (one block past `pool`'s: the scratch block padding rows write to) and
+        what it shapes, the old pool freed first; None: no pool (while it is being sized)."""
+        if hasattr(self, "kv"):
+            del self.kv
+        if pool is None:
+            return
+        self.pool, self.block_size = pool, pool.block_size
+        self.kv = KVCache.allocate(self.n_layers, pool.device_blocks + 1, pool.block_size, self.tp.n_kv_heads,
+                                   self.info.head_dim, self.dtype, self.device)
+        self.geometry = Geometry(pool.block_size, pool.device_blocks, self.info.vocab_size, self.max_len,
+                                 self.deterministic, self.model.attention.split_decode)
+        self.stager = Stager(self.device, scratch_block=pool.device_blocks)
 
     @staticmethod
     def _gemm_rows(cfg: "Config", weights: StageWeights) -> gemm.Rows:
@@ -266,7 +288,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _graphs(self, cfg: "Config", layers: range) -> Graphs | None:
+    def build_graphs(self, cfg: "Config", layers: range) -> Graphs | None:
         """CUDA graphs where the whole model runs here (first and last stage, one TP rank)."""
         mode = cfg.engine.cuda_graphs
         if mode == "off" or (mode == "auto" and self.device.type != "cuda"):
@@ -274,6 +296,10 @@ class ModelRunner:
         if not (self.first and self.last and self.tp.where.size == 1):
             if mode == "on":
                 log.info("cuda graphs: off on a stage of a pipeline or tensor-parallel group (eager)")
+            return None
+        if self.model.by_length:
+            log.info("cuda graphs: off for a rotary whose tables follow the sequence's length (%s: eager)",
+                     self.info.rope.kind)
             return None
         max_bs = cfg.engine.cuda_graph_max_bs or cfg.scheduler.max_bs
         width = -(-self.geometry.max_len // self.block_size)

@@ -28,6 +28,10 @@ class KVCache:
     def num_blocks(self) -> int:
         return self.k.shape[1]
 
+    def block_bytes(self) -> int:
+        """Bytes of one block of tokens: its K and V in every layer."""
+        return self.k[:, 0].nbytes + self.v[:, 0].nbytes
+
     def layer(self, i: int) -> tuple[Tensor, Tensor]:
         return self.k[i], self.v[i]
 

@@ -1,6 +1,7 @@
 """The KV pool's size, in blocks: one object built from the config for everyone who needs it
 (the scheduler's block manager, each stage's KV tensors and host pool, request validation, the
-HTTP API's default max_tokens), so none of them can disagree on it."""
+HTTP API's default max_tokens), so none of them can disagree on it. Where the workers size it from
+their device's memory (kv/sizing.py) the launcher puts their figure in the others' config first."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,6 +9,8 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from orca_mq.config import Config
+
+AUTO_CPU_SLOTS = 16384   # engine.n_slots = 0 where the pool is not sized from a device's memory (the CPU)
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,7 +29,15 @@ class PoolSize:
         eng = cfg.engine
         if eng.block_size < 1:
             raise ValueError(f"engine.block_size must be >= 1, got {eng.block_size}")
-        return cls(eng.block_size, eng.n_slots // eng.block_size, eng.host_slots // eng.block_size)
+        slots = eng.n_slots
+        if not slots:
+            from orca_mq.kv.sizing import sized_at_start
+
+            if sized_at_start(cfg):
+                raise ValueError("engine.n_slots = 0: the workers size the KV pool from their device's memory, and this "
+                                 "process was started without their figure")
+            slots = AUTO_CPU_SLOTS
+        return cls(eng.block_size, slots // eng.block_size, eng.host_slots // eng.block_size)
 
     @property
     def device_slots(self) -> int:

@@ -32,9 +32,10 @@ def gemma_gguf(m: GGUFMeta, arch: str, **options: Any) -> ModelInfo:
     """Gemma 2 / 3 GGUFs: every other layer (2) or five in six (3) slide, as llama.cpp lays them."""
     heads, h = int(m.get("attention.head_count")), int(m.get("embedding_length"))
     head_dim = int(m.get("attention.key_length", 0)) or h // heads
-    scale = m.get("attention.scale", None)
-    return m.info(arch, sandwich_norms=True, act="gelu_tanh", attn_scale=float(scale) if scale else head_dim ** -0.5,
-                  embed_scale=h ** 0.5, **options)
+    # query_pre_attn_scalar is not in llama.cpp's GGUFs: it takes head_dim, but hidden / heads for Gemma 2 27B
+    # (its 46 layers), as Google's configs set it; a file that states attention.scale wins
+    scale = m.get("attention.scale", None) or (h // heads if int(m.get("block_count")) == 46 else head_dim) ** -0.5
+    return m.info(arch, sandwich_norms=True, act="gelu_tanh", attn_scale=float(scale), embed_scale=h ** 0.5, **options)
 
 
 def from_gguf(m: GGUFMeta) -> ModelInfo:

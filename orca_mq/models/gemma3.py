@@ -18,10 +18,12 @@ def from_hf(cfg: Any, path: Path) -> ModelInfo:
 
 
 def from_gguf(m: GGUFMeta) -> ModelInfo:
-    pattern = int(m.get("attention.sliding_window_pattern", 6) or 6)
+    """The sliding layers: a flag per layer, or every n-th layer full (llama.cpp's default for Gemma 3: 6)."""
+    pattern = m.get("attention.sliding_window_pattern", 6)
     info = gemma_gguf(m, "gemma3", qk_norm=True, rope=gguf_rope(m),
                       rope_local=RopeSpec("default", float(m.get("rope.freq_base_swa", 10000.0))))
-    info.layer_kinds = ["full" if (i + 1) % pattern == 0 else "sliding" for i in range(info.n_layers)]
+    slides = [bool(b) for b in pattern] if isinstance(pattern, list) else [(i + 1) % int(pattern) != 0 for i in range(info.n_layers)]
+    info.layer_kinds = ["sliding" if b else "full" for b in slides]
     return info
 
 

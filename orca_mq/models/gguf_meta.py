@@ -45,10 +45,14 @@ class GGUFMeta:
         """The keys every llama.cpp decoder writes alike; the family's own as `options`."""
         heads = int(self.get("attention.head_count"))
         head_dim = int(self.get("attention.key_length", 0)) or int(self.get("embedding_length")) // heads
-        eos = self.get("tokenizer.ggml.eos_token_id", None)
+        # every end-of-turn id the file declares: its EOS, and llama.cpp's end-of-turn / end-of-message ids
+        eos = [int(i) for k in ("eos_token_id", "eot_token_id", "eom_token_id")
+               if (i := self.get(f"tokenizer.ggml.{k}", None)) is not None]
         rot = int(self.get("rope.dimension_count", head_dim))
         window = int(self.get("attention.sliding_window", 0) or 0)
         options.setdefault("rope", RopeSpec("default", float(self.get("rope.freq_base", 10000.0))))
+        options.setdefault("qkv_bias", "blk.0.attn_q.bias" in self.shapes or "blk.0.attn_qkv.bias" in self.shapes)
+        options.setdefault("o_bias", "blk.0.attn_output.bias" in self.shapes)
         return ModelInfo(
             path=str(self.path), arch=family, vocab_size=self.shapes["token_embd.weight"][0],
             hidden_size=int(self.get("embedding_length")), n_layers=int(self.get("block_count")), n_heads=heads,
@@ -57,7 +61,7 @@ class GGUFMeta:
             norm_eps=float(self.get("attention.layer_norm_rms_epsilon")), context_length=int(self.get("context_length")),
             head_dim=head_dim, rotary_dim=rot if rot < head_dim else 0,
             sliding_window=window, tie_embeddings="output.weight" not in self.shapes,
-            bos_token_id=self.get("tokenizer.ggml.bos_token_id", None), eos_token_ids=[int(eos)] if eos is not None else [],
+            bos_token_id=self.get("tokenizer.ggml.bos_token_id", None), eos_token_ids=list(dict.fromkeys(eos)),
             **options)
 
 
@@ -70,7 +74,7 @@ def gguf_info(path: Path) -> ModelInfo:
         raise ValueError(f"{path}: not a readable GGUF file ({e})") from None
     fields: dict[str, Any] = {}
     for name, fld in reader.fields.items():
-        if name.startswith("tokenizer.ggml.") and name not in ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"):
+        if name.startswith("tokenizer.ggml.") and not name.endswith("_token_id"):
             continue  # the vocabulary is the tokenizer's business
         fields[name] = fld.contents()
     arch = fields.get("general.architecture")

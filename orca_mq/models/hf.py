@@ -45,13 +45,25 @@ def hf_info(cfg: Any, path: Path, arch: str, kinds: list[str] | None = None, **o
     if nested and "sliding_attention" in params:
         options.setdefault("rope_local", rope_spec(params["sliding_attention"], cfg))
     partial = float(glob.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", None) or 1.0))
+    options.setdefault("context_length", context_length(cfg, options["rope"]))
     return ModelInfo(
         path=str(path), arch=arch, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
         n_layers=cfg.num_hidden_layers, n_heads=heads, n_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
-        intermediate_size=cfg.intermediate_size, norm_eps=cfg.rms_norm_eps, context_length=cfg.max_position_embeddings,
+        intermediate_size=cfg.intermediate_size, norm_eps=cfg.rms_norm_eps,
         head_dim=head_dim, rotary_dim=int(head_dim * partial) if partial < 1 else 0, layer_kinds=kinds,
         sliding_window=(getattr(cfg, "sliding_window", None) or 0) if "sliding" in kinds else 0,
         tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)), bos_token_id=cfg.bos_token_id, **options)
 
 
-LLAMA_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+def context_length(cfg: Any, rope: RopeSpec) -> int:
+    """The longest context: max_position_embeddings, stretched by the scalings that extend it past the
+    positions trained (dynamic NTK: factor x; yarn: factor x the original, as vLLM derives them)."""
+    n = cfg.max_position_embeddings
+    if rope.kind == "dynamic":
+        return int(n * rope.params["factor"])
+    if rope.kind == "yarn" and rope.params.get("original_max_position_embeddings"):
+        return max(n, int(rope.params["original_max_position_embeddings"] * rope.params["factor"]))
+    return n
+
+
+LLAMA_KEYS = ("vocab_size", "hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size")

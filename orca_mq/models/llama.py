@@ -33,13 +33,12 @@ def from_gguf(m: GGUFMeta) -> ModelInfo:
 
 
 def unpermute(info: ModelInfo, t: dict[str, Tensor], gguf: bool) -> dict[str, Tensor]:
-    """llama.cpp permutes Q/K rows for its interleaved rotary; back to the rotate-half form used here."""
+    """llama.cpp permutes Q/K rows (and biases) for its interleaved rotary; back to the rotate-half form used here."""
     if not gguf or "qkv" not in t:
         return t
-    d = info.head_dim
-    q, k = info.n_heads * d, info.n_kv_heads * d
-    w = t["qkv"]
-    return t | {"qkv": torch.cat([_unpermute(w[:q], info.n_heads), _unpermute(w[q:q + k], info.n_kv_heads), w[q + k:]])}
+    q, k = info.n_heads * info.head_dim, info.n_kv_heads * info.head_dim
+    return t | {name: torch.cat([_unpermute(w[:q], info.n_heads), _unpermute(w[q:q + k], info.n_kv_heads), w[q + k:]])
+                for name, w in t.items() if name in ("qkv", "qkv_b")}
 
 
 def _unpermute(w: Tensor, n_head: int) -> Tensor:

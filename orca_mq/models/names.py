@@ -27,6 +27,19 @@ class Names:
     pos_embed: str | None = None
 
 
+def attention(info: ModelInfo, qkv: tuple[str, ...], o: str, q_norm: str, k_norm: str) -> dict[str, Source]:
+    """A layer's attention tensors by module name (either kind of checkpoint), with the biases and
+    q/k norms the family has."""
+    out: dict[str, Source] = {"qkv": tuple(f"{m}.weight" for m in qkv), "o": f"{o}.weight"}
+    if info.qkv_bias:
+        out["qkv_b"] = tuple(f"{m}.bias" for m in qkv)
+    if info.o_bias:
+        out["o_b"] = f"{o}.bias"
+    if info.qk_norm:
+        out["q_norm"], out["k_norm"] = f"{q_norm}.weight", f"{k_norm}.weight"
+    return out
+
+
 # ---------------------------------------------------------------- Hugging Face (transformers' module names)
 
 def hf_layer(info: ModelInfo, i: int, *, norms: dict[str, str] | None = None, fused: bool = False,
@@ -37,14 +50,7 @@ def hf_layer(info: ModelInfo, i: int, *, norms: dict[str, str] | None = None, fu
     p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
     out: dict[str, Source] = {k: f"{p}{v}.weight" for k, v in (norms or LLAMA_NORMS).items()}
     qkv = ("qkv_proj",) if fused else ("q_proj", "k_proj", "v_proj")
-    out["qkv"] = tuple(f"{a}{m}.weight" for m in qkv)
-    out["o"] = f"{a}o_proj.weight"
-    if info.qkv_bias:
-        out["qkv_b"] = tuple(f"{a}{m}.bias" for m in qkv)
-    if info.o_bias:
-        out["o_b"] = f"{a}o_proj.bias"
-    if info.qk_norm:
-        out["q_norm"], out["k_norm"] = f"{a}q_norm.weight", f"{a}k_norm.weight"
+    out |= attention(info, tuple(a + m for m in qkv), f"{a}o_proj", f"{a}q_norm", f"{a}k_norm")
     if info.sinks:
         out["sinks"] = f"{a}sinks"
     if experts is not None and info.is_moe(i):
@@ -77,18 +83,11 @@ def hf_names(info: ModelInfo, **layer_options: object) -> Names:
 
 def gguf_layer(info: ModelInfo, i: int, *, fused: bool = False) -> dict[str, Source]:
     b = f"blk.{i}."
-    out: dict[str, Source] = {"attn_norm": f"{b}attn_norm.weight", "ffn_norm": f"{b}ffn_norm.weight",
-                              "o": f"{b}attn_output.weight"}
+    out: dict[str, Source] = {"attn_norm": f"{b}attn_norm.weight", "ffn_norm": f"{b}ffn_norm.weight"}
     if info.sandwich_norms:
         out["post_attn_norm"], out["post_ffn_norm"] = f"{b}post_attention_norm.weight", f"{b}post_ffw_norm.weight"
     qkv = ("attn_qkv",) if fused else ("attn_q", "attn_k", "attn_v")
-    out["qkv"] = tuple(f"{b}{m}.weight" for m in qkv)
-    if info.qkv_bias:
-        out["qkv_b"] = tuple(f"{b}{m}.bias" for m in qkv)
-    if info.o_bias:
-        out["o_b"] = f"{b}attn_output.bias"
-    if info.qk_norm:
-        out["q_norm"], out["k_norm"] = f"{b}attn_q_norm.weight", f"{b}attn_k_norm.weight"
+    out |= attention(info, tuple(b + m for m in qkv), f"{b}attn_output", f"{b}attn_q_norm", f"{b}attn_k_norm")
     if info.is_moe(i):
         out["router"] = f"{b}ffn_gate_inp.weight"
         out["experts_gate_up"] = (f"{b}ffn_gate_exps.weight", f"{b}ffn_up_exps.weight")   # [E, I, H] each: rows of each expert

@@ -18,7 +18,7 @@ def from_hf(cfg: Any, path: Path) -> ModelInfo:
 
 
 def from_gguf(m: GGUFMeta) -> ModelInfo:
-    return m.info("qwen2", rope=gguf_rope(m), qkv_bias=True)
+    return m.info("qwen2", rope=gguf_rope(m))
 
 
 register(Family("qwen2", ("qwen2",), LLAMA_KEYS, from_hf,

@@ -3,6 +3,7 @@ experts dequantized) or a GGUF file's (every ggml type the gguf package reads, d
 known without reading the data, so a checkpoint is checked against its config before any worker starts."""
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -79,18 +80,37 @@ class GGUFSource:
         return name in self.tensors
 
     def shape(self, name: str) -> tuple[int, ...]:
+        self.check_type(name)
         return tuple(reversed([int(d) for d in self.tensors[name].shape]))
+
+    def check_type(self, name: str) -> None:
+        """A ValueError naming the file, the tensor and its type when the gguf package cannot dequantize it."""
+        kind = self.tensors[name].tensor_type
+        if not _readable(kind):
+            raise ValueError(f"{self.path}: tensor {name} has ggml type {kind.name}, which orca-mq cannot read "
+                             f"(F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, the K and IQ types, MXFP4 are)")
 
     def get(self, name: str) -> Tensor:
         from gguf import GGMLQuantizationType, dequantize
 
         t = self.tensors[name]
+        self.check_type(name)
         plain = t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16)
-        try:
-            data = np.array(t.data, dtype=np.float32) if plain else dequantize(t.data, t.tensor_type)  # copy: the mmap is read-only
-        except (NotImplementedError, ValueError, KeyError) as e:
-            raise ValueError(f"{self.path}: tensor {name} has ggml type {t.tensor_type.name}, which cannot be read here ({e})") from None
+        data = np.array(t.data, dtype=np.float32) if plain else dequantize(t.data, t.tensor_type)  # copy: the mmap is read-only
         return torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32)).reshape(self.shape(name))
+
+
+@functools.cache
+def _readable(kind: object) -> bool:
+    """Whether the gguf package dequantizes this ggml type (tried on one zero block)."""
+    from gguf import GGML_QUANT_SIZES, dequantize
+
+    block, size = GGML_QUANT_SIZES[kind]   # type: ignore[index]
+    try:
+        dequantize(np.zeros((1, size * (256 // block if block > 1 else 256)), np.uint8), kind)  # type: ignore[arg-type]
+    except (NotImplementedError, ValueError, KeyError):
+        return False
+    return True
 
 
 Source = SafetensorsSource | GGUFSource

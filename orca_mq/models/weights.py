@@ -154,9 +154,21 @@ def check_shapes(info: ModelInfo, t: dict[str, Tensor]) -> None:
             raise ValueError(f"{info.path}: {k} has shape {tuple(v.shape)}, but the config implies {want[k]}")
 
 
-def check_checkpoint(info: ModelInfo) -> None:
-    """Every tensor the config implies is in the checkpoint with as many elements as it implies: one
-    ValueError naming the file and the tensor otherwise (shapes only: nothing is read)."""
+def check_checkpoint(info: ModelInfo, cache_dir: str = "") -> None:
+    """Every tensor the config implies is in the checkpoint, of a type that can be read, with as many
+    elements as it implies: one ValueError naming the file and the tensor otherwise (shapes only: nothing
+    is read). A GGUF found sound is remembered under `cache_dir` (opening one walks its vocabulary)."""
+    path = Path(info.path)
+    done = Path(cache_dir).expanduser() / f"checked-{cache_key(path)}" if cache_dir and path.is_file() else None
+    if done is not None and done.exists():
+        return
+    _check(info)
+    if done is not None:
+        done.parent.mkdir(parents=True, exist_ok=True)
+        done.touch()
+
+
+def _check(info: ModelInfo) -> None:
     src, names = open_source(Path(info.path)), names_of(info)
     want = expected_shapes(info)
     specs = [names.layer(i) for i in range(info.n_layers)]

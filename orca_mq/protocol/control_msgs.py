@@ -11,6 +11,7 @@ from orca_mq.protocol.codec import message
 class Ready:
     role: str
     pid: int
+    kv_slots: int = 0   # a worker: its stage's KV pool (what the scheduler and frontend learn where it is measured)
 
 
 @message("drain")

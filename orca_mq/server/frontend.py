@@ -233,7 +233,7 @@ class Frontend:
         if not client:
             return
         stats = msg.stats | {"frontend": {"active_requests": len(self.active), "admitting": len(self.admitting),
-                                          "draining": self.draining}}
+                                          "draining": self.draining, "kv_slots": self.model.pool.device_slots}}
         if "record" in stats:  # the asking client's own requests under its own ids
             stats["record"] = [[it, [self.ids.name(i, client) for i in iids]] for it, iids in stats["record"]]
             stats["arrival_order"] = [self.ids.name(i, client) for i in stats["arrival_order"]]

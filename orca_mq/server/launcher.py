@@ -35,6 +35,7 @@ import zmq
 
 from orca_mq.config import Config
 from orca_mq.models.files import EMBEDDED_FILE
+from orca_mq.kv.sizing import sized_at_start
 from orca_mq.logs import process_started, server_marker, setup_logging, tell
 from orca_mq.protocol import ProtocolError, decode
 from orca_mq.protocol.client_msgs import Error, Ping, Pong
@@ -169,13 +170,26 @@ class Launcher:
                 self.nodes.join(self.log, lambda: self.signals > 0)
             workers, loading = self._spawn_workers(), time.monotonic()
             waiting |= workers
-            self._spawn("scheduler", "engine", "orca_mq.server.scheduler_process", "--run-dir", self.run_dir)
-            self._spawn("frontend", "engine", "orca_mq.server.frontend")
-            waiting |= {"frontend", "scheduler"}
         if group in ("broker", "http") and self.cfg.server.http_address:
             self._spawn("http", "http", "orca_mq.api.server")
             waiting.add("http")
-        while waiting:
+        if group in ("broker", "engine"):
+            if sized_at_start(self.child_cfg):   # the workers size the KV pool: the others start knowing it
+                slots = self._wait(waiting, workers, loading, deadline, until=workers)
+                self.child_cfg.engine.n_slots = min(slots.values())
+                self.log.info("KV pool sized by the workers", slots=slots)
+            self._spawn("scheduler", "engine", "orca_mq.server.scheduler_process", "--run-dir", self.run_dir)
+            self._spawn("frontend", "engine", "orca_mq.server.frontend")
+            waiting |= {"frontend", "scheduler"}
+        self._wait(waiting, workers, loading, deadline)
+
+    def _wait(self, waiting: set[str], workers: set[str], loading: float, deadline: float,
+              until: set[str] | None = None) -> dict[str, int]:
+        """Take `ready` reports off `waiting` until `until` (default: all of it) is empty; the workers'
+        KV pools, by name."""
+        until = waiting if until is None else until
+        slots: dict[str, int] = {}
+        while until & waiting:
             self._check_startup(deadline, ", ".join(sorted(waiting)))
             msg = self._recv(POLL)
             if isinstance(msg, Progress):
@@ -184,8 +198,11 @@ class Launcher:
                 waiting.discard(msg.role)
                 if msg.role not in workers:
                     self.progress(f"{msg.role} ready")
-                elif not waiting & workers:   # one line for the model, however many workers load it
-                    self.progress(f"model loaded in {time.monotonic() - loading:.1f} s")
+                else:
+                    slots[msg.role] = msg.kv_slots
+                    if not waiting & workers:   # one line for the model, however many workers load it
+                        self.progress(f"model loaded in {time.monotonic() - loading:.1f} s")
+        return slots
 
     def _spawn_workers(self) -> set[str]:
         """This node's workers: its share of the stages x TP ranks, in placement order; their names."""

@@ -22,6 +22,7 @@ class TritonAttention:
     split_decode: ClassVar[bool] = False   # one ragged launch for every row
     fused_rotary_kv: ClassVar[bool] = True
     ops: LayerOps   # the Triton rms_norm and rotary for the model's other ops
+    split_kv: bool = True   # one-token rows may split long contexts over programs (not batch-invariant: off in deterministic mode)
 
     @classmethod
     def create(cls, device: torch.device, dtype: torch.dtype) -> "TritonAttention":
@@ -45,7 +46,12 @@ class TritonAttention:
     def attend(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
                meta: AttentionMetadata, spec: AttentionSpec) -> Tensor:
         """k/v are unused: this iteration's are already in the cache."""
+        from kernels import split_kv_kernel
         from kernels.attention_kernel import ragged_paged_attention
 
+        if self.split_kv and meta.decode_tiles is not False and (out := split_kv_kernel.decode(
+                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, spec.scale, window=spec.window,
+                softcap=spec.softcap, sinks=spec.sinks)) is not None:
+            return out
         return ragged_paged_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_q_lens, meta.seq_lens, spec.scale,
                                       meta.decode_tiles, spec.window, spec.softcap, spec.sinks)

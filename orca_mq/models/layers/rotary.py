@@ -116,17 +116,15 @@ class Rotary:
         self.by_length = spec.by_length
         self.cos, self.sin = self._tables(torch.arange(max_len, dtype=torch.float32), max_len)
 
-    def _freqs(self, seq_len: int) -> tuple[Tensor, float]:
-        freq, attention = inv_freq(self.spec, self.rotary_dim, seq_len)
-        pad = self.head_dim // 2 - freq.numel()     # partial rotary: the dims that do not turn
-        return (torch.cat([freq, freq.new_zeros(pad)]) if pad else freq), attention
-
     def _tables(self, positions: Tensor, seq_len: int) -> tuple[Tensor, Tensor]:
-        freq, attention = self._freqs(seq_len)
+        freq, attention = inv_freq(self.spec, self.rotary_dim, seq_len)
         emb = torch.outer(positions, freq)
-        emb = torch.cat([emb, emb], dim=-1)
-        return ((emb.cos() * attention).to(self.device, self.dtype),
-                (emb.sin() * attention).to(self.device, self.dtype))
+        cos, sin = emb.cos() * attention, emb.sin() * attention
+        pad = self.head_dim // 2 - freq.numel()     # partial rotary: the dims that do not turn (cos 1, sin 0)
+        if pad:
+            cos = torch.cat([cos, cos.new_ones(len(positions), pad)], dim=-1)
+            sin = torch.cat([sin, sin.new_zeros(len(positions), pad)], dim=-1)
+        return torch.cat([cos, cos], dim=-1).to(self.device, self.dtype), torch.cat([sin, sin], dim=-1).to(self.device, self.dtype)
 
     def tables(self, meta: "AttentionMetadata") -> tuple[Tensor, Tensor, Tensor]:
         """(cos, sin, the row of each token in them): the whole tables and the positions, or for a
