@@ -70,8 +70,9 @@ def grouped(x: Tensor, gate_up: Tensor, down: Tensor, ids: Tensor, weights: Tens
 
 
 # An expert's rows are streamed past its weight in chunks of 8 up to this many (decode: a few rows on
-# each of many experts), one BLAS product beyond: the crossover on the development host, where 4-8 rows
-# streamed took 0.64-0.74x BLAS's time and 48-64 rows 1.2-1.3x (tools/bench_moe.py --crossover)
+# each of many experts), one BLAS product beyond: the crossover on the development host, where 2-8 rows
+# streamed took 0.55-0.83x BLAS's time, 16 rows 0.93-1.02x and 24-64 rows 1.10-1.49x
+# (tools/bench_moe.py --crossover, hidden 1024, one thread)
 STREAM_ROWS = 16
 
 
