@@ -64,10 +64,11 @@ def align(ids: Tensor, n_experts: int, block_m: int) -> tuple[Tensor, Tensor, Te
     static bound: at most min(E, T*k) experts have pairs, each padding fewer than block_m rows."""
     flat = ids.reshape(-1).long()
     n, dev = flat.numel(), flat.device
+    # scatter_add_, not bincount: bincount reads the largest id on the host
     counts = torch.zeros(n_experts, dtype=torch.long, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = torch.cumsum(padded, 0)
-    order = torch.argsort(flat, stable=True)   # bincount and nonzero would read a size on the host
+    order = torch.argsort(flat, stable=True)
     expert = flat.index_select(0, order)
     rank = torch.arange(n, device=dev) - (torch.cumsum(counts, 0) - counts).index_select(0, expert)
     dest = (padded_end - padded).index_select(0, expert) + rank
