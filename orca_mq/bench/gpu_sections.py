@@ -23,6 +23,7 @@ import torch
 from orca_mq.bench.gpu_carry import FOLDER, ROOT
 from orca_mq.bench.gpu_context import CLEANUP, Ctx, one_line, random_prompts
 from orca_mq.bench.gpu_attention import decode, splitkv
+from orca_mq.bench.gpu_moe import moe
 from orca_mq.bench.gpu_scale import fp8, kvsize
 from orca_mq.bench.gpu_speed import iteration, offline, served
 
@@ -228,7 +229,8 @@ def fastserve(ctx: Ctx) -> None:
 
 
 SECTIONS: dict[str, Callable[[Ctx], None]] = {f.__name__: f for f in (
-    models, env, kernels, refusal, exactness, iteration, offline, served, determinism, fastserve, decode, splitkv, kvsize, fp8)}
+    models, env, kernels, refusal, exactness, iteration, offline, served, determinism, fastserve, decode, splitkv, kvsize, fp8,
+    moe)}
 
 
 def _on_sigterm(signum: int, _frame: object) -> None:
