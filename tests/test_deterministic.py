@@ -116,6 +116,22 @@ def test_deterministic_logits_do_not_depend_on_the_batch(arch, sampling, gemm, t
     assert torch.equal(logits_busy, logits_alone)   # bit for bit, not within a tolerance
 
 
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    from orca_mq.bench.random_models import family_config, save_random_model
+
+    return save_random_model(tmp_path_factory.mktemp("moe"), family_config("qwen3_moe", mlp_only_layers=[]))
+
+
+@pytest.mark.parametrize("gemm", ["auto", "torch"])
+def test_deterministic_mixture_of_experts(gemm, moe_dir):
+    """The router and each expert's rows through the batch-invariant GEMM: a row's experts and their
+    products do not depend on what else the batch sends them."""
+    runner = _runner(moe_dir, deterministic=True, gemm=gemm)
+    (tokens_alone, logits_alone), (tokens_busy, logits_busy) = _alone_and_busy(runner, GREEDY)
+    assert tokens_busy == tokens_alone and torch.equal(logits_busy, logits_alone)
+
+
 def test_default_mode_logits_do_depend_on_the_batch(tiny_llama_dir):
     """What deterministic mode removes: the same comparison in the default mode differs in the low
     bits (chunks attend through another kernel than a whole prompt)."""

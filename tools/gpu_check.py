@@ -20,7 +20,9 @@ served (tools/bench.py against a launched server, and the same trace offline), d
 fastserve (offload/upload exactness). Named only (issue 42, one call: --sections decode,splitkv,kvsize,fp8):
 decode (split-KV vs ragged decode attention at 1k-32k against the copy bandwidth, e4m3 KV, prompts at
 head_dim 128), splitkv (the engine's decode iteration, engine.split_kv auto vs off), kvsize (the KV pool sized from the card: its terms), fp8 (FP8 vs bf16 GEMMs; a random
-model's logits and greedy tokens). --small runs them at tiny sizes (a CPU plumbing run).
+model's logits and greedy tokens). Named only too (issue 40: --sections moe): moe (the fused MoE kernel
+at Qwen3-30B-A3B's expert shape beside the dense GEMMs of the same active parameters, and against the
+grouped path; skipped on the CPU). --small runs them at tiny sizes (a CPU plumbing run).
 """
 from __future__ import annotations
 

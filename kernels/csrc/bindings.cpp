@@ -8,6 +8,7 @@ torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> delta, torc
 void rotary_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin, int64_t n_heads);
 torch::Tensor silu_mul(torch::Tensor gate_up);
 torch::Tensor linear_rows(torch::Tensor x, torch::Tensor w);
+torch::Tensor grouped_rows(torch::Tensor x, torch::Tensor w, torch::Tensor ends, int64_t stream_rows);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (float32 or bfloat16 KV)",
@@ -17,4 +18,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_", &rotary_, "rotary embedding of the first heads of every row, in place");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of [gate | up] rows");
   m.def("linear_rows", &linear_rows, "x [1..8, K] @ w.T, float32, the weights streamed once");
+  m.def("grouped_rows", &grouped_rows, "each group of x's rows times its own w[g].T (a mixture of experts), float32");
 }

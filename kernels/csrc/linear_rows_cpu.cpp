@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -57,6 +58,18 @@ inline void tile(const float* x, const float* w, int64_t K, float* out, int64_t 
 template <int MR>
 constexpr int nr() { return MR == 1 ? 8 : MR <= 2 ? 4 : MR <= 4 ? 3 : 1; }
 
+// outputs [lo, hi) of MR rows of x against w's rows (out's rows ldo apart)
+template <int MR>
+void span(const float* x, const float* w, float* out, int64_t lo, int64_t hi, int64_t ldo, int64_t K) {
+  constexpr int NR = nr<MR>();
+  int64_t n = lo;
+  for (; n + NR <= hi; n += NR) tile<MR, NR>(x, w + n * K, K, out + n, ldo);
+  for (; n < hi; ++n) tile<MR, 1>(x, w + n * K, K, out + n, ldo);
+}
+
+using Span = void (*)(const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t);
+constexpr Span SPANS[8] = {span<1>, span<2>, span<3>, span<4>, span<5>, span<6>, span<7>, span<8>};
+
 template <int MR>
 void rows(const float* x, const float* w, float* out, int64_t N, int64_t K) {
   constexpr int NR = nr<MR>();
@@ -66,10 +79,8 @@ void rows(const float* x, const float* w, float* out, int64_t N, int64_t K) {
   {
     const int nth = omp_get_num_threads(), tid = omp_get_thread_num();
     const int64_t per = ((N + nth - 1) / nth + NR - 1) / NR * NR;
-    const int64_t lo = std::min(N, tid * per), hi = std::min(N, lo + per);
-    int64_t n = lo;
-    for (; n + NR <= hi; n += NR) tile<MR, NR>(x, w + n * K, K, out + n, N);
-    for (; n < hi; ++n) tile<MR, 1>(x, w + n * K, K, out + n, N);
+    const int64_t lo = std::min(N, tid * per);
+    span<MR>(x, w, out, lo, std::min(N, lo + per), N, K);
   }
 }
 
@@ -94,6 +105,48 @@ torch::Tensor linear_rows(torch::Tensor x, torch::Tensor w) {
     case 6: rows<6>(xp, wp, op, N, K); break;
     case 7: rows<7>(xp, wp, op, N, K); break;
     default: rows<8>(xp, wp, op, N, K); break;
+  }
+  return out;
+}
+
+// A mixture of experts' grouped product: x [M, K] with its rows sorted by group, w [G, N, K], ends [G]
+// int64 (where each group's rows end) -> [M, N], group g's rows times w[g].T. A group of at most
+// `stream_rows` rows runs as chunks of up to 8 rows, each streaming w[g] once (decode: a few rows per
+// expert), every group's chunks and column blocks shared among the threads in one parallel region; a
+// larger group is one BLAS product (prefill). Float32, contiguous, K a multiple of 8.
+torch::Tensor grouped_rows(torch::Tensor x, torch::Tensor w, torch::Tensor ends, int64_t stream_rows) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "grouped_rows: float32 only");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 3 && x.is_contiguous() && w.is_contiguous(), "grouped_rows: x [M, K], w [G, N, K]");
+  const int64_t M = x.size(0), K = x.size(1), G = w.size(0), N = w.size(1);
+  TORCH_CHECK(w.size(2) == K && K % 8 == 0, "grouped_rows: w [G, N, K] with x's K, a multiple of 8");
+  TORCH_CHECK(ends.scalar_type() == at::kLong && ends.dim() == 1 && ends.size(0) == G, "grouped_rows: ends [G] int64");
+  auto out = torch::empty({M, N}, x.options());
+  const auto end = ends.contiguous();
+  const int64_t* ep = end.data_ptr<int64_t>();
+  TORCH_CHECK(G == 0 || ep[G - 1] == M, "grouped_rows: ends must finish at x's rows");
+  struct Chunk { int64_t g, row, rows; };
+  std::vector<Chunk> chunks;
+  for (int64_t g = 0, start = 0; g < G; start = ep[g++]) {
+    const int64_t n = ep[g] - start;
+    TORCH_CHECK(n >= 0, "grouped_rows: ends must not decrease");
+    if (n > stream_rows) {
+      auto part = out.narrow(0, start, n);
+      at::mm_out(part, x.narrow(0, start, n), w[g].t());
+    } else {
+      for (int64_t r = start; r < ep[g]; r += 8) chunks.push_back({g, r, std::min<int64_t>(8, ep[g] - r)});
+    }
+  }
+  // each chunk's outputs in blocks of 48 (a multiple of every tile width): enough pieces to share
+  constexpr int64_t NB = 48;
+  const int64_t blocks = (N + NB - 1) / NB, items = static_cast<int64_t>(chunks.size()) * blocks;
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+#pragma omp parallel for schedule(static) if (items * NB * K > 65536)
+  for (int64_t i = 0; i < items; ++i) {
+    const Chunk& c = chunks[i / blocks];
+    const int64_t lo = (i % blocks) * NB;
+    SPANS[c.rows - 1](xp + c.row * K, wp + c.g * N * K, op + c.row * N, lo, std::min(N, lo + NB), N, K);
   }
   return out;
 }

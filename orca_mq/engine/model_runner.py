@@ -95,7 +95,8 @@ class ModelRunner:
             attention.split_kv = False   # type: ignore[attr-defined]  # deterministic: a row's splits would follow its batch
         self.rows = self._gemm_rows(cfg, weights) if self.deterministic else gemm.Rows()
         self.max_len = self.info.max_model_len(cfg)
-        self.model = StageModel(self.info, weights, layers, self.max_len, self.device, attention, self.tp, self.rows)
+        self.model = StageModel(self.info, weights, layers, self.max_len, self.device, attention, self.tp, self.rows,
+                                gemm.Rows(cfg.engine.deterministic_rows) if self.deterministic else gemm.Rows())
         # FastServe's copies: a worker starts its copy thread (start_swap_thread); offline, an inline
         # swapper (and its host pool) is made at the first plan that swaps
         self.swapper: KVSwapper | None = None

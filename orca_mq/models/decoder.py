@@ -30,7 +30,9 @@ Tensor = torch.Tensor
 class StageModel:
     def __init__(self, info: ModelInfo, weights: StageWeights, layers: range, max_len: int,
                  device: torch.device, attention: AttentionBackend, tp: TensorParallel | None = None,
-                 rows: gemm.Rows = gemm.Rows()) -> None:
+                 rows: gemm.Rows = gemm.Rows(), expert_rows: gemm.Rows = gemm.Rows()) -> None:
+        """`rows`: how the layers' GEMMs cut a batch (deterministic mode); `expert_rows`: the padded tiles
+        the experts' GEMMs take then (their plain weights are not the ones found row-invariant)."""
         self.info, self.layers = info, layers
         self.linear = functools.partial(gemm.linear, rows=rows)   # rows.n > 0: batch-invariant GEMMs
         self.tp = tp or TensorParallel(info)  # this rank's heads and the stage's all-reduces (size 1: identity)
@@ -53,7 +55,8 @@ class StageModel:
         self.specs = [AttentionSpec(info.scale, info.window(i), info.attn_softcap, w.get("sinks"))
                       for i, w in zip(layers, weights.layers)]
         fused_moe = device.type == "cuda"
-        self.mlps = [MoE(info, self.ops, self.tp.reduce, fused_moe) if info.is_moe(i)
+        tiles = functools.partial(gemm.linear, rows=expert_rows) if expert_rows.n else None
+        self.mlps = [MoE(info, self.ops, self.tp.reduce, fused_moe, tiles) if info.is_moe(i)
                      else DenseMLP(info, self.ops, self.linear, self.tp.reduce) for i in layers]
         self.embed_scale = torch.tensor(info.embed_scale, dtype=dtype).item() if info.embed_scale != 1.0 else 0.0
 
