@@ -209,11 +209,13 @@ def served_and_offline(ctx: Ctx, name: str, b: Burst) -> None:
     finally:
         server.stop(60)
     m = runs["measured"]
-    conf = f"{ctx.fast_dtype}, max_bs {b.max_bs}, budget {b.budget}, n_slots {slots}" + "".join(f", {k} {v}" for k, v in b.sets.items())
+    conf = f"{ctx.fast_dtype}, max_bs {b.max_bs}, budget {b.budget}, n_slots {slots}"
+    conf += "".join(f", {k} {v}" for k, v in b.sets.items())
     how = (f"tools/bench.py --address (server: orca-mq serve, {conf}) orca trace, {b.n} requests at once from "
            f"{procs} client processes" + f", after a {b.warm_n}-request warm-up burst" * bool(b.warm_n))
     tok_s = m["throughput_tok_s"]
-    ctx.emit(f"served burst, orca trace, {b.n} requests: gen tok/s", tok_s, unit="tok/s", how=how, **_target(ctx, tok_s, b.served_target, "k"))
+    ctx.emit(f"served burst, orca trace, {b.n} requests: gen tok/s", tok_s, unit="tok/s", how=how,
+             **_target(ctx, tok_s, b.served_target))
     ctx.emit("served burst: errors", m["n_errors"], target="0", met=m["n_errors"] == 0 and m["n_ok"] == b.n)
     # the same trace offline: the same requests (the bench's trace, seed 11), batch cap, budget and KV room
     tok = load_tokenizer(model)
@@ -224,14 +226,14 @@ def served_and_offline(ctx: Ctx, name: str, b: Burst) -> None:
     llm = ctx.llm(name, dtype=ctx.fast_dtype, max_bs=b.max_bs, n_slots=slots, max_num_batched_tokens=b.budget, **b.sets)
     gen, s = burst(ctx, llm, [t.prompt_token_ids for t in trace],
                    [SamplingParams(max_tokens=t.max_tokens, temperature=0, ignore_eos=True) for t in trace])
-    ctx.emit("the same trace offline (LLM.generate): gen tok/s", gen / s, unit="tok/s", **_target(ctx, gen / s, b.offline_target, "k"),
+    ctx.emit("the same trace offline (LLM.generate): gen tok/s", gen / s, unit="tok/s", **_target(ctx, gen / s, b.offline_target),
              how=f"orca_mq.LLM ({conf}), the same requests, after a warm-up burst", prompt_tokens=p, gen_tokens=gen, s=s)
     ratio = tok_s / (gen / s)
     ctx.emit("served / offline on the same trace", ratio, unit="x", **_target(ctx, ratio, b.ratio_target))
 
 
-def _target(ctx: Ctx, value: float, target: float | None, scale: str = "") -> dict[str, Any]:
+def _target(ctx: Ctx, value: float, target: float | None) -> dict[str, Any]:
     """A figure's target and whether it is met (a floor: value >= target), on a GPU only."""
     if target is None or not ctx.cuda:
         return {}
-    return {"target": f">= {target / 1e3:g}k" if scale == "k" else f">= {target:g}", "met": value >= target}
+    return {"target": f">= {target / 1e3:g}k" if target >= 1000 else f">= {target:g}", "met": value >= target}

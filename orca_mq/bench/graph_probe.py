@@ -1,7 +1,8 @@
 """The yardstick for a decode iteration: the same model step written in plain torch (fused QKV and
 gate-up GEMMs, a dense KV of `ctx` tokens, SDPA), launched op by op and replayed from a CUDA graph.
 What the replay costs is what one decode iteration of this shape can cost on the card with kernel
-launches and host work taken out (../shared/gpu/graph_probe.py, the first GPU run's probe).
+launches and host work taken out (../shared/gpu/graph_probe.py, the first GPU run's probe); the
+rotary is left out (two elementwise kernels a layer).
 
 It runs over a runner's own weights (every GEMM through engine/gemm.py, so FP8 weights multiply as
 the engine's do) and its KV pool's memory as the dense caches: an 8B or 30B shape has no room for a
@@ -26,13 +27,14 @@ if TYPE_CHECKING:
 
 Tensor = torch.Tensor
 Caches = tuple[list[Tensor], list[Tensor]]
+FeedForward = Callable[[Tensor, dict[str, Tensor]], Tensor]
 
 
 class ProbeModel:
     """One stage holding the whole model (RMSNorm, GQA with q/k norms where the family has them, a
     SiLU-gated MLP or experts). `mlps[i]`: the engine's feed-forward of layer i (used for experts)."""
 
-    def __init__(self, info: "ModelInfo", weights: "StageWeights", mlps: list[Callable[[Tensor, dict[str, Tensor]], Tensor]]) -> None:
+    def __init__(self, info: "ModelInfo", weights: "StageWeights", mlps: list[FeedForward]) -> None:
         assert weights.embed is not None and weights.lm_head is not None and weights.final_norm is not None
         self.info, self.w, self.mlps = info, weights, mlps
         self.device, self.dtype = weights.embed.device, weights.embed.dtype

@@ -106,7 +106,8 @@ class ShapeRun:
 def add_shape_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--shape", choices=SHAPES, default=None, help="a published model's shape with random weights made "
                     "on the device: its own sections (decode and prefill beside their floors, offline and served bursts)")
-    ap.add_argument("--layers", type=_positive, default=None, metavar="N", help="--shape with N layers (default: the published count)")
+    ap.add_argument("--layers", type=_positive, default=None, metavar="N",
+                    help="--shape with N layers (default: the published count)")
     ap.add_argument("--fp8", action="store_true", help="--shape with model.quantization = fp8")
 
 
