@@ -62,6 +62,7 @@ class Frontend:
         self.log = setup_logging("frontend", cfg.log)
         self.model = ServedModel(cfg)   # admission's steps 1-3 here (orca_mq.admission); 4 in the scheduler process
         self.tokenizer, self.prompts = self.model.tokenizer, self.model.prompts
+        self.model.prompt_logprob_bound   # noqa: B018 (read the vocabulary now, not on the event loop)
         self.eos_token_ids = frozenset(self.model.info.eos_token_ids)   # the one that ends a request is not shown
         self.tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="tokenize")
         self.ids = RequestIds()                          # (client, its id) <-> internal id

@@ -31,6 +31,7 @@ from orca_mq.protocol import ProtocolError, decode, encode
 from orca_mq.protocol.common_msgs import PROTOCOL, Error
 from orca_mq.protocol.codec import channel
 from orca_mq.protocol.control_msgs import Progress, Ready
+from orca_mq.protocol.frames import frames
 from orca_mq.protocol.iteration import IterationResult, pack
 from orca_mq.protocol.engine_msgs import (AbortRequest, AddRequest, ControlFrame, IterationDone, StatsQuery,
                                           StatsResult, TokenBatch, WorkerStats, WorkerStatsQuery)
@@ -41,6 +42,8 @@ from orca_mq.server.telemetry import Telemetry
 from orca_mq.server.process import process_main
 from orca_mq.server.nodes import worker_name
 from orca_mq.server.zmq_queue import PEER, BrokerLink, Envelope, control_address, results_address, serve
+
+FRONTEND = b"frontend"
 
 ACCEPTED = channel(AddRequest, AbortRequest, StatsQuery, IterationDone, WorkerStats, Error)
 WINDOW = 10_000          # timing samples kept for the stats
@@ -193,10 +196,13 @@ class SchedulerProcess:
         return bool(out.plans)
 
     async def _emit(self, iteration: int, events: list[TokenEvent]) -> None:
+        """A step's events to the frontend: one frame, or several in order where one would exceed the bound."""
         if events:
             batch = token_batch(iteration, events, self.sched.request_metrics)
             self.telemetry.finished(batch.metrics.values())
-            await self.link.to_peer("frontend", batch)
+            for frame in frames(lambda lo, hi: batch if hi - lo == len(events) else
+                                token_batch(iteration, events[lo:hi], self.sched.request_metrics), len(events)):
+                await self.link.send_raw(PEER, FRONTEND, frame)
 
     async def _start_stats(self, source: bytes, query: StatsQuery) -> None:
         qid = uuid.uuid4().hex
