@@ -83,14 +83,16 @@ class SchedulerProcess:
         self.grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
         self.compiling: dict[str, bool] = {}    # requests waiting for their grammar -> aborted meanwhile
         self.compile_tasks: set[asyncio.Task[None]] = set()
+        self.failed: asyncio.Future[None] | None = None   # a compile task's turn that failed: the process ends
         self.ready = False
         self.started = time.perf_counter()
 
     async def run(self) -> int:
         if not self.sched.profiled:
             await self.link.to_peer("launcher", Progress("scheduler", "timing the probe iterations of the policy's profile"))
+        self.failed = asyncio.get_running_loop().create_future()
         await self._step([])
-        code = await serve([self._loop(), self._results_loop()], self.log)
+        code = await serve([self._loop(), self._results_loop(), self._watch()], self.log)
         self.grammar_pool.shutdown(wait=False, cancel_futures=True)
         self.link.close()
         self.control.close()
@@ -108,6 +110,12 @@ class SchedulerProcess:
             payload = await self.results.recv(copy=True)
             async with self.turn:
                 await self._handle(Envelope(PEER, self.last_stage, payload))
+
+    async def _watch(self) -> None:
+        """Ends the process when a compile task's turn failed, as a failed turn of the loops does: the
+        launcher restarts it and the broker gives every request in flight its final."""
+        assert self.failed is not None
+        await self.failed
 
     async def _handle(self, env: Envelope) -> None:
         received = time.time()
@@ -131,7 +139,7 @@ class SchedulerProcess:
                     self.compiling[msg.request_id] = False
                     task = asyncio.create_task(self._compile_and_add(msg))
                     self.compile_tasks.add(task)
-                    task.add_done_callback(self.compile_tasks.discard)
+                    task.add_done_callback(self._compiled)
                     return
                 self._add(self.model.request(msg.request_id, msg.prompt_token_ids, msg.params))
             except Exception:  # the frontend validated it: a refusal here is a bug, fail only this request
@@ -158,6 +166,11 @@ class SchedulerProcess:
         self.log.error("request refused by the scheduler", request_id=request_id, exc_info=True)
         await self._emit(-1, [TokenEvent(request_id, None, "error")])
 
+    def _compiled(self, task: asyncio.Task[None]) -> None:
+        self.compile_tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None and self.failed is not None and not self.failed.done():
+            self.failed.set_exception(task.exception())   # type: ignore[arg-type]
+
     async def _compile_and_add(self, msg: AddRequest) -> None:
         """Compile a constrained request's grammar off the event loop, then let it be scheduled."""
         rid = msg.request_id
@@ -173,8 +186,12 @@ class SchedulerProcess:
             elif grammar is None:
                 await self._refused(rid)
             else:
-                self._add(self.model.request(rid, msg.prompt_token_ids, msg.params, grammar))
-                await self._step([])
+                try:
+                    self._add(self.model.request(rid, msg.prompt_token_ids, msg.params, grammar))
+                except Exception:  # as in _handle: a refusal here is a bug, fail only this request
+                    await self._refused(rid)
+                    return
+                await self._step([])   # a failure here fails the process (_watch), as in the loops
 
     async def _step(self, results: list[IterationResult]) -> bool:
         """One turn of the scheduler's loop: its plans go out first, then its tokens. Returns whether
