@@ -12,6 +12,7 @@ before the process reports ready.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import time
 import uuid
@@ -37,7 +38,7 @@ from orca_mq.protocol.engine_msgs import (AbortRequest, AddRequest, ControlFrame
                                           StatsResult, TokenBatch, WorkerStats, WorkerStatsQuery)
 from orca_mq.sched import StepOutput, TokenEvent, make_scheduler
 from orca_mq.sched.request import Request
-from orca_mq.structured.compiler import bounded
+from orca_mq.structured.compiler import Known, bounded
 from orca_mq.server.telemetry import Telemetry
 from orca_mq.server.process import process_main
 from orca_mq.server.nodes import worker_name
@@ -172,10 +173,12 @@ class SchedulerProcess:
             self.failed.set_exception(task.exception())   # type: ignore[arg-type]
 
     async def _compile_and_add(self, msg: AddRequest) -> None:
-        """Compile a constrained request's grammar off the event loop, then let it be scheduled."""
+        """Compile a constrained request's grammar off the event loop (with the shortest plan the
+        frontend found: not searched again), then let it be scheduled."""
         rid = msg.request_id
+        compile = functools.partial(self.model.grammars.compile, known=Known(msg.start) if msg.start_known else None)
         try:
-            grammar = await bounded(self.grammar_pool, self.model.grammars.compile, msg.params.structured_outputs,  # type: ignore[arg-type]
+            grammar = await bounded(self.grammar_pool, compile, msg.params.structured_outputs,  # type: ignore[arg-type]
                                     self.cfg.structured.compile_timeout)
         except Exception:  # the frontend checked it: only the vocabulary or the clock refuse it here
             self.log.exception("grammar compilation failed", request_id=rid)

@@ -24,6 +24,7 @@ The digit bound is the grammar's (`Grammar.narrow`, with orca_mq.structured.toke
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from llguidance import LLMatcher
@@ -39,6 +40,16 @@ BYTES_PER_TOKEN = 8      # a request's plan is sought only this many bytes a tok
 RETRY = 16               # tokens before planning again where no plan was found, doubled each time
 REPEAT = 4               # a walk's choice made this many times in a row: a loop (0.000..., an email's 0000...)
 NUMBER_BYTES = frozenset(bytes([b]) for b in NUMBER)   # a plan that goes on with the number it stands in is not kept
+CLOCK_EVERY = 64         # bytes walked between two looks at a deadline
+
+
+class OutOfTime(Exception):
+    """A search went past its deadline (structured.compile_timeout): it stops, freeing its thread."""
+
+
+def _check(deadline: float | None, walked: int) -> None:
+    if deadline is not None and walked % CLOCK_EVERY == 0 and time.monotonic() > deadline:
+        raise OutOfTime
 
 
 def _order(first: bytes) -> tuple[int, ...]:
@@ -81,13 +92,15 @@ def _allowed(m: LLMatcher, lex: JsonLex, tables: Tables, limit: int) -> list[int
     return out
 
 
-def _walk(m: LLMatcher, lex: JsonLex, tables: Tables, out: bytearray, cap: int = MAX_PLAN_BYTES) -> bool:
+def _walk(m: LLMatcher, lex: JsonLex, tables: Tables, out: bytearray, cap: int = MAX_PLAN_BYTES,
+          deadline: float | None = None) -> bool:
     """Extend `out` greedily until `m` accepts; m and lex follow. False: no completion found within
     `cap` bytes. A byte chosen REPEAT times in a row (forced bytes between) is a loop (0.000..., an
     email's 0000..., (ab)* before d): then first what the loop made possible, then what formats
-    wait for, and the bytes that looped or ended a loop last."""
+    wait for, and the bytes that looped or ended a loop last. Raises OutOfTime past `deadline`."""
     repeated, start, check, looped = 0, 0, REPEAT, set()   # the last choice: times in a row, since out[start]
     while not m.is_accepting():
+        _check(deadline, len(out))
         if len(out) > cap or m.is_stopped():
             return False
         forced = m.compute_ff_bytes()
@@ -156,13 +169,14 @@ def plan(m: LLMatcher, lex: JsonLex, tables: Tables, cap: int = MAX_PLAN_BYTES) 
     return _tokens(w, tables, bytes(data)) if _walk(w, lex.copy(), tables, data, cap) else None
 
 
-def shortest(m: LLMatcher, tables: Tables) -> list[int] | None:
+def shortest(m: LLMatcher, tables: Tables, deadline: float | None = None) -> list[int] | None:
     """The plan from m's state (a fresh matcher's: the start), better than greedy's: at each choice
     whose first allowed byte is not a closer, up to CHOICES of them are each walked to the end (no
     longer than twice greedy's way, WALKED bytes in all) and the way that spells in the fewest
-    tokens so far is followed (an enum's shortest member, not its first; `b` for a*b)."""
+    tokens so far is followed (an enum's shortest member, not its first; `b` for a*b). Raises
+    OutOfTime past `deadline` (time.monotonic())."""
     best: bytearray | None = bytearray()
-    if not _walk(m.deep_copy(), JsonLex(), tables, best):   # type: ignore[arg-type]
+    if not _walk(m.deep_copy(), JsonLex(), tables, best, deadline=deadline):   # type: ignore[arg-type]
         best = None
     cap = LOST if best is None else 2 * len(best) + 8
     fewest = None if best is None else _count(tables, best)
@@ -180,7 +194,7 @@ def shortest(m: LLMatcher, tables: Tables) -> list[int] | None:
                 if walked > WALKED:
                     break
                 way, side, w = data + bytes([b]), lex.copy(), m.deep_copy()
-                if _take(w, side, tables, bytes([b])) and _walk(w, side, tables, way, cap):
+                if _take(w, side, tables, bytes([b])) and _walk(w, side, tables, way, cap, deadline):
                     if (n := _count(tables, way)) is not None and (fewest is None or n < fewest):
                         best, fewest = way, n
                 walked += len(way) - len(data)
