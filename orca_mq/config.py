@@ -133,6 +133,7 @@ class StructuredConfig:
     max_number_digits: int = 16
     close_margin: int = 4
     close_guard: int = 32
+    plan_budget: int = 4096
 
 
 @dataclass(slots=True)
@@ -288,7 +289,7 @@ RANGES: dict[str, Range] = {
     "structured.max_spec_bytes": _ONE, "structured.compile_timeout": _POSITIVE, "structured.cache_size": _COUNT,
     "structured.mask_threads": Range(0, note="0: llguidance's default"),
     "structured.max_number_digits": Range(0, 1024, note="0: unbounded"), "structured.close_margin": _COUNT,
-    "structured.close_guard": _COUNT,
+    "structured.close_guard": _COUNT, "structured.plan_budget": Range(0, note="0: unbounded"),
 }
 
 
