@@ -113,6 +113,7 @@ class ServerConfig:
     node_timeout: float = 10.0
     api_key: str = ""
     curve_secret_key: str = ""
+    client_headroom: float = 0.0625
 
     def api_keys(self) -> tuple[str, ...]:
         """The accepted keys: `api_key` split at commas; none = no authentication."""
@@ -286,6 +287,7 @@ RANGES: dict[str, Range] = {
     "server.max_frame_bytes": _ONE, "server.http_max_connections": _ONE, "server.http_max_body_bytes": _ONE,
     "server.http_max_n": _ONE, "server.http_max_choices": _ONE, "server.http_max_logprobs": _ONE,
     "server.nnodes": _ONE, "server.node_rank": _COUNT, "server.node_timeout": _POSITIVE,
+    "server.client_headroom": Range(0, 0.5, note="0: no fair shares"),
     "structured.max_spec_bytes": _ONE, "structured.compile_timeout": _POSITIVE, "structured.cache_size": _COUNT,
     "structured.mask_threads": Range(0, note="0: llguidance's default"),
     "structured.max_number_digits": Range(0, 1024, note="0: unbounded"), "structured.close_margin": _COUNT,

@@ -77,15 +77,15 @@ class ServedModel:
         return fit(prompt_token_ids, params, self.max_model_len, self.info.vocab_size, self.pool, shortest, bound)
 
     def request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                grammar: Grammar | None = None) -> Request:
+                grammar: Grammar | None = None, client: str = "") -> Request:
         """Step 4: the scheduler's Request; a constrained one's grammar is compiled here unless given
         (the scheduler process compiles on a thread, bounded in time, and passes it), and finishes
-        within max_tokens."""
+        within max_tokens. `client`: who it counts for in the pool's fair shares (orca_mq.fair_share)."""
         if grammar is None and params.structured_outputs is not None:
             grammar = self.grammars.compile(params.structured_outputs)
         if grammar is not None and params.max_tokens is not None:
             grammar.limit(params.max_tokens, params.min_tokens)
-        return Request(request_id, prompt_token_ids, params, time.monotonic(), grammar=grammar)
+        return Request(request_id, prompt_token_ids, params, time.monotonic(), grammar=grammar, client=client)
 
     def admit(self, request_id: str, prompt: Prompt, sampling: SamplingParams | None) -> Request:
         """All four steps in this process (the offline API): a text prompt as raw completion text."""

@@ -109,7 +109,7 @@ class Fanout:
     """The choices of one HTTP request, read as they produce: `results` yields (choice, text piece)
     and (choice, None) when that choice has ended."""
 
-    def __init__(self, body: Body, client: AsyncClient, metrics: ApiMetrics, builder: Builder) -> None:
+    def __init__(self, body: Body, client: AsyncClient, metrics: ApiMetrics, builder: Builder, end_client: str) -> None:
         self.n = body.n or 1
         self.builder = builder
         sampling, base, seed = body.sampling(), uuid.uuid4().hex, body.seed
@@ -120,7 +120,8 @@ class Fanout:
                 index = p * self.n + j
                 own = sampling if j == 0 else later
                 own = own if seed is None else own | {"seed": (seed + j) % (INT64_MAX + 1)}
-                gen = Generation(client, prompt, own, StopStrings(body.stop_strings), metrics, request_id=f"{base}-{index}")
+                gen = Generation(client, prompt, own, StopStrings(body.stop_strings), metrics, request_id=f"{base}-{index}",
+                                 on_behalf_of=end_client)
                 gen.echo_only = isinstance(body, CompletionRequest) and body.echo_only
                 lead = gen if j == 0 else self.choices[p * self.n].gen
                 self.choices.append(Choice(index, gen, _shaper(body, prompt, lead)))

@@ -39,7 +39,7 @@ from orca_mq.engine.model_files import resolve_model_path
 from orca_mq.engine.model_info import read_model_info
 from orca_mq.logs import setup_logging
 from orca_mq.protocol.control_msgs import Ready
-from orca_mq.api.edge import ApiKeyGuard, BodyLimit, Handled
+from orca_mq.api.edge import ApiKeyGuard, BodyLimit, Handled, end_client
 from orca_mq.api.errors import INTERNAL_TEXT, ApiError, error_body, from_validation
 from orca_mq.api.fanout import Build, Choice, Fanout, answer, begin, check_bounds, events
 from orca_mq.api.offload import Builder
@@ -160,7 +160,7 @@ class Api:
     async def _serve(self, body: CompletionRequest | ChatCompletionRequest, request: Request, chunk: Build,
                      whole: Build, opening: Callable[[Choice], BaseModel] | None = None) -> Response:
         check_bounds(body, self.cfg.server, self.max_model_len)
-        fan = Fanout(body, self.client, self.metrics, self.builder)
+        fan = Fanout(body, self.client, self.metrics, self.builder, end_client(request.scope))
         if not body.stream:
             return Response(await answer(fan, request, whole), media_type="application/json")
         await begin(fan, request)   # the first tokens before the headers: a refused request gets its HTTP status

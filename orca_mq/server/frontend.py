@@ -38,6 +38,7 @@ from orca_mq.protocol.control_msgs import AbortAll, ClientGone, Drain, Drained, 
 from orca_mq.protocol.engine_msgs import AbortRequest, AddRequest, StatsQuery, StatsResult, TokenBatch
 from orca_mq.protocol.logprobs import Logprobs, TokenLogprobs
 from orca_mq.errors import InvalidRequest
+from orca_mq.fair_share import client_name
 from orca_mq.protocol.sampling import SamplingParams
 from orca_mq.server.active_request import ActiveRequest, Admission
 from orca_mq.server.outbox import Outbox
@@ -189,11 +190,12 @@ class Frontend:
         self.active[iid] = ActiveRequest(adm.client, rid, detok, len(prompt_ids), time.time(), adm.version)
         if params.prompt_logprobs is not None:
             self.active[iid].prompt_head = prompt_ids[0]
+        share = client_name(adm.client, adm.msg.api_key, adm.msg.on_behalf_of)   # the broker put the key's index there
         self.log.info("request admitted", request_id=iid, client_request_id=rid, prompt_tokens=len(prompt_ids),
-                      max_tokens=params.max_tokens)
+                      max_tokens=params.max_tokens, client=share)
         known = None if params.structured_outputs is None else self.model.grammars.known(params.structured_outputs)
         await self.link.to_peer("scheduler", AddRequest(iid, prompt_ids, params, known is not None,
-                                                         None if known is None else known.tokens))
+                                                         None if known is None else known.tokens, share))
 
     async def _refuse(self, client: bytes, rid: str, e: InvalidRequest, version: int) -> None:
         self.log.info("request rejected", client_request_id=rid, error=str(e))

@@ -142,7 +142,7 @@ class SchedulerProcess:
                     self.compile_tasks.add(task)
                     task.add_done_callback(self._compiled)
                     return
-                self._add(self.model.request(msg.request_id, msg.prompt_token_ids, msg.params))
+                self._add(self.model.request(msg.request_id, msg.prompt_token_ids, msg.params, client=msg.client))
             except Exception:  # the frontend validated it: a refusal here is a bug, fail only this request
                 await self._refused(msg.request_id)
                 return
@@ -190,7 +190,7 @@ class SchedulerProcess:
                 await self._refused(rid)
             else:
                 try:
-                    self._add(self.model.request(rid, msg.prompt_token_ids, msg.params, grammar))
+                    self._add(self.model.request(rid, msg.prompt_token_ids, msg.params, grammar, msg.client))
                 except Exception:  # as in _handle: a refusal here is a bug, fail only this request
                     await self._refused(rid)
                     return
