@@ -33,7 +33,7 @@ from starlette.requests import Request
 from orca_mq.api.errors import ApiError, error_body
 from orca_mq.api.logprobs import Shaper, entries
 from orca_mq.api.metrics import ApiMetrics
-from orca_mq.api.offload import Builder, weight
+from orca_mq.api.offload import Builder, dump, weight
 from orca_mq.api.schemas import ChatCompletionRequest, CompletionRequest, PromptTokensDetails, Usage
 from orca_mq.api.stream import Generation, StopStrings, until_disconnect
 from orca_mq.client import AsyncClient
@@ -93,11 +93,6 @@ def _shaper(body: Body, prompt: dict[str, Any], lead: Generation) -> Shaper:
         return Shaper(chat=True, lead=lead)
     text = prompt.get("prompt")
     return Shaper(chat=False, lead=lead, echo=body.echo, echo_text=text if isinstance(text, str) else None)
-
-
-def dump(payload: BaseModel) -> str:
-    """A response's JSON; its log probabilities are plain dicts (orca_mq.api.logprobs): no warning for them."""
-    return payload.model_dump_json(warnings=False)
 
 
 def sse(payload: BaseModel | dict[str, Any]) -> str:
@@ -244,9 +239,11 @@ async def events(fan: Fanout, chunk: Build, include_usage: bool,
 
 
 async def _chunk(fan: Fanout, c: Choice, text: str | None, chunk: Build) -> str:
-    """A choice's chunk (`text` None: its finish chunk), built off the loop when heavy (an echoed
-    prompt's log probabilities). Its fresh log probabilities are taken here, on the loop, where its
+    """A choice's chunk (`text` None: its finish chunk, which may parse the reply held back for tool
+    calls: weighed by its tokens), built off the loop when heavy (an echoed prompt's log
+    probabilities, a long reply). Its fresh log probabilities are taken here, on the loop, where its
     stream adds to them."""
     fresh, reason = c.gen.take(), c.gen.finish_reason if text is None else None
+    held = c.gen.completion_tokens if text is None else 0
     return await fan.builder.build(lambda: sse(c.shape.chunk(chunk(c, text or "", reason, None), c.gen, fresh)),
-                                   weight(c.shape.weight(fresh), len(text or "")))
+                                   weight(c.shape.weight(fresh) + held, len(text or "")))
