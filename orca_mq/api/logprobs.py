@@ -12,6 +12,7 @@ probability below -9999 (or not finite) is written as -9999.0, as vLLM and OpenA
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -52,50 +53,63 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]
 
 
-def _bytes(text: str) -> list[int]:
-    return list(text.encode("utf-8", errors="replace"))
-
-
 def entries(lp: Logprobs | None) -> int:
     """Its log probabilities: one per position and one per alternative (the work and size of their JSON)."""
     return 0 if lp is None else len(lp) + sum(map(len, lp.top_ids))
 
 
-# The shapes are built as plain dicts, in ChatLogprobs' and CompletionLogprobs' form, and put on the
-# response models as they are (serialised with warnings=False): 4x faster than building the models.
+# The shapes are written as JSON text, in ChatLogprobs' and CompletionLogprobs' form, and spliced into
+# the response as they are (orca_mq.api.offload.dump): strings only, no dict or list per entry, so a
+# response of a million log probabilities leaves the garbage collector nothing to walk (its full
+# collections, over the objects they would have been, stalled every thread about a second here).
 
-def _entry(token: str, value: float) -> dict[str, Any]:
-    return {"token": token, "logprob": _value(value), "bytes": _bytes(token)}
+def _str(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)
 
 
-def chat_logprobs(lp: Logprobs | None) -> dict[str, Any] | None:
-    """ChatLogprobs of `lp`'s tokens."""
+def _num(v: float) -> str:
+    return repr(_value(v))
+
+
+def _entry(token: str, value: float) -> str:
+    """A {token, logprob, bytes} object, open (its caller closes it)."""
+    return ('{"token":' + _str(token) + ',"logprob":' + _num(value) + ',"bytes":['
+            + ",".join(map(str, token.encode("utf-8", errors="replace"))) + "]")
+
+
+def chat_logprobs(lp: Logprobs | None) -> str | None:
+    """ChatLogprobs of `lp`'s tokens, as JSON."""
     if lp is None:
         return None
-    return {"content": [{**_entry(token, FLOOR if value is None else value),
-                         "top_logprobs": [_entry(t, v) for t, v in zip(tops, values)]}
-                        for token, value, tops, values in zip(lp.tokens, lp.logprobs, lp.top_tokens, lp.top_logprobs)],
-            "refusal": None}
+    content = ",".join(_entry(token, FLOOR if value is None else value) + ',"top_logprobs":['
+                       + ",".join(_entry(t, v) + "}" for t, v in zip(tops, values)) + "]}"
+                       for token, value, tops, values in zip(lp.tokens, lp.logprobs, lp.top_tokens, lp.top_logprobs))
+    return '{"content":[' + content + '],"refusal":null}'
 
 
-def completion_logprobs(lp: Logprobs | None, offset: int) -> dict[str, Any] | None:
-    """CompletionLogprobs of `lp`'s tokens, their text offsets counted from `offset`."""
+def completion_logprobs(lp: Logprobs | None, offset: int) -> str | None:
+    """CompletionLogprobs of `lp`'s tokens, as JSON, their text offsets counted from `offset`."""
     if lp is None:
         return None
     offsets, at = [], offset
     for token in lp.tokens:
-        offsets.append(at)
+        offsets.append(str(at))
         at += len(token)
-    top: list[dict[str, float] | None] = []
+    top: list[str] = []
     for i, value in enumerate(lp.logprobs):
         if value is None or not lp.top_ids[i]:   # a prompt's first token; or k = 0 asks for no alternatives
-            top.append(None)
+            top.append("null")
             continue
-        entry = {lp.tokens[i]: _value(value)}
-        entry.update((t, _value(v)) for t, v in zip(lp.top_tokens[i], lp.top_logprobs[i]) if t not in entry)
-        top.append(entry)
-    return {"tokens": list(lp.tokens), "token_logprobs": [None if v is None else _value(v) for v in lp.logprobs],
-            "top_logprobs": top, "text_offset": offsets}
+        seen = {lp.tokens[i]}
+        items = [_str(lp.tokens[i]) + ":" + _num(value)]
+        for t, v in zip(lp.top_tokens[i], lp.top_logprobs[i]):
+            if t not in seen:
+                seen.add(t)
+                items.append(_str(t) + ":" + _num(v))
+        top.append("{" + ",".join(items) + "}")
+    values = ",".join("null" if v is None else _num(v) for v in lp.logprobs)
+    return ('{"tokens":[' + ",".join(map(_str, lp.tokens)) + '],"token_logprobs":[' + values + '],"top_logprobs":['
+            + ",".join(top) + '],"text_offset":[' + ",".join(offsets) + "]}")
 
 
 def text_length(lp: Logprobs | None) -> int:

@@ -9,22 +9,20 @@ heavy responses wait for each other, not the loop.
 
 A serialising call holds the GIL from start to end (17 MB of n = 16 choices' log probabilities: one
 153 ms call here), so a response is serialised in pieces (`dump`): a choice at a time, its log
-probabilities SLICE entries a call, and the loop gets the GIL between them.
+probabilities already JSON text (orca_mq.api.logprobs), spliced in; the loop gets the GIL between them.
 """
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from pydantic import BaseModel
-from pydantic_core import to_json
 
 T = TypeVar("T")
 HEAVY = 2000            # weight past which a response is built off the loop (~a few ms of building)
 CHARS_PER_WEIGHT = 64   # characters of text that weigh as much as one log probability
-SLICE = 64              # log-probability positions serialised in one call
 _NULL = '"logprobs":null'
 
 
@@ -33,7 +31,7 @@ def weight(entries: int, chars: int) -> int:
 
 
 def dump(resp: BaseModel) -> str:
-    """A response's JSON (its choices' `logprobs` are plain dicts: orca_mq.api.logprobs), in pieces."""
+    """A response's JSON (its choices' `logprobs` are JSON text: orca_mq.api.logprobs), in pieces."""
     choices = getattr(resp, "choices", None)
     if not choices:
         return resp.model_dump_json(warnings=False)
@@ -41,22 +39,13 @@ def dump(resp: BaseModel) -> str:
     for c in choices:
         lp, c.logprobs = c.logprobs, None
         text = c.model_dump_json(warnings=False)
-        parts.append(text if lp is None else text.replace(_NULL, '"logprobs":' + _json(lp), 1))   # message text is escaped
+        parts.append(text if lp is None else text.replace(_NULL, '"logprobs":' + lp, 1))   # message text is escaped
         c.logprobs = lp
     resp.choices = []
     try:
         return resp.model_dump_json(warnings=False).replace('"choices":[]', '"choices":[' + ",".join(parts) + "]", 1)
     finally:
         resp.choices = choices
-
-
-def _json(value: Any) -> str:
-    """JSON of a log-probability shape (a dict of lists, or of one list of dicts), SLICE list items a call."""
-    if isinstance(value, dict):
-        return "{" + ",".join(to_json(k).decode() + ":" + _json(v) for k, v in value.items()) + "}"
-    if isinstance(value, list) and len(value) > SLICE:
-        return "[" + ",".join(to_json(value[i:i + SLICE]).decode()[1:-1] for i in range(0, len(value), SLICE)) + "]"
-    return to_json(value).decode()
 
 
 class Builder:

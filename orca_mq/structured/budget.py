@@ -29,7 +29,7 @@ The digit bound is the grammar's (`Grammar.narrow`, with orca_mq.structured.toke
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from llguidance import LLMatcher
 
