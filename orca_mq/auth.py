@@ -30,10 +30,13 @@ class KeyCheck:
 
     def ok(self, key: str | None) -> bool:
         """True when no key is required or `key` is one of them (every key compared, in constant time)."""
-        if not self._keys:
-            return True
+        return not self._keys or self.which(key) >= 0
+
+    def which(self, key: str | None) -> int:
+        """The index of the key `key` is (-1: none), every key compared, in constant time."""
         given = (key or "").encode("utf-8", "replace")
-        return sum(hmac.compare_digest(given, k) for k in self._keys) > 0
+        hits = [hmac.compare_digest(given, k) for k in self._keys]
+        return hits.index(True) if any(hits) else -1
 
 
 def create_keys(directory: str | Path) -> tuple[Path, Path]:

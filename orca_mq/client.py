@@ -138,9 +138,11 @@ class AsyncClient:
     async def stream(self, prompt: str | None = None, *, prompt_token_ids: list[int] | None = None,
                      messages: list[dict[str, str]] | None = None, chat: bool = False,
                      chat_template_kwargs: dict[str, Any] | None = None,
-                     request_id: str | None = None, **sampling: Any) -> AsyncIterator[StreamEvent]:
+                     request_id: str | None = None, on_behalf_of: str = "", **sampling: Any) -> AsyncIterator[StreamEvent]:
         """Submit a request and yield its events as tokens are produced; the last has finished=True.
-        `chat_template_kwargs`: more variables for the chat template (with messages or chat=True)."""
+        `chat_template_kwargs`: more variables for the chat template (with messages or chat=True).
+        `on_behalf_of`: a gateway's end client the request is for: a client of its own in the server's
+        fair shares of the queue and the KV pool."""
         rid = request_id or uuid.uuid4().hex
         try:
             params = SamplingParams.from_dict(sampling)
@@ -148,7 +150,7 @@ class AsyncClient:
             if isinstance(sampling.get("logit_bias"), dict):   # {token_id: bias}: map keys travel as strings
                 sampling = {**sampling, "logit_bias": params.logit_bias}
             frame = encode(Generate(rid, prompt, prompt_token_ids, messages, chat, sampling, self.api_key,
-                                    chat_template_kwargs))
+                                    chat_template_kwargs, on_behalf_of))
         except InvalidRequest as e:
             yield _final_error(rid, str(e), INVALID_REQUEST)
             return

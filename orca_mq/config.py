@@ -114,12 +114,14 @@ class ServerConfig:
     http_max_body_bytes: int = 4_194_304
     http_max_n: int = 16
     http_max_choices: int = 64
+    http_max_logprobs: int = 262144
     nnodes: int = 1
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     node_timeout: float = 10.0
     api_key: str = ""
     curve_secret_key: str = ""
+    client_headroom: float = 0.0625
 
     def api_keys(self) -> tuple[str, ...]:
         """The accepted keys: `api_key` split at commas; none = no authentication."""
@@ -140,6 +142,7 @@ class StructuredConfig:
     max_number_digits: int = 16
     close_margin: int = 4
     close_guard: int = 32
+    plan_budget: int = 4096
 
 
 @dataclass(slots=True)
@@ -301,12 +304,13 @@ RANGES: dict[str, Range] = {
     "server.ready_timeout": _POSITIVE, "server.stop_grace": _COUNT, "server.stats_timeout": _POSITIVE,
     "server.max_restarts": _COUNT, "server.restart_window": _POSITIVE, "server.max_waiting": _COUNT,
     "server.max_frame_bytes": _ONE, "server.http_max_connections": _ONE, "server.http_max_body_bytes": _ONE,
-    "server.http_max_n": _ONE, "server.http_max_choices": _ONE,
+    "server.http_max_n": _ONE, "server.http_max_choices": _ONE, "server.http_max_logprobs": _ONE,
     "server.nnodes": _ONE, "server.node_rank": _COUNT, "server.node_timeout": _POSITIVE,
+    "server.client_headroom": Range(0, 0.5, note="0: no fair shares"),
     "structured.max_spec_bytes": _ONE, "structured.compile_timeout": _POSITIVE, "structured.cache_size": _COUNT,
     "structured.mask_threads": Range(0, note="0: llguidance's default"),
     "structured.max_number_digits": Range(0, 1024, note="0: unbounded"), "structured.close_margin": _COUNT,
-    "structured.close_guard": _COUNT,
+    "structured.close_guard": _COUNT, "structured.plan_budget": Range(0, note="0: unbounded"),
 }
 
 

@@ -2,7 +2,8 @@
 random Llama with the embedded tokenizer, float32): chat's `logprobs`/`top_logprobs` and
 completions' legacy `logprobs: k`, streamed and not, equal log_softmax of transformers' logits; `echo`
 with `max_tokens` 0 or 1 and `logprobs: 1` gives the prompt's log probabilities as
-lm-evaluation-harness' local-completions loglikelihood reads them; the ZeroMQ client gets the same.
+lm-evaluation-harness' local-completions loglikelihood reads them; the ZeroMQ client gets the same;
+a response that could carry more log probabilities than server.http_max_logprobs is a 400.
 
 Tolerance as tests/test_logprobs.py: the engine's fp32 logits are within LOGIT_TOL of transformers'
 (test_engine_exact's bound), a log probability within twice that plus the float32 rounding of the
@@ -28,6 +29,7 @@ pytestmark = pytest.mark.e2e
 LOGIT_TOL = 1e-4
 TOL = 2 * LOGIT_TOL + 8 * 2 ** -24 * 32
 PROMPT = [504, 3575, 282, 4649, 314, 1000, 77, 9020, 15]
+MAX_LOGPROBS = 4096   # per response: below a whole context (256 positions) with 20 alternatives
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +37,8 @@ def served(tmp_path_factory, tiny_served_dir):
     port = free_port()
     srv = start_server(tmp_path_factory.mktemp("http_logprobs"), **{
         "model.path": str(tiny_served_dir), "server.http_address": f"127.0.0.1:{port}", "model.max_model_len": 256,
-        "scheduler.max_num_batched_tokens": 4})   # prompts in chunks of 4: prompt positions span iterations
+        "scheduler.max_num_batched_tokens": 4,   # prompts in chunks of 4: prompt positions span iterations
+        "server.http_max_logprobs": MAX_LOGPROBS})
     client = openai_client(f"http://127.0.0.1:{port}")
     ref = AutoModelForCausalLM.from_pretrained(tiny_served_dir, dtype=torch.float32).eval()
     yield srv, client, client.models.list().data[0].id, ref
@@ -148,6 +151,24 @@ def test_completions_logprobs_bounds(served, body, param):
         oai.completions.create(model=model, prompt="hi", **({"max_tokens": 2} | body))
     assert e.value.status_code == 400
     assert param in str(e.value)
+
+
+def test_a_responses_log_probabilities_are_bounded(served):
+    """Counted before anything runs: positions (max_tokens, else the context; an echoed prompt's too) x
+    (1 + alternatives), over every choice; past server.http_max_logprobs a 400 names the field."""
+    srv, oai, model, _ = served
+    chat = {"model": model, "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 20}
+    with pytest.raises(openai.BadRequestError, match="http_max_logprobs") as e:
+        oai.chat.completions.create(**chat)   # up to 256 positions x 21
+    assert e.value.body["param"] == "top_logprobs"
+    assert len(oai.chat.completions.create(**chat, max_completion_tokens=3).choices[0].logprobs.content) <= 3
+    text = {"model": model, "prompt": "Hi there", "logprobs": 5, "max_tokens": 150, "extra_body": {"ignore_eos": True}}
+    with pytest.raises(openai.BadRequestError, match="http_max_logprobs") as e:
+        oai.completions.create(**text, n=5)   # 5 x 150 x 6
+    assert e.value.body["param"] == "logprobs"
+    with pytest.raises(openai.BadRequestError, match="http_max_logprobs"):   # an echoed prompt counts
+        oai.completions.create(model=model, prompt=[7] * 200, echo=True, logprobs=20, max_tokens=1)
+    assert len(oai.completions.create(**(text | {"max_tokens": 2}), n=2).choices) == 2
 
 
 def test_chat_top_logprobs_needs_logprobs(served):

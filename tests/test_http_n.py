@@ -3,7 +3,8 @@ server (a tiny random Llama with the embedded tokenizer): n choices indexed 0..n
 + j in a batch), each its own seed stream (seed + j: reproducible, different from each other, equal
 to a one-choice request with that seed), streamed with a finish chunk per choice and the usage once,
 usage counting each prompt once and every choice's tokens; a prompt's later choices read its KV from
-the prefix cache; the bounds refused with 400; a client that leaves aborts every choice; responses
+the prefix cache, also when the prompt's log probabilities are asked (computed once, shown by every
+choice); the bounds refused with 400; a client that leaves aborts every choice; responses
 name the model the request asked for."""
 from __future__ import annotations
 
@@ -131,6 +132,29 @@ def test_later_choices_read_the_prompt_from_the_prefix_cache(served):
     asyncio.run(beside_a_running_request())
     time.sleep(STATS_MAX_AGE)   # /metrics reuses a stats reply this recent
     assert _metric(srv, "vllm:prefix_cache_hits_total") - hits >= 2 * 32   # choices 1 and 2: both full blocks
+
+
+def test_a_prompts_log_probabilities_are_computed_once_for_all_its_choices(served):
+    """echo + logprobs with n = 3: a request asking for its prompt's log probabilities computes every
+    position and reads no cache, so only the prompt's first choice asks; the others read its blocks,
+    and every choice shows the same prompt log probabilities, streamed and not."""
+    srv, oai = served
+    prompt = [random.Random(6).randrange(1000, 20000) for _ in range(40)]   # 2 full blocks of 16, never seen before
+    hits = _metric(srv, "vllm:prefix_cache_hits_total")
+    args = {"model": "tiny", "prompt": prompt, "n": 3, "echo": True, "logprobs": 2, "max_tokens": 1,
+            "extra_body": {"ignore_eos": True}}
+    out = oai.completions.create(**args)
+    heads = [(c.logprobs.tokens[:40], c.logprobs.token_logprobs[:40], c.logprobs.top_logprobs[:40]) for c in out.choices]
+    assert heads[0][1][0] is None and len(heads[0][0]) == 40 and heads == [heads[0]] * 3
+    assert all(c.text.startswith("".join(heads[0][0])) for c in out.choices)
+    time.sleep(STATS_MAX_AGE)   # /metrics reuses a stats reply this recent
+    assert _metric(srv, "vllm:prefix_cache_hits_total") - hits >= 2 * 32   # choices 1 and 2: both full blocks
+    firsts: dict[int, object] = {}
+    for chunk in oai.completions.create(**args, stream=True):
+        for c in chunk.choices:
+            firsts.setdefault(c.index, c)
+    assert sorted(firsts) == [0, 1, 2]
+    assert all((c.logprobs.tokens[:40], c.logprobs.token_logprobs[:40]) == heads[0][:2] for c in firsts.values())
 
 
 @pytest.mark.parametrize("body, param", [

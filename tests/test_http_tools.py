@@ -1,11 +1,17 @@
 """Tool calling on the chat API: the rendering, parsing and streaming hold-back of orca_mq/api/tools.py
 on their own, then through the official `openai` client against a real server with the embedded
 model: `required` and a named function give calls whose arguments validate against the tool's JSON
-schema (streamed and not), `none` shows no tools, and a tool_choice naming no tool is a 400."""
+schema (streamed and not), `none` shows no tools, and a tool_choice naming no tool is a 400. What a
+request costs the others is bounded: a reply of a tag and a long run of whitespace parses in linear
+time (the HTTP API's event loop answers /health throughout), and an earlier call's arguments nested
+too deeply to read are a 400 naming the field."""
 from __future__ import annotations
 
 import json
+import threading
+import time
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -33,7 +39,8 @@ def test_parse_takes_calls_of_given_tools_and_keeps_the_rest_as_content():
     content, calls = parse(text, TOOLS)
     assert content == "Let me look." and [c.function.name for c in calls] == ["get_weather"]
     assert json.loads(calls[0].function.arguments) == {"city": "Paris", "unit": "celsius"}
-    for bad in (call_text("rm_rf", {}), f"{OPEN}not json{CLOSE}", "no call at all"):
+    for bad in (call_text("rm_rf", {}), f"{OPEN}not json{CLOSE}", "no call at all", f"{OPEN}{'[' * 5000}{CLOSE}",
+                f"{OPEN}{'[' * 5000}{']' * 5000}{CLOSE}"):   # nested deeper than json reads: not a call, no error
         assert parse(bad, TOOLS) == (bad, [])
 
 
@@ -124,3 +131,46 @@ def test_none_and_bad_choices(oai):
     with pytest.raises(openai.BadRequestError, match="constrains the output itself"):
         oai.chat.completions.create(model=model, messages=ASK, tools=tools_json(), tool_choice="required",
                                     response_format={"type": "json_object"}, max_completion_tokens=8)
+
+
+SPACES_64 = 40686   # the embedded tokenizer's token of 64 spaces
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_tag_then_a_long_run_of_whitespace_does_not_stall_the_api(oai, stream):
+    """`<tool_call>` then ~3,500 spaces (forced here; a small model's runaway whitespace does it by
+    accident): a regex with a lazy body between two `\\s*` backtracks in cubic time on it, a minute on
+    the HTTP process's only event loop (issue 44). Parsed linearly, /health answers throughout."""
+    base = str(oai.base_url).removesuffix("/v1/")
+    body = {"model": oai.models.list().data[0].id, "messages": ASK, "tools": tools_json(), "temperature": 0,
+            "max_completion_tokens": 60, "structured_outputs": {"regex": "<tool_call> +"},
+            "logit_bias": {str(SPACES_64): 100}, "stream": stream}
+    done: list[httpx.Response] = []
+    worker = threading.Thread(target=lambda: done.append(httpx.post(f"{base}/v1/chat/completions", json=body, timeout=300)))
+    worker.start()
+    worst = 0.0
+    with httpx.Client(base_url=base, timeout=30) as http:
+        while worker.is_alive():
+            t = time.monotonic()
+            assert http.get("/health").status_code == 200
+            worst = max(worst, time.monotonic() - t)
+            time.sleep(0.05)
+    worker.join()
+    assert done[0].status_code == 200, done[0].text
+    text = done[0].text if stream else done[0].json()["choices"][0]["message"]["content"]
+    assert text.count(" " * 64) >= 40   # no call (no closing tag): all of it content
+    assert '"finish_reason":"tool_calls"' not in text if stream else done[0].json()["choices"][0]["finish_reason"] == "stop"
+    assert worst < 5.0, f"/health took {worst:.1f} s while the reply was parsed"
+
+
+@pytest.mark.e2e
+def test_arguments_nested_too_deeply_are_a_400_naming_the_field(oai):
+    base = str(oai.base_url).removesuffix("/v1/")
+    deep = "[" * 100_000 + "]" * 100_000
+    call = {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": deep}}
+    r = httpx.post(f"{base}/v1/chat/completions", timeout=60, json={
+        "messages": [*ASK, {"role": "assistant", "content": None, "tool_calls": [call]}], "tools": tools_json(),
+        "max_completion_tokens": 2})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "messages.1.tool_calls.0.function.arguments"

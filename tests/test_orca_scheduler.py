@@ -268,3 +268,40 @@ def test_request_level_aborting_the_last_unfinished_member_ends_the_batch():
     assert [(e.request_id, e.finish_reason) for e in sched.abort("r0")] == [("r0", None), ("r0", "abort")]  # held till now
     sched.add(req(1, max_tokens=2))
     assert [(rid, reason) for rid, _, reason in run(sched) if reason] == [("r1", "length")]
+
+
+def test_one_clients_many_choices_leave_room_for_another_clients_request():
+    """Issue 44: 16 choices of one client with no max_tokens each reserve the rest of the context (2048
+    slots of a 16,384-slot pool), then another client sends 4 tokens. Before, its request waited behind
+    the choices that did not fit (FCFS) until the first ones finished; now the first client's
+    reservations stop short of the pool's headroom, the other's request starts in the next iteration
+    and finishes in its own four, and the choices each get a turn in arrival order, none deadlocked."""
+    sched = make(max_bs=32, **{"engine.n_slots": 16384, "engine.block_size": 16})
+    for i in range(16):
+        sched.add(Request(f"a{i}", [7] * 30, SamplingParams(max_tokens=2018, ignore_eos=True), client="a"))
+    plan = sched.schedule(0.0)
+    started = [s.request_id for s in plan.seqs]
+    assert started == [f"a{i}" for i in range(7)]   # 7 x 128 blocks: the 8th would take the headroom (64 of 1024)
+    sched.add(Request("b0", [5] * 10, SamplingParams(max_tokens=4, ignore_eos=True), client="b"))
+    events = [(e.request_id, e.finish_reason) for e in sched.process_result(finish(plan), 0.0)]
+    plans = []
+    for _ in range(4):
+        plans.append(plan := sched.schedule(0.0))
+        events += [(e.request_id, e.finish_reason) for e in sched.process_result(finish(plan), 0.0)]
+    assert "b0" in [s.request_id for s in plans[0].seqs] and ("b0", "length") in events
+    assert sched.block_manager.n_rsrv <= sched.block_manager.num_blocks
+
+
+def test_a_client_is_fcfs_and_round_robin_with_others():
+    """Each client's requests in arrival order, clients taking turns; a request past its client's
+    share waits without letting that client's later ones pass it, other clients go on."""
+    sched = make(max_bs=4, **{"engine.n_slots": 256, "server.client_headroom": 0.25})   # 64 blocks, 16 kept
+    for i in range(3):
+        sched.add(Request(f"a{i}", [7] * 60, SamplingParams(max_tokens=40, ignore_eos=True), client="a"))   # 25 blocks
+    sched.add(Request("a3", [7] * 2, SamplingParams(max_tokens=2, ignore_eos=True), client="a"))
+    sched.add(Request("b0", [7] * 2, SamplingParams(max_tokens=2, ignore_eos=True), client="b"))
+    plan = sched.schedule(0.0)
+    # a0 (25), b0 (1) take turns; a1 would leave 13 < 16 free past a's share (64 // 3): it waits, and a3 behind it
+    assert [s.request_id for s in plan.seqs] == ["a0", "b0"]
+    events = run_from(sched, plan)
+    assert sorted(rid for rid, _, reason in events if reason) == ["a0", "a1", "a2", "a3", "b0"]

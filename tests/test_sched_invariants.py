@@ -4,7 +4,8 @@ pipeline depths. Every request ends in exactly one final event, nothing after it
 reservation comes back; a FastServe job never waits below Q1 past starve_limit (give or take the one
 iteration between two plans): it is promoted to Q1's tail, where it waits only for the Q1 jobs ahead of it
 (each runs at most one Q1 quantum before it is demoted, and a burst can queue many). With speculative
-decoding on, the engine keeps a random part of each draft, and the same holds. With a model whose layers all
+decoding on, the engine keeps a random part of each draft, and the same holds; and with requests of
+several clients under their fair shares of the pool (server.client_headroom). With a model whose layers all
 slide, every row's window is held when it is planned, and a request holds about a window of blocks."""
 from __future__ import annotations
 
@@ -39,28 +40,30 @@ def duration(plan: IterationPlan) -> float:
 
 
 jobs = st.lists(st.tuples(st.floats(0, 0.3), st.integers(1, 40), st.integers(1, 60),
-                          st.booleans(), st.sampled_from(["none", "abort", "fail"]), st.floats(0, 0.5)),
+                          st.booleans(), st.sampled_from(["none", "abort", "fail"]), st.floats(0, 0.5), st.integers(0, 2)),
                 min_size=1, max_size=24)
 
 
 @settings(max_examples=int(os.environ.get("ORCA_FUZZ_EXAMPLES", 80)), derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(jobs=jobs, policy=st.sampled_from(POLICIES), n_workers=st.integers(1, 2), budget=st.sampled_from([0, 24]),
-       slots=st.sampled_from([64, 1024]), eos_at=st.integers(1, 30), spec=st.booleans(), sliding=st.booleans())
+       slots=st.sampled_from([64, 1024]), eos_at=st.integers(1, 30), spec=st.booleans(), sliding=st.booleans(),
+       headroom=st.sampled_from([0.0625, 0.5]))
 def test_every_request_ends_once_frees_its_kv_and_never_starves(jobs, policy, n_workers, budget, slots, eos_at, spec,
-                                                                sliding):
+                                                                sliding, headroom):
     name, kv_policy = policy
     overrides = {"scheduler.policy": name, "scheduler.max_bs": 2, "scheduler.max_num_batched_tokens": budget,
                  "engine.n_workers": n_workers, "engine.block_size": 4, "engine.n_slots": slots,
                  "engine.host_slots": 4096, "fastserve.starve_limit": STARVE_LIMIT,
-                 "speculative.method": "ngram" if spec else "off", "speculative.lookup_min": 1}
+                 "speculative.method": "ngram" if spec else "off", "speculative.lookup_min": 1,
+                 "server.client_headroom": headroom}
     if kv_policy:
         overrides["fastserve.kv_policy"] = kv_policy
     sched: Scheduler = make_scheduler(load_config(overrides=overrides), SLIDING if sliding else INFO)
     if sched.needs_profile:
         sched.use_profile(PROFILE)
-    reqs = [Request(f"r{i}", [7] * p, SamplingParams(max_tokens=m, ignore_eos=not eos), arrival=t)
-            for i, (t, p, m, eos, _, _) in enumerate(jobs)]
-    fate = {f"r{i}": (what, t + dt) for i, (t, _, _, _, what, dt) in enumerate(jobs)}
+    reqs = [Request(f"r{i}", [7] * p, SamplingParams(max_tokens=m, ignore_eos=not eos), arrival=t, client=f"c{c}")
+            for i, (t, p, m, eos, _, _, c) in enumerate(jobs)]
+    fate = {f"r{i}": (what, t + dt) for i, (t, _, _, _, what, dt, _) in enumerate(jobs)}
     pending = deque(sorted(reqs, key=lambda r: r.arrival))
     in_flight: deque[IterationPlan] = deque()
     finals: Counter[str] = Counter()

@@ -1,6 +1,6 @@
 """The broker process on its own (no model): routing, rejection of bad frames, vanished clients,
-failing in-flight requests on `fatal`, finals settled inside per-iteration `outputs` frames, and
-replies in an older client's protocol version."""
+failing in-flight requests on `fatal`, finals settled inside per-iteration `outputs` frames,
+replies in an older client's protocol version, and each client's fair share of the queue."""
 from __future__ import annotations
 
 import json
@@ -24,9 +24,11 @@ from serving_harness import ROOT, free_port
 TIMEOUT_MS = 5000
 
 
-def _start_broker(tmp_path):
-    """A broker process alone, on a free client port and a private backend socket."""
+def _start_broker(tmp_path, **sets):
+    """A broker process alone, on a free client port and a private backend socket; `sets`: config keys."""
     cfg = Config()
+    for key, value in sets.items():
+        cfg.set(key, value)
     cfg.server.frontend_address = f"tcp://127.0.0.1:{free_port()}"
     cfg.server.backend_address = f"ipc://{tmp_path}/backend"
     cfg.log.dir = str(tmp_path / "logs")
@@ -35,8 +37,8 @@ def _start_broker(tmp_path):
 
 
 @pytest.fixture()
-def broker(tmp_path):
-    cfg, proc = _start_broker(tmp_path)
+def broker(tmp_path, request):
+    cfg, proc = _start_broker(tmp_path, **getattr(request, "param", {}))
     ctx = zmq.Context()
     frontend = ctx.socket(zmq.DEALER)
     frontend.setsockopt(zmq.ROUTING_ID, b"frontend")
@@ -213,3 +215,29 @@ def test_without_a_frontend_the_broker_says_starting_until_one_was_there(tmp_pat
         proc.wait(10)
         ctx.destroy(linger=0)
     assert proc.returncode == 0
+
+
+@pytest.mark.parametrize("broker", [{"server.max_waiting": 28, "scheduler.max_bs": 4, "server.client_headroom": 0.0625}],
+                         indirect=True)
+def test_no_client_takes_the_queue_another_needs(broker):
+    """Issue 44: one client's flood filled the queue and every other client got `overloaded`. A client
+    now stops short of the last server.client_headroom of it (2 of 32 here) unless within its fair
+    share, so another client's request, and a gateway's end client's (on_behalf_of), still get in."""
+    cfg, ctx, frontend, _ = broker
+    flood, other, gateway = _client(ctx, cfg), _client(ctx, cfg), _client(ctx, cfg)
+    for i in range(40):
+        flood.send(encode(Generate(f"f{i}", prompt="hi")))
+    refused = [decode(_recv(flood)[0], TO_CLIENT) for _ in range(10)]
+    assert all(r.code == "overloaded" and "share" in r.error for r in refused)
+    forwarded = 0
+    while frontend.poll(500):
+        frontend.recv_multipart()
+        forwarded += 1
+    assert forwarded == 30
+    other.send(encode(Generate("o1", prompt="hi")))
+    assert decode(_recv(frontend, 3)[2], channel(Generate)).request_id == "o1"
+    gateway.send(encode(Generate("g-x", prompt="hi", on_behalf_of="x")))
+    assert decode(_recv(frontend, 3)[2], channel(Generate)).on_behalf_of == "x"
+    gateway.send(encode(Generate("g-y", prompt="hi", on_behalf_of="y")))   # 32 of 32: full for everyone
+    out = decode(_recv(gateway)[0], TO_CLIENT)
+    assert out.code == "overloaded" and "share" not in out.error

@@ -121,7 +121,7 @@ def test_soak_exactly_one_final_per_request_and_no_kv_leak(server):
     assert result.requests == 200 and result.missing_finals == 0 and result.duplicate_finals == 0
     assert sum(result.finals.values()) == 200 and result.garbage_answered == result.garbage_sent > 0
     assert result.finals.get("length/None", 0) > 0 and result.finals.get("abort/aborted", 0) > 0
-    assert set(result.finals) <= {"length/None", "abort/aborted", "error/overloaded"}, result.finals
+    assert set(result.finals) <= {"length/None", "stop/None", "abort/aborted", "error/overloaded"}, result.finals
     stats = settled(server.address)
     assert stats["scheduler"]["free_slots"] == stats["scheduler"]["n_slots"]
     assert asyncio.run(_ping(server.address)).nonce == 5  # a new client is answered

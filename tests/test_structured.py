@@ -140,7 +140,7 @@ def test_size_bound_cache_bound_and_reuse():
 
 
 def test_compile_time_bound():
-    def slow(_: SO) -> None:
+    def slow(_: SO, deadline: float) -> None:
         time.sleep(0.3)
 
     with ThreadPoolExecutor(1) as pool, pytest.raises(InvalidRequest, match="did not compile within 0.05 s"):

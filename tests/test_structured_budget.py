@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 import zlib
 
 import jsonschema
@@ -274,3 +275,39 @@ def test_random_weight_model_offline(tiny_llm):
     with pytest.raises(InvalidRequest, match=rf"max_tokens \({n - 1}\) cannot hold any output"):
         llm.generate("Write JSON:", SamplingParams(max_tokens=n - 1, structured_outputs=spec))
     assert llm.generate("Hi", SamplingParams(max_tokens=4, temperature=0))[0].finish_reason in ("stop", "length")
+
+
+def test_a_closing_plan_costs_the_others_at_most_the_planning_budget(compiler, vocab):
+    """[Ѐ-ӿ]{400} at max_tokens = its shortest + 20: near the end every token the model picks leaves the
+    plan, which was walked again from scratch, up to 256 matcher calls a byte (issue 44: 222 ms of the
+    scheduler's loop for one step of a 900-letter one). Beside a free request, each step's planning
+    stays within structured.plan_budget (the plan shifted by the token that left it is checked first;
+    a walk that does not fit goes on at the next step, the request sitting out), the free request
+    gets its token every iteration, and the constrained one still finishes whole."""
+    spec = SO(regex="[\u0400-\u04ff]{400}")
+    n = compiler.shortest(spec)
+    g = compiler.compile(spec)
+    g.limit(n + 20)
+    attacker = Request("a", [5] * 3, SamplingParams(max_tokens=n + 20, temperature=1.0, seed=1, structured_outputs=spec),
+                       grammar=g)
+    bystander = Request("b", [5] * 3, SamplingParams(max_tokens=200, temperature=1.0, seed=2, ignore_eos=True))
+    sched = make_scheduler(load_config(), INFO)
+    engine, out, results, worst, steps_beside = Engine([]), {"a": [], "b": []}, [], 0.0, 0
+    sched.add(attacker)
+    reason = None
+    while sched.has_work():
+        if len(out["a"]) == 10:
+            sched.add(bystander)
+        beside = "b" in sched.pool
+        t = time.process_time()
+        step = sched.step(0.0, results)
+        if beside:
+            worst, steps_beside = max(worst, time.process_time() - t), steps_beside + 1
+            assert worst < 0.05, f"a step took {worst * 1e3:.0f} ms of CPU beside the constrained request"   # main: 123, now 10
+        for e in step.events:
+            out[e.request_id] += [e.token_id] if e.token_id is not None else []
+            reason = e.finish_reason if e.request_id == "a" and e.finish_reason else reason
+        results = [engine.execute(p) for p in step.plans]
+    assert len(out["b"]) == 200 and steps_beside <= 201   # a token every iteration
+    text = vocab.tokenizer.decode_bytes([t for t in out["a"] if t != EOS]).decode()
+    assert reason == "stop" and re.fullmatch("[\u0400-\u04ff]{400}", text), (reason, len(text))

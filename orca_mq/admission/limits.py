@@ -1,6 +1,7 @@
 """A request's limits, each checked once where it enters: its id (the broker), and, once its prompt is
 tokenized, the prompt against the vocabulary, the context length and the KV pool, with `max_tokens`
-resolved and, for a structured output, able to hold its shortest (`fit`). A clear message names the problem.
+resolved and, for a structured output, able to hold its shortest (`fit`), and its prompt's log
+probabilities within what one message carries. A clear message names the problem.
 """
 from __future__ import annotations
 
@@ -19,12 +20,18 @@ def check_request_id(request_id: str) -> None:
 
 
 def fit(prompt_token_ids: list[int], params: SamplingParams, max_len: int, vocab_size: int, pool: PoolSize,
-        shortest: int | None = None) -> SamplingParams:
+        shortest: int | None = None, max_prompt_logprobs: int | None = None) -> SamplingParams:
     """The prompt's checks, once it is tokenized, for params already validated (SamplingParams.validate):
     the params to serve it with, `max_tokens=None` resolved to what is left of the context and the KV pool.
     `shortest`: the tokens of the shortest output a structured_outputs constraint allows (its grammar
-    with the vocabulary: orca_mq.structured.budget.shortest), which max_tokens must hold."""
+    with the vocabulary: orca_mq.structured.budget.shortest), which max_tokens must hold.
+    `max_prompt_logprobs`: the most log probabilities (positions x (1 + alternatives)) of a prompt that
+    one message holds (ServedModel.prompt_logprob_bound): a prompt's travel in one row."""
     fitted = _fit(prompt_token_ids, params, max_len, vocab_size, pool)
+    k = params.prompt_logprobs
+    if k is not None and max_prompt_logprobs is not None and len(prompt_token_ids) * (1 + k) > max_prompt_logprobs:
+        raise InvalidRequest(f"prompt_logprobs: {len(prompt_token_ids)} prompt positions with {k} alternatives each "
+                             f"exceed the {max_prompt_logprobs} log probabilities one message carries: ask fewer")
     if shortest is not None and fitted.max_tokens < shortest:   # type: ignore[operator]
         given = (f"max_tokens ({params.max_tokens})" if params.max_tokens is not None else
                  f"the {fitted.max_tokens} tokens the prompt leaves within the context length and the KV pool")

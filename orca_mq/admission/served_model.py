@@ -25,6 +25,7 @@ from orca_mq.config import Config
 from orca_mq.models.info import ModelInfo
 from orca_mq.models.registry import read_model_info
 from orca_mq.kv.pool import PoolSize
+from orca_mq.protocol.codec import MAX_FRAME_BYTES
 from orca_mq.protocol.sampling import SamplingParams
 from orca_mq.sched.request import Request
 from orca_mq.structured.compiler import Compiler
@@ -33,6 +34,7 @@ from orca_mq.tokenizer import load_tokenizer
 
 Prompt = str | list[int]
 log = logging.getLogger(__name__)
+ENTRY_BYTES = 24   # a log probability in a message, its token's text aside: an id, a float, list and string headers
 
 
 class ServedModel:
@@ -51,6 +53,12 @@ class ServedModel:
         return load_tokenizer(self.cfg.model.path, self.cfg.model.cache_dir)
 
     @cached_property
+    def prompt_logprob_bound(self) -> int:
+        """The most log probabilities of a prompt one message holds: a frame's bytes over an entry's most
+        (its token's text: at most 4 UTF-8 bytes per character of the vocabulary's longest token)."""
+        return MAX_FRAME_BYTES // (ENTRY_BYTES + 4 * max(map(len, self.tokenizer.get_vocab())))
+
+    @cached_property
     def prompts(self) -> Prompts:
         return Prompts.for_model(self.tokenizer, self.max_model_len)
 
@@ -66,18 +74,19 @@ class ServedModel:
     def fit(self, prompt_token_ids: list[int], params: SamplingParams, shortest: int | None = None) -> SamplingParams:
         """Step 3: the tokenized prompt's checks; the params to serve it with. `shortest`: a
         constrained request's shortest output in tokens (`grammars.shortest`), which max_tokens must hold."""
-        return fit(prompt_token_ids, params, self.max_model_len, self.info.vocab_size, self.pool, shortest)
+        bound = self.prompt_logprob_bound if params.prompt_logprobs is not None else None
+        return fit(prompt_token_ids, params, self.max_model_len, self.info.vocab_size, self.pool, shortest, bound)
 
     def request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                grammar: Grammar | None = None) -> Request:
+                grammar: Grammar | None = None, client: str = "") -> Request:
         """Step 4: the scheduler's Request; a constrained one's grammar is compiled here unless given
         (the scheduler process compiles on a thread, bounded in time, and passes it), and finishes
-        within max_tokens."""
+        within max_tokens. `client`: who it counts for in the pool's fair shares (orca_mq.fair_share)."""
         if grammar is None and params.structured_outputs is not None:
             grammar = self.grammars.compile(params.structured_outputs)
         if grammar is not None and params.max_tokens is not None:
             grammar.limit(params.max_tokens, params.min_tokens)
-        return Request(request_id, prompt_token_ids, params, time.monotonic(), grammar=grammar)
+        return Request(request_id, prompt_token_ids, params, time.monotonic(), grammar=grammar, client=client)
 
     def admit(self, request_id: str, prompt: Prompt, sampling: SamplingParams | None) -> Request:
         """All four steps in this process (the offline API): a text prompt as raw completion text."""

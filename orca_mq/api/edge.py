@@ -1,7 +1,8 @@
 """ASGI wrappers at the HTTP API's edge, before FastAPI reads anything:
 
 - `ApiKeyGuard`: with `server.api_key`, every route but /health needs `Authorization: Bearer KEY`
-  (one of the keys, compared in constant time); otherwise 401 with OpenAI's error object;
+  (one of the keys, compared in constant time); otherwise 401 with OpenAI's error object. Who a
+  request counts for in the server's fair shares (`end_client`) is its key then, else its connection;
 - `BodyLimit`: a declared Content-Length over the limit gets 413 at once; a chunked body is cut
   off (and refused) as soon as it passes the limit;
 - `Handled`: FastAPI answers an exception with its handler (which logs it) and then re-raises it
@@ -19,6 +20,15 @@ Scope = dict[str, Any]
 Receive = Any
 Send = Any
 OPEN_PATHS = frozenset({"/health"})   # a load balancer's probe needs no key
+END_CLIENT = "orca_mq.end_client"
+
+
+def end_client(scope: Scope) -> str:
+    """The client an HTTP request counts for (Generate.on_behalf_of): the index of its key, else its connection."""
+    if END_CLIENT in scope:
+        return scope[END_CLIENT]
+    host, port = scope.get("client") or ("?", 0)
+    return f"conn:{host}:{port}"
 
 
 class ApiKeyGuard:
@@ -31,7 +41,8 @@ class ApiKeyGuard:
             await self.app(scope, receive, send)
             return
         scheme, _, key = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1").partition(" ")
-        if scheme.lower() == "bearer" and self.keys.ok(key.strip()):
+        if scheme.lower() == "bearer" and (index := self.keys.which(key.strip())) >= 0:
+            scope[END_CLIENT] = f"key{index}"
             await self.app(scope, receive, send)
             return
         message = ("Incorrect API key provided." if key else

@@ -12,6 +12,7 @@ probability below -9999 (or not finite) is written as -9999.0, as vLLM and OpenA
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -52,39 +53,63 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]
 
 
-def _bytes(text: str) -> list[int]:
-    return list(text.encode("utf-8", errors="replace"))
+def entries(lp: Logprobs | None) -> int:
+    """Its log probabilities: one per position and one per alternative (the work and size of their JSON)."""
+    return 0 if lp is None else len(lp) + sum(map(len, lp.top_ids))
 
 
-def chat_logprobs(lp: Logprobs | None) -> ChatLogprobs | None:
+# The shapes are written as JSON text, in ChatLogprobs' and CompletionLogprobs' form, and spliced into
+# the response as they are (orca_mq.api.offload.dump): strings only, no dict or list per entry, so a
+# response of a million log probabilities leaves the garbage collector nothing to walk (its full
+# collections, over the objects they would have been, stalled every thread about a second here).
+
+def _str(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)
+
+
+def _num(v: float) -> str:
+    return repr(_value(v))
+
+
+def _entry(token: str, value: float) -> str:
+    """A {token, logprob, bytes} object, open (its caller closes it)."""
+    return ('{"token":' + _str(token) + ',"logprob":' + _num(value) + ',"bytes":['
+            + ",".join(map(str, token.encode("utf-8", errors="replace"))) + "]")
+
+
+def chat_logprobs(lp: Logprobs | None) -> str | None:
+    """ChatLogprobs of `lp`'s tokens, as JSON."""
     if lp is None:
         return None
-    content = []
-    for i, token in enumerate(lp.tokens):
-        top = [TopLogprob(token=t, logprob=_value(v), bytes=_bytes(t)) for t, v in zip(lp.top_tokens[i], lp.top_logprobs[i])]
-        content.append(ChatTokenLogprob(token=token, logprob=_value(lp.logprobs[i] if lp.logprobs[i] is not None else FLOOR),
-                                        bytes=_bytes(token), top_logprobs=top))
-    return ChatLogprobs(content=content)
+    content = ",".join(_entry(token, FLOOR if value is None else value) + ',"top_logprobs":['
+                       + ",".join(_entry(t, v) + "}" for t, v in zip(tops, values)) + "]}"
+                       for token, value, tops, values in zip(lp.tokens, lp.logprobs, lp.top_tokens, lp.top_logprobs))
+    return '{"content":[' + content + '],"refusal":null}'
 
 
-def completion_logprobs(lp: Logprobs | None, offset: int) -> CompletionLogprobs | None:
-    """The legacy shape of `lp`'s tokens, their text offsets counted from `offset`."""
+def completion_logprobs(lp: Logprobs | None, offset: int) -> str | None:
+    """CompletionLogprobs of `lp`'s tokens, as JSON, their text offsets counted from `offset`."""
     if lp is None:
         return None
     offsets, at = [], offset
     for token in lp.tokens:
-        offsets.append(at)
+        offsets.append(str(at))
         at += len(token)
-    top: list[dict[str, float] | None] = []
+    top: list[str] = []
     for i, value in enumerate(lp.logprobs):
         if value is None or not lp.top_ids[i]:   # a prompt's first token; or k = 0 asks for no alternatives
-            top.append(None)
+            top.append("null")
             continue
-        entry = {lp.tokens[i]: _value(value)}
-        entry.update((t, _value(v)) for t, v in zip(lp.top_tokens[i], lp.top_logprobs[i]) if t not in entry)
-        top.append(entry)
-    return CompletionLogprobs(tokens=list(lp.tokens), token_logprobs=[None if v is None else _value(v) for v in lp.logprobs],
-                              top_logprobs=top, text_offset=offsets)
+        seen = {lp.tokens[i]}
+        items = [_str(lp.tokens[i]) + ":" + _num(value)]
+        for t, v in zip(lp.top_tokens[i], lp.top_logprobs[i]):
+            if t not in seen:
+                seen.add(t)
+                items.append(_str(t) + ":" + _num(v))
+        top.append("{" + ",".join(items) + "}")
+    values = ",".join("null" if v is None else _num(v) for v in lp.logprobs)
+    return ('{"tokens":[' + ",".join(map(_str, lp.tokens)) + '],"token_logprobs":[' + values + '],"top_logprobs":['
+            + ",".join(top) + '],"text_offset":[' + ",".join(offsets) + "]}")
 
 
 def text_length(lp: Logprobs | None) -> int:
@@ -106,45 +131,57 @@ def joined(*parts: Logprobs | None) -> Logprobs | None:
 
 @dataclass(slots=True)
 class Shaper:
-    """One request's log probabilities (and completions' echo) put onto its responses: the whole
-    answer, or each streamed chunk its tokens' (what arrived since the last chunk)."""
+    """One choice's log probabilities (and completions' echo) put onto its responses: the whole
+    answer, or each streamed chunk its tokens' (what arrived since the last chunk). The prompt's
+    log probabilities are its `lead`'s: the first choice of its prompt, the one that asks for them
+    (a prompt's are computed once, for all its choices: orca_mq.api.fanout)."""
 
     chat: bool
+    lead: "Generation"
     echo: bool = False
     echo_text: str | None = None   # a text prompt as given; None: the prompt tokens' texts (a prompt of ids)
     offset: int = 0                # completions: the text offset the next chunk's tokens start at
     echoed: bool = False
+
+    @property
+    def prompt(self) -> Logprobs | None:
+        return self.lead.prompt_logprobs
+
+    def weight(self, fresh: Logprobs | None) -> int:
+        """The log probabilities a chunk carrying `fresh` holds (its echoed prompt's included)."""
+        return entries(fresh) + (entries(self.prompt) if self.echo and not self.echoed else 0)
 
     def whole(self, resp: Any, gen: "Generation") -> Any:
         choice = resp.choices[0]
         if self.chat:
             choice.logprobs = chat_logprobs(gen.logprobs)
             return resp
-        prompt = gen.prompt_logprobs if self.echo else None
+        prompt = self.prompt if self.echo else None
         choice.logprobs = completion_logprobs(joined(prompt, gen.logprobs), 0) if gen.sampling.get("logprobs") is not None else None
         if self.echo:
-            choice.text = self._echo_text(gen) + choice.text
+            choice.text = self._echo_text() + choice.text
         return resp
 
-    def chunk(self, resp: Any, gen: "Generation") -> Any:
+    def chunk(self, resp: Any, gen: "Generation", fresh: Logprobs | None) -> Any:
+        """A streamed chunk with `fresh`, the log probabilities taken from `gen` for it (`Generation.take`)."""
         if not resp.choices:   # the usage chunk
             return resp
-        choice, fresh = resp.choices[0], gen.take()
+        choice = resp.choices[0]
         if self.chat:
             choice.logprobs = chat_logprobs(fresh)
             return resp
         prompt = None
         if self.echo and not self.echoed:
             self.echoed = True
-            prompt = gen.prompt_logprobs
-            choice.text = self._echo_text(gen) + choice.text
+            prompt = self.prompt
+            choice.text = self._echo_text() + choice.text
         lp = joined(prompt, fresh)
         if gen.sampling.get("logprobs") is not None:
             choice.logprobs = completion_logprobs(lp or Logprobs(), self.offset)
             self.offset += text_length(lp)
         return resp
 
-    def _echo_text(self, gen: "Generation") -> str:
+    def _echo_text(self) -> str:
         if self.echo_text is not None:
             return self.echo_text
-        return "".join(gen.prompt_logprobs.tokens) if gen.prompt_logprobs is not None else ""
+        return "".join(self.prompt.tokens) if self.prompt is not None else ""

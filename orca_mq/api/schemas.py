@@ -26,10 +26,10 @@ import time
 import uuid
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 from pydantic_core import PydanticCustomError
 
-from orca_mq.api.tools import MAX_TOOLS, Tool, ToolCall, ToolCallDelta, ToolChoice, constraint, render, shown
+from orca_mq.api.tools import MAX_TOOLS, ArgumentsError, Tool, ToolCall, ToolCallDelta, ToolChoice, constraint, render, shown
 from orca_mq.api.logprobs import ChatLogprobs, CompletionLogprobs
 from orca_mq.admission.prompts import check_template_kwargs
 from orca_mq.errors import InvalidRequest
@@ -271,6 +271,7 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: ToolChoice | None = None         # default: auto with tools, none without
     parallel_tool_calls: bool | None = Field(None, strict=True)   # default true
     chat_template_kwargs: dict[str, Any] | None = None   # vLLM extension: more variables for the chat template
+    _rendered: list[dict[str, str]] = PrivateAttr(default_factory=list)   # the messages as the template gets them
 
     @model_validator(mode="after")
     def _template_kwargs(self) -> "ChatCompletionRequest":
@@ -291,6 +292,15 @@ class ChatCompletionRequest(_Sampling):
                 self.response_format is not None and self.response_format.type != "text")):
             raise PydanticCustomError("value_error", "a required or named tool_choice constrains the output itself: "
                                       "give no response_format or structured_outputs with it", {"param": "tool_choice"})
+        return self
+
+    @model_validator(mode="after")
+    def _render(self) -> "ChatCompletionRequest":
+        """Rendered once, here: what cannot be rendered is a 400 naming its field."""
+        try:
+            self._rendered = render([m.plain() for m in self.messages], self.shown_tools)
+        except ArgumentsError as e:
+            raise PydanticCustomError("value_error", str(e), {"param": e.param}) from None
         return self
 
     def limit(self) -> int | None:
@@ -320,7 +330,7 @@ class ChatCompletionRequest(_Sampling):
 
     def prompt_args(self) -> dict[str, Any]:
         kwargs = {} if self.chat_template_kwargs is None else {"chat_template_kwargs": self.chat_template_kwargs}
-        return {"messages": render([m.plain() for m in self.messages], self.shown_tools)} | kwargs
+        return {"messages": self._rendered} | kwargs
 
     def sampling(self) -> dict[str, Any]:
         given = _Sampling.sampling(self)

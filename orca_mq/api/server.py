@@ -39,9 +39,10 @@ from orca_mq.models.files import resolve_model_path
 from orca_mq.models.registry import read_model_info
 from orca_mq.logs import setup_logging
 from orca_mq.protocol.control_msgs import Ready
-from orca_mq.api.edge import ApiKeyGuard, BodyLimit, Handled
+from orca_mq.api.edge import ApiKeyGuard, BodyLimit, Handled, end_client
 from orca_mq.api.errors import INTERNAL_TEXT, ApiError, error_body, from_validation
 from orca_mq.api.fanout import Build, Choice, Fanout, answer, begin, check_bounds, events
+from orca_mq.api.offload import Builder
 from orca_mq.api.tools import ToolReply, parse
 from orca_mq.api.metrics import ApiMetrics
 from orca_mq.api.tokenize import DetokenizeRequest, DetokenizeResponse, Tokenization, TokenizeRequest, TokenizeResponse
@@ -75,6 +76,7 @@ class Api:
         self.client = AsyncClient(cfg.server.frontend_address, api_key=keys[0] if keys else None,
                                   server_key=server_keys(curve)[0].decode() if curve else None)
         self.metrics = ApiMetrics(self.model_name)
+        self.builder = Builder()   # heavy responses are built off the event loop
         self.created = int(time.time())
         self.stats_at = -1.0
         self.stats_ok = False
@@ -157,11 +159,11 @@ class Api:
 
     async def _serve(self, body: CompletionRequest | ChatCompletionRequest, request: Request, chunk: Build,
                      whole: Build, opening: Callable[[Choice], BaseModel] | None = None) -> Response:
-        check_bounds(body, self.cfg.server.http_max_n, self.cfg.server.http_max_choices)
-        fan = Fanout(body, self.client, self.metrics)
+        check_bounds(body, self.cfg.server, self.max_model_len)
+        fan = Fanout(body, self.client, self.metrics, self.builder, end_client(request.scope))
         try:
             if not body.stream:
-                return JSONResponse((await answer(fan, request, whole)).model_dump())
+                return Response(await answer(fan, request, whole), media_type="application/json")
             await begin(fan, request)   # the first tokens before the headers: a refused request gets its HTTP status
         except ApiError as e:   # refused: the field at fault by this request's name for it
             e.param = body.field(e.param)
@@ -263,6 +265,7 @@ async def _main(cfg: Config) -> int:
     ctx.term()
     await api.client.close()
     api.tokenization.close()
+    api.builder.close()
     return 0 if server.started else 1
 
 

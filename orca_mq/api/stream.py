@@ -67,6 +67,7 @@ class Generation:
     stops: StopStrings
     metrics: ApiMetrics
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    on_behalf_of: str = ""                    # the end client it counts for (orca_mq.api.edge.end_client)
     arrival: float = field(default_factory=time.monotonic)
     prompt_tokens: int = 0
     cached_tokens: int = 0            # of those, taken from the prefix cache (the scheduler's count)
@@ -80,7 +81,8 @@ class Generation:
 
     async def pieces(self) -> AsyncIterator[str]:
         """Text deltas (possibly empty, one per server event); raises ApiError if the server refuses."""
-        stream = self.client.stream(request_id=self.request_id, **self.prompt_args, **self.sampling)
+        stream = self.client.stream(request_id=self.request_id, on_behalf_of=self.on_behalf_of, **self.prompt_args,
+                                    **self.sampling)
         stopped = False
         try:
             async for ev in stream:

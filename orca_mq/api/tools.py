@@ -14,8 +14,8 @@ given tool are returned; with `none` the tools are not shown.
 from __future__ import annotations
 
 import json
-import re
 import uuid
+from collections.abc import Iterator
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field
@@ -23,7 +23,6 @@ from pydantic import BaseModel, Field
 from orca_mq.api.stream import partial_tail
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-_CALL = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.S)
 MAX_TOOLS = 128
 SYSTEM = ("You are a function calling AI model. You are provided with function signatures within <tools></tools> "
           "XML tags. You may call one or more functions to assist with the user query. Don't make assumptions about "
@@ -84,16 +83,25 @@ def shown(tools: list[Tool] | None, choice: ToolChoice | None) -> list[Tool]:
     return list(tools)
 
 
+class ArgumentsError(ValueError):
+    """An earlier call's arguments that cannot be written back (nested deeper than the JSON parser goes)."""
+
+    def __init__(self, param: str) -> None:
+        super().__init__(f"{param}: JSON nested too deeply to read")
+        self.param = param
+
+
 def render(messages: list[dict[str, Any]], tools: list[Tool]) -> list[dict[str, str]]:
     """The conversation as plain {role, content} messages, the tools in a system message and earlier
-    calls and results in the <tool_call> / <tool_response> form."""
+    calls and results in the <tool_call> / <tool_response> form. Raises ArgumentsError naming the field."""
     out: list[dict[str, str]] = []
-    for m in messages:
+    for i, m in enumerate(messages):
         content = m.get("content") or ""
         if m["role"] == "assistant" and m.get("tool_calls"):
             calls = [f"{OPEN}\n" + json.dumps({"name": c["function"]["name"],
-                                               "arguments": _arguments(c["function"]["arguments"])}) + f"\n{CLOSE}"
-                     for c in m["tool_calls"]]
+                                               "arguments": _arguments(c["function"]["arguments"],
+                                                                       f"messages.{i}.tool_calls.{j}.function.arguments")})
+                     + f"\n{CLOSE}" for j, c in enumerate(m["tool_calls"])]
             content = "\n".join([content] * bool(content) + calls)
         elif m["role"] == "tool":
             content = f"<tool_response>\n{content}\n</tool_response>"
@@ -108,11 +116,13 @@ def render(messages: list[dict[str, Any]], tools: list[Tool]) -> list[dict[str, 
     return out
 
 
-def _arguments(text: str) -> Any:
+def _arguments(text: str, param: str) -> Any:
     try:
         return json.loads(text)
     except (TypeError, ValueError):
         return text
+    except RecursionError:
+        raise ArgumentsError(param) from None
 
 
 def constraint(tools: list[Tool], choice: ToolChoice | None, parallel: bool) -> dict[str, Any] | None:
@@ -127,50 +137,69 @@ def constraint(tools: list[Tool], choice: ToolChoice | None, parallel: bool) -> 
     return {"grammar": f'start: call{repeat}\ncall: "{OPEN}\\n" %json {json.dumps(schema)} "\\n{CLOSE}"\n'}
 
 
+def _blocks(text: str) -> Iterator[tuple[int, int]]:
+    """(start, end) of each <tool_call>...</tool_call> block, left to right, each OPEN to the first CLOSE
+    after it. Found with str.find, so linear in the text: a regex's lazy body between two `\\s*` backtracks
+    in cubic time on a long run of whitespace, which a model can write."""
+    at = 0
+    while (start := text.find(OPEN, at)) >= 0 and (close := text.find(CLOSE, start + len(OPEN))) >= 0:
+        at = close + len(CLOSE)
+        yield start, at
+
+
+def _call(body: str, names: set[str]) -> ToolCall | None:
+    try:
+        call = json.loads(body)
+    except (ValueError, RecursionError):   # not JSON, or nested deeper than the parser goes
+        return None
+    if isinstance(call, dict) and call.get("name") in names and isinstance(call.get("arguments", {}), dict):
+        return ToolCall(function=CalledFunction(name=call["name"], arguments=json.dumps(call.get("arguments", {}))))
+    return None
+
+
 def parse(text: str, tools: list[Tool]) -> tuple[str | None, list[ToolCall]]:
     """(content, calls) of a reply: every <tool_call> block that is JSON naming a given tool; the
-    text outside the blocks is the content (None when only calls)."""
+    text outside the blocks is the content (None when only calls). Linear in the text."""
     names = {t.function.name for t in tools}
-    calls = []
-    for body in _CALL.findall(text):
-        try:
-            call = json.loads(body)
-        except ValueError:
-            continue
-        if isinstance(call, dict) and call.get("name") in names and isinstance(call.get("arguments", {}), dict):
-            calls.append(ToolCall(function=CalledFunction(name=call["name"], arguments=json.dumps(call.get("arguments", {})))))
+    spans = list(_blocks(text))
+    calls = [c for start, end in spans if (c := _call(text[start + len(OPEN):end - len(CLOSE)].strip(), names))]
     if not calls:
         return text, []
-    content = _CALL.sub("", text).strip()
+    kept, at = [], 0
+    for start, end in spans:
+        kept.append(text[at:start])
+        at = end
+    content = "".join(kept + [text[at:]]).strip()
     return content or None, calls
-
-
-def held(text: str) -> int:
-    """How many characters at the end of streamed text may begin a <tool_call> tag (held back until known)."""
-    if OPEN in text:
-        return len(text) - text.index(OPEN)
-    return partial_tail(text, [OPEN])
 
 
 class ToolReply:
     """A chat reply with tools shown, as it streams: text that may begin a <tool_call> is held back,
-    and the calls go out, parsed, with the final chunk."""
+    and the calls go out, parsed, with the final chunk. A piece costs its own length: from the first
+    OPEN on everything is held, and the reply is parsed once, at the end."""
 
     def __init__(self, tools: list[Tool]) -> None:
         self.tools = tools
-        self.text = ""
-        self.sent = 0   # characters of `text` sent as content
+        self.unsent = ""                      # before any OPEN: the end that may begin one
+        self.held: list[str] | None = None    # from the first OPEN on
 
     def stream(self, piece: str, final: bool) -> tuple[str, list[ToolCallDelta] | None]:
         """(content to send now, the calls: only with the final piece)."""
-        self.text += piece
+        out = ""
+        if self.held is not None:
+            self.held.append(piece)
+        else:
+            text = self.unsent + piece
+            if (at := text.find(OPEN)) >= 0:
+                out, self.unsent, self.held = text[:at], "", [text[at:]]
+            else:
+                keep = partial_tail(text, [OPEN])
+                out, self.unsent = text[:len(text) - keep], text[len(text) - keep:]
         if not final:
-            end = len(self.text) - held(self.text[self.sent:])
-            out, self.sent = self.text[self.sent:end], end
             return out, None
-        _, calls = parse(self.text, self.tools)
-        rest = self.text[self.sent:]
-        self.sent = len(self.text)
+        rest = out + self.unsent + "".join(self.held or ())
+        self.unsent, self.held = "", None
+        content, calls = parse(rest, self.tools)
         if not calls:
             return rest, None
-        return _CALL.sub("", rest).strip(), [ToolCallDelta(index=i, **c.model_dump()) for i, c in enumerate(calls)]
+        return content or "", [ToolCallDelta(index=i, **c.model_dump()) for i, c in enumerate(calls)]

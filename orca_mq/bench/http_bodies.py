@@ -62,7 +62,25 @@ _JSON = st.recursive(st.one_of(_EDGE, st.integers(), st.floats(), st.text(max_si
 _MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool", "x"]),
                                   "content": st.one_of(st.text(max_size=20), _JSON)},
                                  optional={"name": _JSON, "extra": _JSON})
+_ASK = [{"role": "user", "content": "Hi"}]
+_TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+# issue 44's shapes: what one request could cost the others
+_SHAPES = st.one_of(
+    st.builds(lambda n: {"messages": _ASK, "tools": [_TOOL], "structured_outputs": {"regex": "<tool_call> +"},
+                         "logit_bias": {"40686": 100}, "n": n}, st.integers(1, 17)),   # a tag and a run of 64 spaces
+    st.builds(lambda depth: {"messages": [*_ASK, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "[" * depth + "]" * depth}}]}]},
+        st.integers(1, 100_000)),                                                       # arguments nested deep
+    st.builds(lambda k, n, extra: {"messages": _ASK, "structured_outputs": {"regex": f"[\u0400-\u04ff]{{{k}}}"}, "n": n,
+                                   "max_tokens": 2 * k + extra}, st.integers(1, 40), st.integers(1, 17), st.integers(0, 20)),
+    st.fixed_dictionaries({"prompt": st.lists(st.integers(0, 49151), min_size=1, max_size=400), "echo": st.booleans(),
+                           "logprobs": st.integers(0, 21), "n": st.integers(1, 17),
+                           "max_tokens": st.integers(0, 4)}),                   # log probabilities at their bounds
+    st.fixed_dictionaries({"messages": st.just(_ASK), "logprobs": st.just(True), "top_logprobs": st.integers(0, 21),
+                           "n": st.integers(1, 17), "max_tokens": st.integers(1, 4)}),
+)
 _BODY = st.one_of(
+    _SHAPES,
     st.dictionaries(st.sampled_from(_NAMES), st.one_of(_JSON, st.lists(_MESSAGE, max_size=3)), max_size=6),
     st.fixed_dictionaries({"prompt": st.one_of(st.text(max_size=30), st.lists(st.integers(-5, 2**40), max_size=5))},
                           optional={k: _JSON for k in ("max_tokens", "temperature", "top_p", "seed", "stop", "top_k", "n")}),

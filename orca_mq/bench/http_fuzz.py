@@ -4,7 +4,9 @@ tools/bench_reliability.py (at length):
 - `schema_fuzz`: schemathesis, from the server's own OpenAPI schema, positive and negative cases of
   every operation;
 - `body_fuzz`: hypothesis requests to the generation routes (orca_mq.bench.http_bodies): wild ones
-  the schema knows nothing of, and ones built to be served or to be refused for one named field.
+  the schema knows nothing of (issue 44's costly shapes among them: a tool reply of a tag and whitespace,
+  arguments nested deep, a closing plan of many-byte letters, log probabilities and n at and past their
+  bounds), and ones built to be served or to be refused for one named field.
 
 Every reply is judged by the contract: never a 5xx, a JSON error object with a message, type and
 code on every 4xx (and with a param when the schema refused a field); a request built to be served

@@ -1,6 +1,8 @@
 """Faults against a live server, shared by tests/test_serving_robustness.py and
 tools/bench_reliability.py: a fuzz of undecodable client frames, and a soak of well-behaved
-clients mixed with aborts, garbage frames and clients that vanish mid-request.
+clients mixed with aborts, garbage frames and clients that vanish mid-request, and with issue 44's
+shapes: requests for a gateway's end clients (`on_behalf_of`), prompt and token log probabilities,
+short constraints of many-byte letters (a closing plan each step).
 
 Everything is counted so that a caller can assert the contract: every garbage frame gets one
 `error` reply, every request of a client that stays gets exactly one final message. Every request
@@ -26,6 +28,9 @@ from orca_mq.protocol.codec import registered
 from orca_mq.protocol.common_msgs import Error
 
 PROMPTS = ["Hello", "The capital of France is", "Write a haiku about the sea.", "1, 2, 3,", "Once upon a time"]
+SHAPES = [{"logprobs": 5, "prompt_logprobs": 5}, {"logprobs": 20},
+          {"structured_outputs": {"regex": "[\u0400-\u04ff]{1,3}"}, "max_tokens": 8},
+          {"structured_outputs": {"regex": "[a-z]{1,3}"}, "max_tokens": 8}]
 
 
 def _value(rng: random.Random, depth: int = 0) -> Any:
@@ -134,6 +139,7 @@ class SoakConfig:
     vanishing_clients: int = 4        # clients that send requests and disappear
     timeout: float = 60.0             # seconds without any message before a client gives up
     seeds: int = 8                    # sampling seeds drawn from: few, so `reproduce` needs few runs alone
+    shaped_rate: float = 0.2          # of requests, one of issue 44's shapes (log probabilities, a constraint)
 
 
 @dataclass(slots=True)
@@ -181,9 +187,14 @@ async def _client(ctx: zmq.asyncio.Context, address: str, name: str, rng: random
                 pending.add(rid)
                 sampling = {"max_tokens": rng.randint(1, cfg.max_tokens), "ignore_eos": True,
                             "temperature": rng.choice([0.0, 0.8]), "seed": rng.randrange(cfg.seeds)}
-                prompt = rng.choice(PROMPTS)
-                sent_as[rid], tokens[rid] = (prompt, sampling["temperature"], sampling["seed"]), []
-                await sock.send(encode(Generate(rid, prompt=prompt, sampling=sampling)))
+                prompt, shaped = rng.choice(PROMPTS), rng.random() < cfg.shaped_rate
+                if shaped:
+                    sampling |= rng.choice(SHAPES)
+                if "structured_outputs" not in sampling:   # its tokens are the constraint's: not replayed alone
+                    sent_as[rid] = (prompt, sampling["temperature"], sampling["seed"])
+                tokens[rid] = []
+                await sock.send(encode(Generate(rid, prompt=prompt, sampling=sampling,
+                                                on_behalf_of=rng.choice(["", "end-a", "end-b"]) if shaped else "")))
                 if rng.random() < cfg.abort_rate:
                     result.aborts_sent += 1
                     if rng.random() < 0.5:

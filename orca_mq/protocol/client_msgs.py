@@ -13,7 +13,9 @@ frame in the version the client wrote it in, so an older client (v1-v3) gets per
 frames, without the fields added after its version. Version 5 adds log probabilities (a request's
 `logprobs` / `prompt_logprobs` sampling fields): `output.logprobs`, `output.prompt_logprobs` and the
 same as optional columns of `outputs` (orca_mq.protocol.logprobs.Logprobs, each token's text beside its id).
-Version 6 adds `generate`'s chat_template_kwargs (variables for the chat template).
+Version 6 adds `generate`'s chat_template_kwargs (variables for the chat template). Version 7 adds
+`generate`'s on_behalf_of: the end client a gateway (the HTTP API) sends it for, its own client for
+the server's fair shares (orca_mq.fair_share).
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ class Generate:
     api_key: str = added(3, default="")   # one of server.api_key's keys, when the server has any
     # more variables for the chat template (vLLM's), e.g. {"enable_thinking": False}; orca_mq.admission.prompts bounds them
     chat_template_kwargs: dict[str, Any] | None = added(6, default=None)
+    on_behalf_of: str = added(8, default="")   # a gateway's end client (at most 256 characters): a client of its own
 
 
 @message("abort")

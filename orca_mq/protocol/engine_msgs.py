@@ -21,6 +21,9 @@ class AddRequest:
     request_id: str               # the frontend's internal id, unique within the server (not the client's)
     prompt_token_ids: list[int]
     params: SamplingParams        # validated by the frontend, max_tokens resolved (orca_mq.admission)
+    start_known: bool = False     # a constrained request's shortest plan was searched by the frontend...
+    start: list[int] | None = None   # ...and is this (None: none found): the scheduler does not search again
+    client: str = ""              # who it counts for in the pool's fair shares (orca_mq.fair_share.client_name)
 
 
 @message("abort_req")

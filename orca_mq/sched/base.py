@@ -20,10 +20,12 @@ from orca_mq.kv.block_manager import BlockManager
 from orca_mq.kv.pool import PoolSize
 from orca_mq.kv.prefix import chain_seed
 from orca_mq.sched.profiler import IterationProfile, Profiler, profile_max_len
+from orca_mq.sched import closings
 from orca_mq.sched.request import Phase, Request
 from orca_mq.sched.processors import add_extras
 from orca_mq.sched.speculative import Speculator
 from orca_mq.structured.bitmask import fill_masks
+from orca_mq.structured.budget import Budget
 
 if TYPE_CHECKING:
     from orca_mq.config import Config
@@ -98,6 +100,7 @@ class Scheduler:
         self.depth = self.n_workers + self.ahead
         self.max_len = info.max_model_len(cfg)
         self.speculator = Speculator(cfg.speculative, self.token_budget) if cfg.speculative.method != "off" else None
+        self.plan_budget = cfg.structured.plan_budget or None   # matcher calls an iteration may spend planning closings
 
     # ------------------------------------------------------------ the iteration loop
 
@@ -176,7 +179,8 @@ class Scheduler:
         for req in selected:   # blocks of its prompt that requests prefilling the same prefix published since it started
             if req.phase is Phase.INITIATION:
                 self.block_manager.reuse(req)
-        batch = self.fit_budget(selected)
+        planning = Budget(self.plan_budget)
+        batch = closings.ready(self.fit_budget(selected), planning, idle=not self.in_flight)
         if not batch:
             return None
         self.admitted(batch, now)
@@ -200,7 +204,7 @@ class Scheduler:
             req.in_flight += 1
         fill_masks(seqs, [None if r.prompt_pending else r.grammar for r in batch])  # only rows that sample
         if drafts:
-            Speculator.mask_drafts(seqs, batch)
+            Speculator.mask_drafts(seqs, batch, planning)
         add_extras(seqs, batch, self.eos_token_ids)   # logits processors: penalties, min_p, logit_bias, min_tokens
         ask_logprobs(seqs, batch)
         self.iteration += 1

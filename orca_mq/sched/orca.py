@@ -1,42 +1,85 @@
-"""ORCA Algorithm 1: iteration-level FCFS with `n_rsrv` KV reservation at a request's first schedule."""
+"""ORCA Algorithm 1: iteration-level FCFS with `n_rsrv` KV reservation at a request's first schedule,
+and each client's fair share of the pool (orca_mq.fair_share)."""
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
+from orca_mq.fair_share import FairShare
 from orca_mq.sched.base import Scheduler
 from orca_mq.sched.registry import register
 from orca_mq.sched.request import Phase, Request
+
+if TYPE_CHECKING:
+    from orca_mq.config import Config
+    from orca_mq.engine.model_info import ModelInfo
+
+
+def interleaved(reqs: Iterable[Request]) -> list[Request]:
+    """Round robin across clients, each client's requests in arrival order: A1 B1 A2 B2 A3 (one
+    client: arrival order). A client's place in the batch does not depend on how many it sent."""
+    rank: Counter[str] = Counter()
+    keyed = []
+    for i, r in enumerate(reqs):
+        keyed.append((rank[r.client], i, r))
+        rank[r.client] += 1
+    if len(rank) > 1:
+        keyed.sort(key=lambda k: k[:2])
+    return [r for *_, r in keyed]
 
 
 @register("orca")
 class OrcaScheduler(Scheduler):
     """ORCA Algorithm 1: iteration-level FCFS, reserving the KV blocks of max_tokens at a request's
-    first schedule (`n_rsrv`, kept in blocks by the block manager)."""
+    first schedule (`n_rsrv`, kept in blocks by the block manager). Across clients, round robin: each
+    client's requests are FCFS among themselves, and a client's reservations stay within its fair
+    share of the pool unless they leave server.client_headroom of it free, so no client can take the
+    room another one needs to start (reservations stay whole: nothing is preempted, nothing deadlocks)."""
 
     plans_ahead = True
 
+    def __init__(self, cfg: "Config", info: "ModelInfo") -> None:
+        super().__init__(cfg, info)
+        self.shares = FairShare.of(self.block_manager.num_blocks, cfg.server.client_headroom)
+
     def select(self, now: float) -> list[Request]:
-        return self.reserve_in_order(self.pool.values(), strict=True)   # arrival order
+        return self.reserve_in_order(interleaved(self.pool.values()), strict=True)
 
     def reserve_in_order(self, order: Iterable[Request], strict: bool) -> list[Request]:
         """Up to max_bs idle requests in `order`, each new one reserving its max_tokens (n_rsrv) first.
-        One that does not fit stops the batch when `strict` (FCFS: a later request may not pass it),
-        else is passed over."""
+        One that does not fit the pool stops the batch when `strict` (FCFS: a later request may not
+        pass it), else is passed over; one past its client's share is passed over, and with `strict`
+        so are its client's later ones."""
         bm = self.block_manager
+        held: Counter[str] = Counter()   # blocks reserved, by client
+        for r in self.pool.values():
+            if r.reserved_blocks:
+                held[r.client] += r.reserved_blocks
         batch: list[Request] = []
+        waiting: set[str] = set()   # clients whose earlier request waits for its share
         for req in order:
             if not self.selectable(req):
                 continue
             if len(batch) == self.max_bs:
                 break
             if req.phase is Phase.INITIATION and not req.reserved_blocks:
+                if req.client in waiting:
+                    continue
                 blocks, cached = bm.blocks_for(req.max_total_tokens), bm.match(req)
                 bm.hold(cached)
-                if bm.n_rsrv_after(cached, blocks) > bm.num_blocks:   # a block it shares counts once
+                after = bm.n_rsrv_after(cached, blocks)
+                if after > bm.num_blocks:   # a block it shares counts once
                     bm.let_go(cached)
                     if strict:
                         break
                     continue
+                if not self.shares.allows(held[req.client], bm.n_rsrv, after - bm.n_rsrv, len(held) + (req.client not in held)):
+                    bm.let_go(cached)
+                    if strict:
+                        waiting.add(req.client)
+                    continue
                 bm.start(req, cached, blocks)
+                held[req.client] += blocks
             batch.append(req)
         return batch

@@ -72,6 +72,7 @@ class Request:
     prompt_logprobs: "TokenLogprobs | None" = None   # its prompt's log probabilities so far, until its first token carries them
     spec: "SpecState | None" = None   # speculative decoding: its n-gram index and adaptive k (None: it does not speculate)
     draft: int = 0                 # draft tokens its iteration in flight verifies
+    client: str = ""               # who it counts for in the pool's fair shares (orca_mq.fair_share.client_name)
 
     @property
     def running(self) -> bool:

@@ -21,6 +21,7 @@ from orca_mq.sched.spec_state import NgramIndex, SpecCounters, SpecState
 
 if TYPE_CHECKING:
     from orca_mq.config import SpeculativeConfig
+    from orca_mq.structured.budget import Budget
     from orca_mq.protocol.iteration import SeqWork
     from orca_mq.sched.request import Request
 
@@ -69,17 +70,18 @@ class Speculator:
         return out
 
     @staticmethod
-    def mask_drafts(seqs: list["SeqWork"], batch: list["Request"]) -> None:
+    def mask_drafts(seqs: list["SeqWork"], batch: list["Request"], planning: "Budget") -> None:
         """A constrained verify row's masks after each of its draft tokens, from its grammar advanced by
         them on a fork (the budget's closing and the digit bound included); its draft cut before a token
-        the grammar rejects, and after one that ends it (nothing after that token is kept)."""
+        the grammar rejects, or whose closing plan does not fit the iteration's `planning`, and after one
+        that ends it (nothing after that token is kept)."""
         for s, req in zip(seqs, batch):
             if not s.draft or req.grammar is None or req.grammar.matcher is None:
                 continue
             fork, masks, kept = req.grammar.fork(), [], 0
             for token in s.token_ids[len(s.token_ids) - s.draft:]:
                 reason = fork.accept(token)
-                if reason == "error":
+                if reason == "error" or reason is None and not fork.prepare(planning):
                     break
                 kept += 1
                 if reason == "stop":

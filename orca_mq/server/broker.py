@@ -14,18 +14,21 @@ answered in the current version).
 
 Facing clients, it bounds what it holds: ZeroMQ drops a client sending a frame over
 `server.max_frame_bytes` before buffering it (ZMQ_MAXMSGSIZE); at most `server.max_waiting` +
-max_bs x n_workers requests are tracked, past that a new one gets `overloaded` at once; no frame
-can end the loop. Its counters join every stats reply under "broker".
+max_bs x n_workers requests are tracked, past that a new one gets `overloaded` at once, and so does
+one past its client's fair share of them (orca_mq.fair_share: a client is its key, else its
+connection, and a gateway's end clients, `on_behalf_of`, are each their own); no frame can end the
+loop. Its counters join every stats reply under "broker".
 
 It is also the door: with `server.api_key` set, a `generate` or `stats` without one of the keys
 gets an `unauthorized` final (or error) at once and reaches nothing else; the key is removed from
-a frame before it goes further. With `server.curve_secret_key` the client socket is a CurveZMQ
+a frame before it goes further (a request's is replaced by its index, "#i": its client's name). With `server.curve_secret_key` the client socket is a CurveZMQ
 server (orca_mq.auth).
 """
 from __future__ import annotations
 
 import dataclasses
 import uuid
+from collections import Counter
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -41,6 +44,7 @@ from orca_mq.protocol.codec import channel, from_dict
 from orca_mq.protocol.common_msgs import INVALID_REQUEST, OVERLOADED, PROTOCOL, UNAUTHORIZED, UNAVAILABLE, Error
 from orca_mq.admission.limits import check_request_id
 from orca_mq.errors import InvalidRequest
+from orca_mq.fair_share import MAX_LABEL_CHARS, FairShare, client_name
 from orca_mq.protocol.control_msgs import ClientGone, Fatal, Resume
 from orca_mq.server.process import process_main
 from orca_mq.server.zmq_queue import BROKER, CLIENT, PEER, parse_to_broker, serve
@@ -55,7 +59,8 @@ class BrokerCounters:
     tracked_requests: int = 0      # requests without a final message (bounded by the capacity)
     clients: int = 0               # clients with such requests
     rejected_frames: int = 0       # client frames answered with a `protocol` error
-    overloaded: int = 0            # requests refused with `overloaded`
+    overloaded: int = 0            # requests refused with `overloaded`...
+    over_share: int = 0            # ...of them, for their client's fair share
     unauthorized: int = 0          # requests and stats queries refused for want of a valid API key
     vanished_clients: int = 0
 
@@ -79,7 +84,8 @@ class Broker:
         self.ctx = zmq.asyncio.Context()
         self.clients = _router(self.ctx, cfg.server.frontend_address, cfg.server.max_frame_bytes, cfg.server.curve_secret_key)
         self.backend = _router(self.ctx, cfg.server.backend_address)
-        self.waiting: dict[bytes, set[str]] = {}   # client -> request ids without a final message
+        self.waiting: dict[bytes, dict[str, str]] = {}   # client -> request ids without a final -> whose share
+        self.held: Counter[str] = Counter()        # fair-share client -> its requests without a final
         self.versions: dict[bytes, int] = {}       # client in `waiting` -> the protocol version it writes
         self.gone: dict[bytes, None] = {}
         self.fatal: str | None = None              # why the engine side is down (logged, never sent to clients)
@@ -87,6 +93,7 @@ class Broker:
         self.server_id = uuid.uuid4().hex[:12]
         self.restarts = restarts
         self.capacity = cfg.server.max_waiting + cfg.scheduler.max_bs * cfg.engine.n_workers
+        self.shares = FairShare.of(self.capacity, cfg.server.client_headroom)
         self.counters = BrokerCounters()
         self.keys = KeyCheck(cfg.server.api_keys())
 
@@ -112,6 +119,8 @@ class Broker:
                 version = body["v"]
                 if isinstance(msg, Generate):
                     check_request_id(msg.request_id)
+                    if len(msg.on_behalf_of) > MAX_LABEL_CHARS:
+                        raise InvalidRequest(f"on_behalf_of must have at most {MAX_LABEL_CHARS} characters")
             except (ProtocolError, InvalidRequest) as e:
                 self.counters.rejected_frames += 1
                 self.log.warning("rejected client frame", client=client.hex(), error=str(e))
@@ -126,12 +135,14 @@ class Broker:
             if isinstance(msg, Ping):
                 await self._reply(client, Pong(msg.nonce, self.server_id, self.restarts), version)
                 continue
+            key_id = ""
             if isinstance(msg, (Generate, Stats)):
                 if not self.keys.ok(msg.api_key):
                     await self._unauthorized(client, msg, version)
                     continue
-                if msg.api_key:  # no further: the backend may cross hosts
-                    parts = [encode(dataclasses.replace(msg, api_key=""), version)]
+                key_id = f"#{self.keys.which(msg.api_key)}" if self.keys.required and isinstance(msg, Generate) else ""
+                if msg.api_key:  # no further (the backend may cross hosts): a request's key by its index
+                    parts = [encode(dataclasses.replace(msg, api_key=key_id), version)]
             if isinstance(msg, Generate):
                 if self.fatal is not None:
                     await self._reply(client, _failed(msg.request_id, UNAVAILABLE, UNAVAILABLE_TEXT), version)
@@ -140,11 +151,13 @@ class Broker:
                     await self._reply(client, Error(f"request_id {msg.request_id!r} is already in flight", None,
                                                     INVALID_REQUEST), version)
                     continue
-                if self.counters.tracked_requests >= self.capacity:
+                share = client_name(client, key_id, msg.on_behalf_of)
+                if refusal := self._full(share):
                     self.counters.overloaded += 1
-                    await self._reply(client, _failed(msg.request_id, OVERLOADED, OVERLOADED_TEXT), version)
+                    await self._reply(client, _failed(msg.request_id, OVERLOADED, refusal), version)
                     continue
-                self.waiting.setdefault(client, set()).add(msg.request_id)
+                self.waiting.setdefault(client, {})[msg.request_id] = share
+                self.held[share] += 1
                 self.versions[client] = version
                 self.counters.tracked_requests += 1
             try:
@@ -156,6 +169,16 @@ class Broker:
                     await self._reply(client, _failed(msg.request_id, UNAVAILABLE, text), version)
                 else:
                     await self._reply(client, Error(text, None, UNAVAILABLE), version)
+
+    def _full(self, share: str) -> str | None:
+        """Why a request of `share` cannot be tracked now (None: it can)."""
+        tracked = self.counters.tracked_requests
+        if tracked >= self.capacity:
+            return OVERLOADED_TEXT
+        if not self.shares.allows(self.held[share], tracked, 1, len(self.held) + (share not in self.held)):
+            self.counters.over_share += 1
+            return OVER_SHARE_TEXT
+        return None
 
     async def _backend_loop(self) -> None:
         while True:
@@ -212,7 +235,8 @@ class Broker:
             if len(self.gone) > _GONE_MEMORY:
                 del self.gone[next(iter(self.gone))]
             self.versions.pop(client, None)
-            self.counters.tracked_requests -= len(self.waiting.pop(client, ()))
+            for rid in list(self.waiting.get(client, ())):
+                self._settle(client, rid)
             self.counters.vanished_clients += 1
             self.log.info("client vanished", client=client.hex())
             await self.backend.send_multipart([FRONTEND, BROKER, b"", encode(ClientGone(client))])
@@ -234,6 +258,7 @@ class Broker:
                 await self._reply(client, _failed(rid, UNAVAILABLE, UNAVAILABLE_TEXT), self.versions[client])
         self.waiting.clear()
         self.versions.clear()
+        self.held.clear()
         self.counters.tracked_requests = 0
 
     async def _unauthorized(self, client: bytes, msg: Generate | Stats, version: int) -> None:
@@ -262,16 +287,20 @@ class Broker:
     def _settle(self, client: bytes, request_id: Any) -> None:
         pending = self.waiting.get(client)
         if pending is not None and request_id in pending:
-            pending.discard(request_id)
+            share = pending.pop(request_id)
+            self.held[share] -= 1
+            if not self.held[share]:
+                del self.held[share]
             self.counters.tracked_requests -= 1
             if not pending:
                 del self.waiting[client]
-                del self.versions[client]
+                self.versions.pop(client, None)
 
 
 UNAVAILABLE_TEXT = "server unavailable: restarting after a failure; retry shortly"
 STARTING_TEXT = "server unavailable: starting (the model is loading); retry shortly"
 OVERLOADED_TEXT = "server overloaded: too many requests waiting; retry later"
+OVER_SHARE_TEXT = "server overloaded: this client holds its share of the requests waiting; retry later"
 
 
 def _failed(request_id: str, code: str, text: str) -> Output:

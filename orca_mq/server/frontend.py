@@ -5,10 +5,11 @@ streams each request's tokens back, detokenized incrementally: per iteration, on
 Every request gets exactly one final (an `output`, or a row of `outputs` with its `Final`): "stop" |
 "length", "abort" (client abort or drain timeout) or "error" with a stable code (common_msgs:
 invalid request, failed on a worker; a process died or the server is full — those sent by the broker).
-Admission: the size check runs at once on the event loop, the tokenizer (and the check of a
-structured output's constraint, orca_mq.structured) on a small thread pool,
+Admission: the size check runs at once on the event loop, the tokenizer on a small thread pool,
 so a long prompt delays neither anyone's tokens nor a short prompt's admission (a request reaches
-the scheduler when its tokens are ready); an abort or a vanished client meanwhile is kept.
+the scheduler when its tokens are ready), and the check of a structured output's constraint (its
+shortest output, orca_mq.structured: seconds for some) on a thread of its own, so a stream of new
+constraints delays no one's tokenization; an abort or a vanished client meanwhile is kept.
 A client that disconnects is reported by the broker (`client_gone`, from ZMQ_ROUTER_MANDATORY
 send failures on the first token sent after it left); its requests are aborted, which frees
 their KV at the scheduler's next iteration.
@@ -37,6 +38,7 @@ from orca_mq.protocol.control_msgs import AbortAll, ClientGone, Drain, Drained, 
 from orca_mq.protocol.engine_msgs import AbortRequest, AddRequest, StatsQuery, StatsResult, TokenBatch
 from orca_mq.protocol.logprobs import Logprobs, TokenLogprobs
 from orca_mq.errors import InvalidRequest
+from orca_mq.fair_share import client_name
 from orca_mq.protocol.sampling import SamplingParams
 from orca_mq.server.active_request import ActiveRequest, Admission
 from orca_mq.server.outbox import Outbox
@@ -62,8 +64,10 @@ class Frontend:
         self.log = setup_logging("frontend", cfg.log)
         self.model = ServedModel(cfg)   # admission's steps 1-3 here (orca_mq.admission); 4 in the scheduler process
         self.tokenizer, self.prompts = self.model.tokenizer, self.model.prompts
+        self.model.prompt_logprob_bound   # noqa: B018 (read the vocabulary now, not on the event loop)
         self.eos_token_ids = frozenset(self.model.info.eos_token_ids)   # the one that ends a request is not shown
         self.tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="tokenize")
+        self.grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")   # constraints' shortest outputs
         self.ids = RequestIds()                          # (client, its id) <-> internal id
         self.admitting: dict[str, Admission] = {}        # being tokenized, by internal id; bounded by the broker
         self.admissions: set[asyncio.Task[None]] = set()
@@ -78,6 +82,7 @@ class Frontend:
         await self.link.to_peer("launcher", Ready("frontend", os.getpid()))
         code = await serve([self._loop()], self.log)
         self.tokenize_pool.shutdown(wait=False, cancel_futures=True)
+        self.grammar_pool.shutdown(wait=False, cancel_futures=True)
         self.link.close()
         self.ctx.term()
         return code
@@ -152,7 +157,7 @@ class Frontend:
         try:
             prompt_ids = await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, self.prompts.token_ids, msg)
             if (spec := params.structured_outputs) is not None:  # parsed once, in _enqueue
-                shortest = await bounded(self.tokenize_pool, self.model.grammars.shortest, spec, self.cfg.structured.compile_timeout)
+                shortest = await bounded(self.grammar_pool, self.model.grammars.shortest, spec, self.cfg.structured.compile_timeout)
         except Exception as e:
             failure = e
         adm = self.admitting.pop(iid, None)
@@ -185,9 +190,12 @@ class Frontend:
         self.active[iid] = ActiveRequest(adm.client, rid, detok, len(prompt_ids), time.time(), adm.version)
         if params.prompt_logprobs is not None:
             self.active[iid].prompt_head = prompt_ids[0]
+        share = client_name(adm.client, adm.msg.api_key, adm.msg.on_behalf_of)   # the broker put the key's index there
         self.log.info("request admitted", request_id=iid, client_request_id=rid, prompt_tokens=len(prompt_ids),
-                      max_tokens=params.max_tokens)
-        await self.link.to_peer("scheduler", AddRequest(iid, prompt_ids, params))
+                      max_tokens=params.max_tokens, client=share)
+        known = None if params.structured_outputs is None else self.model.grammars.known(params.structured_outputs)
+        await self.link.to_peer("scheduler", AddRequest(iid, prompt_ids, params, known is not None,
+                                                         None if known is None else known.tokens, share))
 
     async def _refuse(self, client: bytes, rid: str, e: InvalidRequest, version: int) -> None:
         self.log.info("request rejected", client_request_id=rid, error=str(e))

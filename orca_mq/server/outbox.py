@@ -3,12 +3,14 @@
 A client that wrote its request in protocol v4 or later gets one `outputs` frame per iteration with
 a row for each of its requests the iteration moved (one encode per client, not per token). An older
 client knows only `output`: it gets one per request, in its own version. All of them leave in one
-message to the broker, which sends each client its frame.
+message to the broker, which sends each client its frame (several, in order, where one would exceed
+the frame bound: orca_mq.protocol.frames).
 """
 from __future__ import annotations
 
 from orca_mq.protocol import encode
 from orca_mq.protocol.client_msgs import Final, Output, Outputs, as_output
+from orca_mq.protocol.frames import frames
 from orca_mq.protocol.logprobs import Logprobs
 from orca_mq.server.active_request import ActiveRequest
 from orca_mq.server.zmq_queue import BrokerLink
@@ -44,8 +46,18 @@ class Outbox:
         batch.finals.append(final)
 
     async def send(self, link: BrokerLink) -> None:
-        await link.to_clients([(client, encode(batch, self.versions[client])) for client, batch in self.batches.items()]
+        await link.to_clients([(client, frame) for client, batch in self.batches.items()
+                               for frame in frames(lambda lo, hi: rows(batch, lo, hi), len(batch.request_ids),
+                                                   self.versions[client])]
                               + [(client, encode(single, version)) for client, version, single in self.singles])
+
+
+def rows(batch: Outputs, lo: int, hi: int) -> Outputs:
+    """Rows lo..hi-1 of `batch` (the batch itself when that is all of it)."""
+    if hi - lo == len(batch.request_ids):
+        return batch
+    return Outputs(batch.request_ids[lo:hi], batch.token_ids[lo:hi], batch.texts[lo:hi], batch.finals[lo:hi],
+                   batch.logprobs[lo:hi], batch.prompt_logprobs[lo:hi])
 
 
 def _logprob_row(batch: Outputs, logprobs: Logprobs | None, prompt_logprobs: Logprobs | None) -> None:

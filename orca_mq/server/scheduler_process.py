@@ -12,6 +12,7 @@ before the process reports ready.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import time
 import uuid
@@ -31,16 +32,19 @@ from orca_mq.protocol import ProtocolError, decode, encode
 from orca_mq.protocol.common_msgs import PROTOCOL, Error
 from orca_mq.protocol.codec import channel
 from orca_mq.protocol.control_msgs import Progress, Ready
+from orca_mq.protocol.frames import frames
 from orca_mq.protocol.iteration import IterationResult, pack
 from orca_mq.protocol.engine_msgs import (AbortRequest, AddRequest, ControlFrame, IterationDone, StatsQuery,
                                           StatsResult, TokenBatch, WorkerStats, WorkerStatsQuery)
 from orca_mq.sched import StepOutput, TokenEvent, make_scheduler
 from orca_mq.sched.request import Request
-from orca_mq.structured.compiler import bounded
+from orca_mq.structured.compiler import Known, bounded
 from orca_mq.server.telemetry import Telemetry
 from orca_mq.server.process import process_main
 from orca_mq.server.nodes import worker_name
 from orca_mq.server.zmq_queue import PEER, BrokerLink, Envelope, control_address, results_address, serve
+
+FRONTEND = b"frontend"
 
 ACCEPTED = channel(AddRequest, AbortRequest, StatsQuery, IterationDone, WorkerStats, Error)
 WINDOW = 10_000          # timing samples kept for the stats
@@ -80,14 +84,16 @@ class SchedulerProcess:
         self.grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
         self.compiling: dict[str, bool] = {}    # requests waiting for their grammar -> aborted meanwhile
         self.compile_tasks: set[asyncio.Task[None]] = set()
+        self.failed: asyncio.Future[None] | None = None   # a compile task's turn that failed: the process ends
         self.ready = False
         self.started = time.perf_counter()
 
     async def run(self) -> int:
         if not self.sched.profiled:
             await self.link.to_peer("launcher", Progress("scheduler", "timing the probe iterations of the policy's profile"))
+        self.failed = asyncio.get_running_loop().create_future()
         await self._step([])
-        code = await serve([self._loop(), self._results_loop()], self.log)
+        code = await serve([self._loop(), self._results_loop(), self._watch()], self.log)
         self.grammar_pool.shutdown(wait=False, cancel_futures=True)
         self.link.close()
         self.control.close()
@@ -105,6 +111,12 @@ class SchedulerProcess:
             payload = await self.results.recv(copy=True)
             async with self.turn:
                 await self._handle(Envelope(PEER, self.last_stage, payload))
+
+    async def _watch(self) -> None:
+        """Ends the process when a compile task's turn failed, as a failed turn of the loops does: the
+        launcher restarts it and the broker gives every request in flight its final."""
+        assert self.failed is not None
+        await self.failed
 
     async def _handle(self, env: Envelope) -> None:
         received = time.time()
@@ -128,9 +140,9 @@ class SchedulerProcess:
                     self.compiling[msg.request_id] = False
                     task = asyncio.create_task(self._compile_and_add(msg))
                     self.compile_tasks.add(task)
-                    task.add_done_callback(self.compile_tasks.discard)
+                    task.add_done_callback(self._compiled)
                     return
-                self._add(self.model.request(msg.request_id, msg.prompt_token_ids, msg.params))
+                self._add(self.model.request(msg.request_id, msg.prompt_token_ids, msg.params, client=msg.client))
             except Exception:  # the frontend validated it: a refusal here is a bug, fail only this request
                 await self._refused(msg.request_id)
                 return
@@ -155,11 +167,18 @@ class SchedulerProcess:
         self.log.error("request refused by the scheduler", request_id=request_id, exc_info=True)
         await self._emit(-1, [TokenEvent(request_id, None, "error")])
 
+    def _compiled(self, task: asyncio.Task[None]) -> None:
+        self.compile_tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None and self.failed is not None and not self.failed.done():
+            self.failed.set_exception(task.exception())   # type: ignore[arg-type]
+
     async def _compile_and_add(self, msg: AddRequest) -> None:
-        """Compile a constrained request's grammar off the event loop, then let it be scheduled."""
+        """Compile a constrained request's grammar off the event loop (with the shortest plan the
+        frontend found: not searched again), then let it be scheduled."""
         rid = msg.request_id
+        compile = functools.partial(self.model.grammars.compile, known=Known(msg.start) if msg.start_known else None)
         try:
-            grammar = await bounded(self.grammar_pool, self.model.grammars.compile, msg.params.structured_outputs,  # type: ignore[arg-type]
+            grammar = await bounded(self.grammar_pool, compile, msg.params.structured_outputs,  # type: ignore[arg-type]
                                     self.cfg.structured.compile_timeout)
         except Exception:  # the frontend checked it: only the vocabulary or the clock refuse it here
             self.log.exception("grammar compilation failed", request_id=rid)
@@ -170,8 +189,12 @@ class SchedulerProcess:
             elif grammar is None:
                 await self._refused(rid)
             else:
-                self._add(self.model.request(rid, msg.prompt_token_ids, msg.params, grammar))
-                await self._step([])
+                try:
+                    self._add(self.model.request(rid, msg.prompt_token_ids, msg.params, grammar, msg.client))
+                except Exception:  # as in _handle: a refusal here is a bug, fail only this request
+                    await self._refused(rid)
+                    return
+                await self._step([])   # a failure here fails the process (_watch), as in the loops
 
     async def _step(self, results: list[IterationResult]) -> bool:
         """One turn of the scheduler's loop: its plans go out first, then its tokens. Returns whether
@@ -193,10 +216,13 @@ class SchedulerProcess:
         return bool(out.plans)
 
     async def _emit(self, iteration: int, events: list[TokenEvent]) -> None:
+        """A step's events to the frontend: one frame, or several in order where one would exceed the bound."""
         if events:
             batch = token_batch(iteration, events, self.sched.final_metrics)
             self.telemetry.finished(batch.metrics.values())
-            await self.link.to_peer("frontend", batch)
+            for frame in frames(lambda lo, hi: batch if hi - lo == len(events) else
+                                token_batch(iteration, events[lo:hi], self.sched.request_metrics), len(events)):
+                await self.link.send_raw(PEER, FRONTEND, frame)
 
     async def _start_stats(self, source: bytes, query: StatsQuery) -> None:
         qid = uuid.uuid4().hex

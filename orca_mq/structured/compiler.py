@@ -5,16 +5,20 @@ a per-request `Grammar`.
 the schema, regex or grammar. With the vocabulary (built once per process, on the first constrained
 request), the frontend finds the shortest output a constraint allows (`Compiler.shortest`, once per
 constraint: admission refuses a max_tokens that cannot hold it) and the scheduler compiles
-(`Compiler.compile`). Both run in a thread (`bounded`), never on an event loop or the compute
-thread: a constraint is bounded in size (`structured.max_spec_bytes`) before any work, in work by llguidance's own limits, and in time by
-`structured.compile_timeout`. Compiled constraints are cached by their text (LRU,
-`structured.cache_size`); a request's matcher is a copy of the cached one (microseconds).
+(`Compiler.compile`) with the shortest plan the frontend found (`Known`: searched once, not again).
+Both run in a thread of their own (`bounded`), never on an event loop, the compute thread or the
+frontend's tokenize threads: a constraint is bounded in size (`structured.max_spec_bytes`) before any
+work, in work by llguidance's own limits, and in time by `structured.compile_timeout`, which also
+stops the search where it is (budget.OutOfTime), so the thread is free for the next constraint.
+Compiled constraints are cached by their text (LRU, `structured.cache_size`); a request's matcher is
+a copy of the cached one (microseconds).
 """
 from __future__ import annotations
 
 import asyncio
 import json
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -24,7 +28,7 @@ import llguidance
 from llguidance import LLMatcher
 
 from orca_mq.errors import InvalidRequest
-from orca_mq.structured.budget import shortest
+from orca_mq.structured.budget import OutOfTime, shortest
 from orca_mq.structured.grammar import LIMITS, Grammar, Vocabulary
 from orca_mq.protocol.structured import StructuredOutputsParams
 
@@ -40,6 +44,12 @@ def _bad(spec: StructuredOutputsParams, why: str) -> InvalidRequest:
     why = " ".join(why.split())   # llguidance's messages span lines
     return InvalidRequest(f"invalid structured_outputs.{spec.kind}: "
                           f"{why if len(why) <= MAX_ERROR_CHARS else why[:MAX_ERROR_CHARS] + '...'}")
+
+
+@dataclass(frozen=True, slots=True)
+class Known:
+    """A constraint's shortest plan from the start as the frontend found it (None: none found)."""
+    tokens: list[int] | None
 
 
 @dataclass(slots=True)
@@ -64,23 +74,30 @@ class Compiler:
         """Raise InvalidRequest if the constraint is too large or does not compile."""
         self._entry(spec)
 
-    def compile(self, spec: StructuredOutputsParams) -> Grammar:
-        """A new request's grammar state."""
-        entry, vocab = self._compiled(spec)
+    def compile(self, spec: StructuredOutputsParams, known: Known | None = None, deadline: float | None = None) -> Grammar:
+        """A new request's grammar state; `known`: its shortest plan, found already (else searched here)."""
+        entry, vocab = self._compiled(spec, known, deadline)
         json = spec.kind in ("json", "json_object")
         return Grammar(spec.kind, entry.template.deep_copy(), vocab, start=entry.start,  # type: ignore[union-attr]
                        max_digits=self.cfg.max_number_digits if json else 0, margin=self.cfg.close_margin,
                        guard=self.cfg.close_guard if json else 0)   # what opens more is JSON's to say
 
-    def shortest(self, spec: StructuredOutputsParams) -> int | None:
+    def shortest(self, spec: StructuredOutputsParams, deadline: float | None = None) -> int | None:
         """Check the constraint (as `check`), and the tokens of the shortest output found that it
         allows (None: none found); an EOS after it is not counted: cut there by max_tokens, the
         output is whole."""
-        entry, vocab = self._compiled(spec)
+        entry, vocab = self._compiled(spec, None, deadline)
         start = entry.start
         return None if start is None else len(start) - (start[-1:] == [vocab.tables.eos])
 
-    def _compiled(self, spec: StructuredOutputsParams) -> tuple[_Entry, Vocabulary]:
+    def known(self, spec: StructuredOutputsParams) -> Known | None:
+        """The shortest plan `shortest` found for it, while it is cached (None: not searched, or evicted)."""
+        with self._lock:
+            entry = self._cache.get((spec.kind, spec.spec()))
+        return None if entry is None or entry.template is None else Known(entry.start)
+
+    def _compiled(self, spec: StructuredOutputsParams, known: Known | None,
+                  deadline: float | None) -> tuple[_Entry, Vocabulary]:
         entry = self._entry(spec)
         with self._lock:
             if self._vocab is None:
@@ -92,7 +109,10 @@ class Compiler:
             template = LLMatcher(vocab.tokenizer, entry.grammar, log_level=0, limits=LIMITS)
             if template.is_error():  # what only the vocabulary reveals (e.g. a lexer too large for it)
                 raise _bad(spec, template.get_error())
-            entry.start = shortest(template, vocab.tables)
+            try:
+                entry.start = known.tokens if known is not None else shortest(template, vocab.tables, deadline)
+            except OutOfTime:
+                raise _bad(spec, f"did not compile within {self.cfg.compile_timeout} s (structured.compile_timeout)") from None
             entry.template = template
         return entry, vocab
 
@@ -137,11 +157,12 @@ class Compiler:
         return grammar
 
 
-async def bounded(executor: Executor, fn: Callable[[StructuredOutputsParams], T], spec: StructuredOutputsParams,
-                  timeout: float) -> T:
-    """fn(spec) in a thread, refused (InvalidRequest) past `timeout` seconds. The thread then runs
-    on to llguidance's own work limits; the request does not wait for it."""
-    future = asyncio.get_running_loop().run_in_executor(executor, fn, spec)
+async def bounded(executor: Executor, fn: Callable[..., T], spec: StructuredOutputsParams, timeout: float) -> T:
+    """fn(spec, deadline=...) in a thread, refused (InvalidRequest) past `timeout` seconds. Waiting
+    in the queue counts (a queued call that times out never runs); the search stops at the deadline
+    itself, llguidance's own work at its work limits."""
+    deadline = time.monotonic() + timeout
+    future = asyncio.get_running_loop().run_in_executor(executor, lambda: fn(spec, deadline=deadline))
     try:
         return await asyncio.wait_for(future, timeout)
     except TimeoutError:

@@ -16,7 +16,7 @@ import llguidance.hf
 import numpy as np
 from llguidance import LLExecutor, LLMatcher, LLTokenizer
 
-from orca_mq.structured.budget import Closing
+from orca_mq.structured.budget import Budget, Closing
 from orca_mq.structured.tokens import JsonLex, Tables
 
 LIMITS = llguidance.LLParserLimits(verbose_errors=False)   # llguidance's default work bounds; errors without the grammar dump
@@ -56,6 +56,12 @@ class Grammar:
         self.closing = Closing(max_tokens, self.margin, self.guard, None if self.start is None else list(self.start),
                                min_tokens=min_tokens)
 
+    def prepare(self, budget: Budget | None) -> bool:
+        """Its closing plan brought up to date for this step within `budget`; False: not yet (it sits the
+        iteration out, the planning goes on at the next)."""
+        return self.closing is None or self.matcher is None or self.closing.prepare(
+            self.matcher, self.lex, self.vocab.tables, self.tokens, budget)
+
     def narrow(self, row: np.ndarray) -> None:
         """Take this step's mask (row: its int32 words, the grammar's mask) further: near the end of
         the budget to the plan's next token (alone once it must be, before that beside the tokens
@@ -76,8 +82,7 @@ class Grammar:
     def fork(self) -> "Grammar":
         """A copy to advance by a draft's tokens (speculative decoding), leaving this one as it is."""
         assert self.matcher is not None
-        closing = None if self.closing is None else replace(self.closing, plan=None if self.closing.plan is None
-                                                             else list(self.closing.plan))
+        closing = None if self.closing is None else self.closing.copy()
         return replace(self, matcher=self.matcher.deep_copy(), lex=self.lex.copy(), closing=closing)
 
     def mask(self) -> bytes:
@@ -98,7 +103,7 @@ class Grammar:
         if token < len(self.vocab.tables.token_bytes):
             self.lex.feed(self.vocab.tables.token_bytes[token])
         if self.closing is not None:
-            self.closing.accepted(token)
+            self.closing.accepted(token, self.vocab.tables)
         if m.is_stopped():
             self.complete = m.is_accepting()
             return "stop"

@@ -1,0 +1,81 @@
+"""Many rows never make one frame past the bound (issue 44, item 7): a step's tokens to the frontend
+(TokenBatch) and an iteration's rows for a client (Outputs), with long prompts' log probabilities, are
+split into frames that each fit, rows in order, and decode to what one frame would have held; a
+receiver refuses a larger frame (codec.unpack), which dropped every token and final it held. One
+request's row always fits: admission refuses prompt log probabilities one message cannot carry."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from orca_mq.admission.limits import fit
+from orca_mq.errors import InvalidRequest
+from orca_mq.kv.pool import PoolSize
+from orca_mq.protocol import codec, decode
+from orca_mq.protocol.client_msgs import TO_CLIENT, Final, Outputs
+from orca_mq.protocol.codec import channel
+from orca_mq.protocol.engine_msgs import TokenBatch
+from orca_mq.protocol.frames import FrameTooLarge, frames
+from orca_mq.protocol.logprobs import Logprobs, TokenLogprobs
+from orca_mq.protocol.sampling import SamplingParams
+from orca_mq.sched.base import TokenEvent
+from orca_mq.server.active_request import ActiveRequest
+from orca_mq.server.outbox import Outbox
+from orca_mq.server.scheduler_process import token_batch
+
+LIMIT = 64 << 10   # a small bound in place of 64 MiB: the same arithmetic at test size
+K = 5
+
+
+def _prompt(n: int) -> TokenLogprobs:
+    return TokenLogprobs(list(range(n)), [-1.5] * n, [list(range(K))] * n, [[-2.5] * K] * n)
+
+
+def test_a_steps_events_split_into_frames_that_fit(monkeypatch):
+    monkeypatch.setattr(codec, "MAX_FRAME_BYTES", LIMIT)
+    events = [TokenEvent(f"r{i}", 7, None, prompt_logprobs=_prompt(400)) for i in range(12)]
+    events += [TokenEvent("r0", 8), TokenEvent("r3", None, "abort")]
+    whole = token_batch(3, events, lambda rid: {"iterations": 1})
+    parts = frames(lambda lo, hi: token_batch(3, events[lo:hi], lambda rid: {"iterations": 1}), len(events))
+    assert len(parts) > 1 and all(len(p) <= LIMIT for p in parts)
+    got = [decode(p, channel(TokenBatch)) for p in parts]
+    assert [r for b in got for r in b.request_ids] == whole.request_ids   # in order: r0's tokens, then its next
+    assert {r: lp for b in got for r, lp in b.prompt_logprobs.items()} == whole.prompt_logprobs
+    assert {r: f for b in got for r, f in b.finals.items()} == {"r3": "abort"}
+
+
+def test_a_clients_rows_split_into_frames_that_fit(monkeypatch):
+    monkeypatch.setattr(codec, "MAX_FRAME_BYTES", LIMIT)
+    sent: list[tuple[bytes, bytes]] = []
+
+    class Link:
+        async def to_clients(self, frames: list[tuple[bytes, bytes]]) -> None:
+            sent.extend(frames)
+
+    box = Outbox()
+    for i in range(10):
+        req = ActiveRequest(b"c", f"q{i}", None, 400, 0.0, 6)   # type: ignore[arg-type]
+        head = Logprobs.prompt(1, _prompt(400), lambda t: f"tok{t}")
+        box.add(req, [9], "x", Final("length") if i % 3 == 0 else None, None, head)
+    box.add(ActiveRequest(b"c", "plain", None, 3, 0.0, 6), [4], "y", None)   # type: ignore[arg-type]
+    asyncio.run(box.send(Link()))   # type: ignore[arg-type]
+    assert len(sent) > 1 and all(c == b"c" and len(p) <= LIMIT for c, p in sent)
+    rows = [row for _, p in sent for row in decode(p, TO_CLIENT).rows()]
+    assert [r.request_id for r in rows] == [f"q{i}" for i in range(10)] + ["plain"]
+    assert all(len(r.prompt_logprobs) == 401 for r in rows[:10]) and rows[-1].prompt_logprobs is None
+    assert [r.finished for r in rows[:4]] == [True, False, False, True]
+
+
+def test_one_row_over_the_bound_is_an_error_not_a_drop(monkeypatch):
+    monkeypatch.setattr(codec, "MAX_FRAME_BYTES", LIMIT)
+    with pytest.raises(FrameTooLarge):
+        frames(lambda lo, hi: Outputs(["a"], [[1]], ["x" * LIMIT], [None]), 1)
+
+
+def test_admission_refuses_prompt_log_probabilities_one_message_cannot_carry():
+    pool = PoolSize(block_size=16, device_blocks=1024, host_blocks=0)
+    params = SamplingParams(max_tokens=1, prompt_logprobs=K)
+    assert fit([5] * 100, params, 4096, 1000, pool, None, 100 * (1 + K)).prompt_logprobs == K
+    with pytest.raises(InvalidRequest, match="prompt_logprobs"):
+        fit([5] * 101, params, 4096, 1000, pool, None, 100 * (1 + K))

@@ -1,0 +1,193 @@
+#!/usr/bin/env python
+"""What one request costs the others (issue 44): each attack, one request with its bounds at their
+maxima (n = server.http_max_n, log probabilities up to server.http_max_logprobs, no max_tokens where
+that is the attack), runs beside a bystander, another client sending small chat requests one after
+another, and a /health poller. Measured: the bystander's latency p50/p99 idle and under the attack,
+and /health's. Target: no attack raises the bystander's p99 above 2x its idle p99, nor /health's
+p99 above 100 ms. A benign request of the same size (n = 16 short choices) is the control: what
+sharing the batch costs on this engine, pathology aside. `queue_flood` is many requests (17 x 64
+choices, one API key), reported beside. The server has two API keys, the attacker's and the
+bystander's (each key one client for the fair shares). `--tiny` serves a random 2-layer Llama with
+the embedded tokenizer: the engine's compute is negligible, so what is measured is what each request
+costs the server's loops and queues (on a CPU, batching the embedded model's 16 choices costs the
+bystander compute of its own). Prints a table and writes JSON (--out).
+
+    python tools/bench_fairness.py --tiny --out results/fairness_tiny.json
+    python tools/bench_fairness.py --out results/fairness.json
+    python tools/bench_fairness.py --attacks pool_n16,closing_plan --window 30 --set engine.n_slots=16384
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import os
+import platform
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from orca_mq.bench.bench_server import Server
+from orca_mq.client import Client
+from orca_mq.config import load_config
+from orca_mq.percentile import percentile
+from orca_mq.server.process import free_port
+
+ATTACKER, BYSTANDER = "attacker-key", "bystander-key"
+SPACES_64 = 40686                # the embedded tokenizer's token of 64 spaces
+CYRILLIC = "[\u0400-\u04ff]{900}"
+CYRILLIC_SHORTEST = 1799          # its shortest output, in tokens (the frontend's search)
+TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+ASK = [{"role": "user", "content": "What time is it?"}]
+
+
+def attacks(max_n: int, max_choices: int, max_logprobs: int, max_len: int) -> dict[str, list[tuple[str, dict[str, Any]]]]:
+    """Each attack's requests: (path, body)."""
+    per_choice = max_logprobs // (max_n * 21)          # positions one choice may carry at 20 alternatives
+    deep = "[" * 100_000 + "]" * 100_000
+    chat = "/v1/chat/completions"
+    return {
+        "benign_n16": [(chat, {"messages": ASK, "n": max_n, "max_tokens": 64, "ignore_eos": True})],
+        "pool_n16": [(chat, {"messages": ASK, "n": max_n})],
+        "tool_whitespace": [(chat, {"messages": ASK, "tools": [TOOL], "n": max_n, "max_tokens": 400,
+                                    "structured_outputs": {"regex": "<tool_call> +"}, "logit_bias": {str(SPACES_64): 100}})],
+        "closing_plan": [(chat, {"messages": ASK, "n": max_n, "max_tokens": CYRILLIC_SHORTEST + 20,
+                                 "structured_outputs": {"regex": CYRILLIC}})],
+        "prompt_logprobs": [("/v1/completions", {"prompt": [1000 + i for i in range(per_choice - 1)], "n": max_n,
+                                                 "echo": True, "logprobs": 20, "max_tokens": 0})],
+        "response_logprobs": [(chat, {"messages": ASK, "n": max_n, "logprobs": True, "top_logprobs": 20,
+                                      "max_tokens": per_choice, "ignore_eos": True})],
+        "nested_args": [(chat, {"messages": [*ASK, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "get_time", "arguments": deep}}]}], "tools": [TOOL]})],
+        "queue_flood": [("/v1/completions", {"prompt": ["Count:"] * max_choices, "max_tokens": 64, "ignore_eos": True})] * 17,
+    }
+
+
+def _attack(base: str, requests: list[tuple[str, dict[str, Any]]], conn: Any) -> None:
+    """In its own process (its responses are big to read): every request at once, each on its connection."""
+    import concurrent.futures
+
+    def one(req: tuple[str, dict[str, Any]]) -> tuple[int, float, int]:
+        t = time.perf_counter()
+        r = httpx.post(base + req[0], json={"model": None, **req[1]}, headers={"authorization": f"Bearer {ATTACKER}"},
+                       timeout=3600)
+        return r.status_code, time.perf_counter() - t, len(r.content)
+
+    with concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
+        conn.send(list(pool.map(one, requests)))
+
+
+async def _bystander(base: str, until: asyncio.Event, out: list[float]) -> None:
+    body = {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4, "temperature": 0}
+    async with httpx.AsyncClient(base_url=base, timeout=600, headers={"authorization": f"Bearer {BYSTANDER}"}) as http:
+        while not until.is_set():
+            t = time.perf_counter()
+            r = await http.post("/v1/chat/completions", json=body)
+            assert r.status_code == 200, r.text
+            out.append(time.perf_counter() - t)
+
+
+async def _poll(base: str, path: str, until: asyncio.Event, out: list[float]) -> None:
+    """`path` every 50 ms: /health (a stats round trip through every process once a second) and
+    /version (the HTTP API's event loop alone)."""
+    async with httpx.AsyncClient(base_url=base, timeout=600, headers={"authorization": f"Bearer {BYSTANDER}"}) as http:
+        while not until.is_set():
+            t = time.perf_counter()
+            await http.get(path)
+            out.append(time.perf_counter() - t)
+            await asyncio.sleep(0.05)
+
+
+async def measure(base: str, requests: list[tuple[str, dict[str, Any]]] | None, seconds: float,
+                  least: float = 5.0) -> dict[str, Any]:
+    """The bystander and /health for `seconds` (idle), or while the attack runs (at most `seconds`, at
+    least `least`: a refused attack ends at once, the bystander still needs samples)."""
+    until, lat, health, version = asyncio.Event(), [], [], []
+    tasks = [asyncio.create_task(_bystander(base, until, lat)), asyncio.create_task(_poll(base, "/health", until, health)),
+             asyncio.create_task(_poll(base, "/version", until, version))]
+    out: dict[str, Any] = {}
+    if requests is None:
+        await asyncio.sleep(seconds)
+    else:
+        mine, theirs = multiprocessing.get_context("spawn").Pipe()
+        proc = multiprocessing.get_context("spawn").Process(target=_attack, args=(base, requests, theirs), daemon=True)
+        t = time.perf_counter()
+        proc.start()
+        while proc.is_alive() and time.perf_counter() - t < seconds and not mine.poll():
+            await asyncio.sleep(0.1)
+        out["attack_s"] = time.perf_counter() - t
+        await asyncio.sleep(max(0.0, least - out["attack_s"]))
+        if mine.poll(1):
+            out["attack"] = [{"status": s, "seconds": round(d, 2), "bytes": b} for s, d, b in mine.recv()]
+        else:
+            out["attack"] = "cut at the window (the attacker left: its requests abort)"
+        proc.terminate()
+        proc.join(10)
+    until.set()
+    await asyncio.gather(*tasks)
+    return out | {"bystander_requests": len(lat), **_ms("bystander", lat), **_ms("health", health), **_ms("version", version)}
+
+
+def _ms(name: str, xs: list[float]) -> dict[str, float]:
+    return {f"{name}_p50_ms": (percentile(xs, 50) or 0.0) * 1e3, f"{name}_p99_ms": (percentile(xs, 99) or 0.0) * 1e3,
+            f"{name}_max_ms": max(xs, default=0.0) * 1e3}
+
+
+def settle(address: str, timeout: float = 300) -> None:
+    """Until no request is active and no KV slot held (the last attack's aborts done)."""
+    deadline = time.monotonic() + timeout
+    with Client(address, api_key=BYSTANDER) as c:
+        while (s := c.stats())["frontend"]["active_requests"] or s["scheduler"]["used_slots"] or s["broker"]["tracked_requests"]:
+            if time.monotonic() > deadline:
+                raise TimeoutError("the server did not settle")
+            time.sleep(0.5)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--attacks", default="", help="comma-separated names (default: all)")
+    ap.add_argument("--idle", type=float, default=20.0, help="seconds the bystander runs alone")
+    ap.add_argument("--window", type=float, default=90.0, help="seconds an attack may run (then it is cut)")
+    ap.add_argument("--tiny", action="store_true", help="a random 2-layer Llama, the embedded tokenizer (compute negligible)")
+    ap.add_argument("--set", action="append", default=[], metavar="section.key=value", help="server config")
+    ap.add_argument("--out", default="results/fairness.json")
+    args = ap.parse_args()
+    if args.tiny:
+        from orca_mq.bench.random_models import random_llama
+        args.set.append(f"model.path={random_llama(Path(tempfile.mkdtemp(prefix='fairness-')) / 'tiny', layers=2, max_positions=2048)}")
+    cfg = load_config(overrides=args.set)
+    max_len = min(cfg.model.max_model_len, 2048)
+    plan = attacks(cfg.server.http_max_n, cfg.server.http_max_choices, cfg.server.http_max_logprobs, max_len)
+    names = [n for n in args.attacks.split(",") if n] or list(plan)
+    port = free_port()
+    report: dict[str, Any] = {"machine": {"cpus": os.cpu_count(), "load_avg_start": os.getloadavg(), "python": platform.python_version()},
+                              "config": args.set, "tiny": args.tiny, "window_s": args.window, "attacks": {}}
+    with Server(1, 2, cfg.scheduler.max_bs, [f"server.http_address=127.0.0.1:{port}",
+                                              f"server.api_key={ATTACKER},{BYSTANDER}", *args.set]) as server:
+        base = f"http://127.0.0.1:{port}"
+        asyncio.run(measure(base, None, 3.0))   # warm-up: the first requests load the template and the caches
+        report["idle"] = idle = asyncio.run(measure(base, None, args.idle))
+        for name in names:
+            settle(server.address)
+            row = asyncio.run(measure(base, plan[name], args.window))
+            row["bystander_p99_x_idle"] = row["bystander_p99_ms"] / idle["bystander_p99_ms"]
+            row["met"] = row["bystander_p99_x_idle"] <= 2.0 and row["health_p99_ms"] <= 100.0
+            report["attacks"][name] = row
+            print(f"{name:18} bystander p50 {row['bystander_p50_ms']:7.0f} ms  p99 {row['bystander_p99_ms']:7.0f} ms "
+                  f"({row['bystander_p99_x_idle']:4.1f}x idle)  /health p99 {row['health_p99_ms']:6.1f} max "
+                  f"{row['health_max_ms']:6.1f} ms  /version max {row['version_max_ms']:6.1f} ms  "
+                  f"{'met' if row['met'] else 'MISSED'}", flush=True)
+    report["machine"]["load_avg_end"] = os.getloadavg()
+    print(f"{'idle':18} bystander p50 {idle['bystander_p50_ms']:7.0f} ms  p99 {idle['bystander_p99_ms']:7.0f} ms  "
+          f"/health p99 {idle['health_p99_ms']:6.1f} max {idle['health_max_ms']:6.1f} ms  /version max {idle['version_max_ms']:6.1f} ms")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
