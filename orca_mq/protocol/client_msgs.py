@@ -13,7 +13,9 @@ frame in the version the client wrote it in, so an older client (v1-v3) gets per
 frames, without the fields added after its version. Version 5 adds log probabilities (a request's
 `logprobs` / `prompt_logprobs` sampling fields): `output.logprobs`, `output.prompt_logprobs` and the
 same as optional columns of `outputs` (orca_mq.protocol.logprobs.Logprobs, each token's text beside its id).
-Version 6 adds `generate`'s chat_template_kwargs (variables for the chat template).
+Version 6 adds `generate`'s chat_template_kwargs (variables for the chat template). Version 7 adds
+`generate`'s tools (the chat template renders them) and, with a chat request's first tokens, the end of
+its rendered prompt (`prompt_tail`: whether it left a thinking block open, for a reasoning parser).
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ class Generate:
     api_key: str = added(3, default="")   # one of server.api_key's keys, when the server has any
     # more variables for the chat template (vLLM's), e.g. {"enable_thinking": False}; orca_mq.admission.prompts bounds them
     chat_template_kwargs: dict[str, Any] | None = added(6, default=None)
+    tools: list[dict[str, Any]] | None = added(7, default=None)   # OpenAI's function tools, for the chat template
 
 
 @message("abort")
@@ -73,6 +76,7 @@ class Output:
     code: str | None = added(2, default=None)   # a common_msgs code on an "error" or "abort" final
     logprobs: Logprobs | None = added(5, default=None)          # token_ids' log probabilities, when asked
     prompt_logprobs: Logprobs | None = added(5, default=None)   # the prompt's, with the first tokens, when asked
+    prompt_tail: str | None = added(7, default=None)   # a chat prompt's end (admission.prompts.PROMPT_TAIL_CHARS), with its first tokens
 
 
 @dataclass(slots=True)
@@ -86,7 +90,7 @@ class Final:
 
 
 @message("outputs", since=4, columns=("request_ids", "token_ids", "texts", "finals"),
-         optional_columns=("logprobs", "prompt_logprobs"))
+         optional_columns=("logprobs", "prompt_logprobs", "prompt_tails"))
 @dataclass(slots=True)
 class Outputs:
     """One iteration's news for one client, a row per request it moved: request_ids[i] got
@@ -99,6 +103,7 @@ class Outputs:
     # v5, where a row asks: empty (no row has any) or a column (None in the rows without)
     logprobs: list[Logprobs | None] = added(5, default_factory=list)
     prompt_logprobs: list[Logprobs | None] = added(5, default_factory=list)
+    prompt_tails: list[str | None] = added(7, default_factory=list)   # v7: as logprobs, where a row has one
 
     def rows(self) -> list[Output]:
         """Each row as the `output` frame it stands for (and an older client reads)."""
@@ -107,6 +112,8 @@ class Outputs:
             out.logprobs = lp
         for out, lp in zip(outs, self.prompt_logprobs):
             out.prompt_logprobs = lp
+        for out, tail in zip(outs, self.prompt_tails):
+            out.prompt_tail = tail
         return outs
 
 

@@ -31,8 +31,8 @@ import msgpack
 
 from orca_mq.short_repr import short_repr
 
-PROTOCOL_VERSION = 6
-SUPPORTED_VERSIONS = (1, 2, 3, 4, 5, 6)
+PROTOCOL_VERSION = 7
+SUPPORTED_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
 MAX_FRAME_BYTES = 64 << 20
 
 Conv = Callable[[Any, str], Any]
