@@ -25,6 +25,8 @@ LogLevel = Literal["debug", "info", "warning", "error"]
 JsonWhitespace = Literal["compact", "flexible"]
 Switch = Literal["auto", "on", "off"]
 SpecMethod = Literal["off", "ngram"]
+ToolCallParser = Literal["auto", "none", "hermes", "llama3_json", "mistral", "gpt_oss"]   # orca_mq.api.parsers' names
+ReasoningParser = Literal["auto", "none", "think", "qwen3", "deepseek_r1", "gpt_oss"]
 
 
 @dataclass(slots=True)
@@ -112,6 +114,8 @@ class ServerConfig:
     node_timeout: float = 10.0
     api_key: str = ""
     curve_secret_key: str = ""
+    tool_call_parser: ToolCallParser = "auto"
+    reasoning_parser: ReasoningParser = "auto"
 
     def api_keys(self) -> tuple[str, ...]:
         """The accepted keys: `api_key` split at commas; none = no authentication."""
@@ -309,6 +313,10 @@ def check(cfg: Config) -> None:
         if len(name) > 256 or not name.isprintable():
             raise ValueError(f"server.served_model_name: each name (comma-separated) must be 1 to 256 printable "
                              f"characters, got {name[:80]!r}")
+    if "gpt_oss" in (cfg.server.tool_call_parser, cfg.server.reasoning_parser) and {
+            cfg.server.tool_call_parser, cfg.server.reasoning_parser} - {"gpt_oss", "auto", "none"}:
+        raise ValueError("server.tool_call_parser and server.reasoning_parser: gpt_oss reads both the reasoning and the "
+                         "tool calls (harmony's channels), so it pairs with itself, auto or none")
     if cfg.speculative.lookup_min > cfg.speculative.lookup_max:
         raise ValueError(f"speculative.lookup_min ({cfg.speculative.lookup_min}) must not exceed speculative.lookup_max "
                          f"({cfg.speculative.lookup_max})")

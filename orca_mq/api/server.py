@@ -42,12 +42,16 @@ from orca_mq.protocol.control_msgs import Ready
 from orca_mq.api.edge import ApiKeyGuard, BodyLimit, Handled
 from orca_mq.api.errors import INTERNAL_TEXT, ApiError, error_body, from_validation
 from orca_mq.api.fanout import Build, Choice, Fanout, answer, begin, check_bounds, events
-from orca_mq.api.tools import ToolReply, parse
+from orca_mq.api.chat_format import ChatFormat, resolve
+from orca_mq.api.parsers import Delta
+from orca_mq.api.reply import Reply
+from orca_mq.api.tools import CalledFunction, ToolCall, ToolCallDelta
 from orca_mq.api.metrics import ApiMetrics
 from orca_mq.api.tokenize import DetokenizeRequest, DetokenizeResponse, Tokenization, TokenizeRequest, TokenizeResponse
 from orca_mq.api.schemas import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,
                                            ChatCompletionChunk, ChatCompletionRequest, ChatDelta, Completion,
-                                           CompletionChoice, CompletionRequest, ModelCard, ModelList, Usage, new_id)
+                                           CompletionChoice, CompletionRequest, CompletionTokensDetails, ModelCard,
+                                           ModelList, Usage, new_id)
 from orca_mq.server.process import process_main
 from orca_mq.server.zmq_queue import BrokerLink
 
@@ -79,6 +83,7 @@ class Api:
         self.stats_at = -1.0
         self.stats_ok = False
         self.stats_task: asyncio.Task[None] | None = None
+        self.format: ChatFormat | None = None   # the model's tool and reasoning format, from its tokenizer (first chat)
         self.app = self._routes()
 
     def _routes(self) -> FastAPI:
@@ -116,7 +121,7 @@ class Api:
     # ---------------------------------------------------------------- generation
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
-        rid, model = new_id("cmpl"), self._model(body.model)
+        rid, model = new_id("cmpl"), self.model_for(body.model)
 
         def chunk(c: Choice, text: str, reason: str | None, usage: Usage | None) -> Completion:
             return Completion(id=rid, model=model, usage=usage,
@@ -129,25 +134,37 @@ class Api:
         return await self._serve(body, request, chunk, whole)
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
-        rid, model, tools = new_id("chatcmpl"), self._model(body.model), body.shown_tools
-        replies: dict[int, ToolReply] = {}   # each choice's: calls held back while streaming, parsed at the end
+        rid, model = new_id("chatcmpl"), self.model_for(body.model)
+        fmt = await self.chat_format()
+        body.bind(fmt)
+        replies: dict[int, Reply] = {}   # each choice's output through the model's parsers
+
+        def reply(c: Choice) -> Reply:
+            return replies.setdefault(c.index, Reply.of(body))
+
+        def counted(usage: Usage) -> Usage:   # the thinking's tokens, once every choice is parsed
+            if fmt.reasoning_parser:
+                usage.completion_tokens_details = CompletionTokensDetails(
+                    reasoning_tokens=sum(r.reasoning_tokens for r in replies.values()))
+            return usage
 
         def chunk(c: Choice, text: str, reason: str | None, usage: Usage | None) -> ChatCompletionChunk:
             if usage:
-                return ChatCompletionChunk(id=rid, model=model, usage=usage, choices=[])
-            calls = None
-            if tools:
-                text, calls = replies.setdefault(c.index, ToolReply(tools)).stream(text, reason is not None)
-            delta = ChatDelta(content=text) if reason is None else ChatDelta(content=text or None, tool_calls=calls)
-            reason = "tool_calls" if calls else reason
+                return ChatCompletionChunk(id=rid, model=model, usage=counted(usage), choices=[])
+            r = reply(c)
+            d = r.feed(c.gen, text) if reason is None else r.finish(c.gen)
+            delta = ChatDelta(content=d.content or (None if reason or d.reasoning or d.calls else ""),
+                              reasoning_content=d.reasoning or None, tool_calls=_call_deltas(d) or None)
             return ChatCompletionChunk(id=rid, model=model, choices=[
-                ChatChunkChoice(index=c.index, delta=delta, finish_reason=reason)])
+                ChatChunkChoice(index=c.index, delta=delta, finish_reason=r.reason)])
 
         def whole(c: Choice, text: str, reason: str | None, usage: Usage | None) -> ChatCompletion:
-            content, calls = parse(text, tools) if tools else (text, [])
-            message = AssistantMessage(content=content, tool_calls=calls or None)
-            return ChatCompletion(id=rid, model=model, usage=usage, choices=[
-                ChatChoice(index=c.index, message=message, finish_reason="tool_calls" if calls else reason)])
+            r = reply(c)
+            parsed = r.whole(c.gen, text)
+            calls = [ToolCall(id=k.id, function=CalledFunction(name=k.name, arguments=k.arguments)) for k in parsed.calls]
+            message = AssistantMessage(content=r.content, reasoning_content=parsed.reasoning or None, tool_calls=calls or None)
+            return ChatCompletion(id=rid, model=model, usage=usage and counted(usage), choices=[   # one usage, every choice's
+                ChatChoice(index=c.index, message=message, finish_reason=r.reason)])
 
         def opening(c: Choice) -> ChatCompletionChunk:
             return ChatCompletionChunk(id=rid, model=model, choices=[
@@ -164,13 +181,21 @@ class Api:
         await begin(fan, request)   # the first tokens before the headers: a refused request gets its HTTP status
         return StreamingResponse(events(fan, chunk, body.include_usage, opening), media_type="text/event-stream")
 
+    async def chat_format(self) -> ChatFormat:
+        """The model's tool and reasoning format, resolved from its tokenizer on first use (off the loop)."""
+        if self.format is None:
+            prompts = await self.tokenization.prompts()
+            self.format = await asyncio.get_running_loop().run_in_executor(
+                self.tokenization.pool, resolve, self.cfg, prompts.tokenizer)
+        return self.format
+
     # ---------------------------------------------------------------- state
 
     def _check_model(self, name: str | None) -> None:
         if name is not None and name not in self.model_names:
             raise ApiError(404, f"The model `{name[:100]}` does not exist.", "model_not_found", "model")
 
-    def _model(self, name: str | None) -> str:
+    def model_for(self, name: str | None) -> str:
         """The name a response gives: the one the request asked for, else the first served name."""
         self._check_model(name)
         return name or self.model_name
@@ -227,6 +252,11 @@ class Api:
             self.stats_ok = False
             self.log.warning("stats unavailable", error=str(e))
         self.stats_at = asyncio.get_running_loop().time()
+
+
+def _call_deltas(d: Delta) -> list[ToolCallDelta]:
+    return [ToolCallDelta(index=k.index, id=k.id or "", function=CalledFunction(name=k.name or "", arguments=k.arguments))
+            for k in d.calls]
 
 
 class _Server(uvicorn.Server):
