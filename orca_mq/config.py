@@ -116,6 +116,7 @@ class ServerConfig:
     curve_secret_key: str = ""
     tool_call_parser: ToolCallParser = "auto"
     reasoning_parser: ReasoningParser = "auto"
+    responses_store: int = 1024
 
     def api_keys(self) -> tuple[str, ...]:
         """The accepted keys: `api_key` split at commas; none = no authentication."""
@@ -286,7 +287,7 @@ RANGES: dict[str, Range] = {
     "server.ready_timeout": _POSITIVE, "server.stop_grace": _COUNT, "server.stats_timeout": _POSITIVE,
     "server.max_restarts": _COUNT, "server.restart_window": _POSITIVE, "server.max_waiting": _COUNT,
     "server.max_frame_bytes": _ONE, "server.http_max_connections": _ONE, "server.http_max_body_bytes": _ONE,
-    "server.http_max_n": _ONE, "server.http_max_choices": _ONE,
+    "server.http_max_n": _ONE, "server.http_max_choices": _ONE, "server.responses_store": Range(0, note="0: none stored"),
     "server.nnodes": _ONE, "server.node_rank": _COUNT, "server.node_timeout": _POSITIVE,
     "structured.max_spec_bytes": _ONE, "structured.compile_timeout": _POSITIVE, "structured.cache_size": _COUNT,
     "structured.mask_threads": Range(0, note="0: llguidance's default"),

@@ -8,7 +8,10 @@ llama3_json, Mistral Nemo mistral, gpt-oss harmony), with the family's real chat
   enable_thinking; the streamed parse equals the whole one at the HTTP level on outputs cut at random
   token boundaries; a malformed call back as text with `stop`; issue 41's cut call (required,
   max_tokens 64, a further call begun) dropped with `length`;
-- special tokens the parser reads kept from the engine but out of what the client sees, unless asked.
+- special tokens the parser reads kept from the engine but out of what the client sees, unless asked;
+- the same loop through the Responses API (`responses.create`, `responses.stream`: its event sequence),
+  statelessly and by previous_response_id; reasoning items; max_output_tokens' incomplete response; the
+  store's bound (the oldest evicted: 404).
 
 Random weights write random text: a grammar (structured outputs) or tool_choice makes the model write
 what a test needs.
@@ -36,6 +39,7 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 ANSWER = "It is sunny in Paris."
 NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}   # a variable only Qwen3's template reads
 WEATHER_CHOICE = {"type": "function", "function": {"name": "get_weather"}}
+STORED = 3    # server.responses_store: the oldest of more is evicted
 
 
 @dataclass
@@ -65,7 +69,7 @@ def family(request, tmp_path_factory) -> Family:
     port = free_port()
     srv = start_server(tmp_path_factory.mktemp(f"srv_{fmt}"), **{
         "model.path": str(path), "server.http_address": f"127.0.0.1:{port}", "model.max_model_len": 4096,
-        "scheduler.max_bs": 4, "engine.n_slots": 8192})
+        "scheduler.max_bs": 4, "engine.n_slots": 8192, "server.responses_store": STORED})
     base = f"http://127.0.0.1:{port}"
     fam = Family(fmt, srv, base, openai_client(base), AutoTokenizer.from_pretrained(path))
     fam.model = fam.client.models.list().data[0].id
@@ -207,3 +211,78 @@ def test_special_tokens_reach_the_parser_but_not_the_client_unless_asked(family,
                          f'"{{\\"name\\": \\"get_weather\\", \\"parameters\\": {{\\"city\\": \\"Paris\\"}}}}"'}
     out = chat(family, stream, messages=ASK, tools=TOOLS, extra={"structured_outputs": tagged})
     assert (out.content, out.calls, out.finish) == ("Checking. ", [("get_weather", {"city": "Paris"})], "tool_calls")
+
+
+# ------------------------------------------------------------------ the Responses API
+
+FLAT_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]
+ANSWER_FORMAT = {"format": {"type": "json_schema", "name": "answer", "strict": True, "schema": {
+    "type": "object", "properties": {"answer": {"const": ANSWER}}, "required": ["answer"], "additionalProperties": False}}}
+
+
+def respond(fam: Family, stream: bool, **kwargs: Any) -> tuple[Any, list[str]]:
+    """A response and, streamed, its events' types (through the SDK's stream helper)."""
+    kwargs = {"model": fam.model, "temperature": 0, "max_output_tokens": 96} | kwargs
+    if not stream:
+        return fam.client.responses.create(**kwargs), []
+    with fam.client.responses.stream(**kwargs) as events:
+        kinds = [e.type for e in events]
+        return events.get_final_response(), kinds
+
+
+def items(response: Any, kind: str) -> list[Any]:
+    return [o for o in response.output if o.type == kind]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_agent_loop_completes_through_responses(family, stream):
+    first, kinds = respond(family, stream, input=ASK[0]["content"], tools=FLAT_TOOLS, parallel_tool_calls=False,
+                           tool_choice={"type": "function", "name": "get_weather"}, extra_body=NO_THINKING)
+    [call] = items(first, "function_call")
+    assert (call.name, json.loads(call.arguments), first.status) == ("get_weather", {"city": "Paris"}, "completed")
+    if stream:
+        assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+        assert "response.function_call_arguments.delta" in kinds and "response.output_text.delta" not in kinds
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": "18 C, sunny"}
+    # streamed: the conversation by previous_response_id (stored); not: the whole input sent back
+    given = {"previous_response_id": first.id, "input": [result]} if stream else {
+        "input": [*ASK, *(o.model_dump(exclude_none=True) for o in first.output), result]}
+    final, kinds = respond(family, stream, tools=FLAT_TOOLS, text=ANSWER_FORMAT, extra_body=NO_THINKING, **given)
+    assert json.loads(final.output_text) == {"answer": ANSWER} and not items(final, "function_call")
+    assert final.usage.output_tokens > 0 and final.usage.input_tokens > first.usage.input_tokens
+    if stream:
+        assert "response.output_text.delta" in kinds and kinds[-1] == "response.completed"
+
+
+@only("hermes")
+@pytest.mark.parametrize("stream", [False, True])
+def test_responses_show_the_thinking_as_a_reasoning_item(family, stream):
+    grammar = f'start: {family.mark("<think>")} "\\nWeather asked.\\n" {family.mark("</think>")} "\\n\\n" {json.dumps(ANSWER)}'
+    out, kinds = respond(family, stream, input=ASK[0]["content"], extra_body={"structured_outputs": {"grammar": grammar}})
+    [reasoning], [message] = items(out, "reasoning"), items(out, "message")
+    assert [c.text for c in reasoning.content] == ["Weather asked.\n"] and out.output_text == ANSWER
+    assert out.output.index(reasoning) < out.output.index(message)
+    assert out.usage.output_tokens_details.reasoning_tokens > 0
+    if stream:
+        assert kinds.index("response.reasoning_text.delta") < kinds.index("response.output_text.delta")
+
+
+@only("hermes")
+def test_max_output_tokens_makes_an_incomplete_response(family):
+    out, _ = respond(family, False, input="Hi", max_output_tokens=3, extra_body=NO_THINKING)
+    assert (out.status, out.incomplete_details.reason, out.usage.output_tokens) == ("incomplete", "max_output_tokens", 3)
+    kinds = [e.type for e in family.client.responses.create(model=family.model, input="Hi", max_output_tokens=3,
+                                                            stream=True, extra_body=NO_THINKING)]
+    assert kinds[0] == "response.created" and kinds[-1] == "response.incomplete"
+
+
+@only("hermes")
+def test_stored_responses_are_bounded_and_the_oldest_evicted(family):
+    made = [respond(family, False, input="Hi", max_output_tokens=2, extra_body=NO_THINKING)[0] for _ in range(STORED + 1)]
+    unstored = respond(family, False, input="Hi", max_output_tokens=2, store=False)[0]
+    for gone in (made[0], unstored):
+        with pytest.raises(openai.NotFoundError, match="previous_response_id|not found"):
+            respond(family, False, previous_response_id=gone.id, input="And?", max_output_tokens=2)
+    kept, _ = respond(family, False, previous_response_id=made[-1].id, input="And?", max_output_tokens=2,
+                      extra_body=NO_THINKING)
+    assert kept.previous_response_id == made[-1].id and kept.usage.input_tokens > made[-1].usage.input_tokens

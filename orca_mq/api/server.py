@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP API: one more client of the broker (FastAPI on uvicorn + uvloop).
 
     POST /v1/completions, POST /v1/chat/completions   (stream or not)
+    POST /v1/responses                                 (OpenAI's Responses API: orca_mq.api.responses)
     GET  /v1/models, GET /v1/models/{id}, GET /health, GET /metrics, GET /version
     POST /tokenize, POST /detokenize                   (vLLM's; orca_mq.api.tokenize)
 
@@ -45,6 +46,10 @@ from orca_mq.api.fanout import Build, Choice, Fanout, answer, begin, check_bound
 from orca_mq.api.chat_format import ChatFormat, resolve
 from orca_mq.api.parsers import Delta
 from orca_mq.api.reply import Reply
+from orca_mq.api.responses import respond
+from orca_mq.api.responses_schema import ResponsesRequest
+from orca_mq.api.responses_store import ResponseStore
+from orca_mq.api.turn import Turn
 from orca_mq.api.tools import CalledFunction, ToolCall, ToolCallDelta
 from orca_mq.api.metrics import ApiMetrics
 from orca_mq.api.tokenize import DetokenizeRequest, DetokenizeResponse, Tokenization, TokenizeRequest, TokenizeResponse
@@ -84,6 +89,7 @@ class Api:
         self.stats_ok = False
         self.stats_task: asyncio.Task[None] | None = None
         self.format: ChatFormat | None = None   # the model's tool and reasoning format, from its tokenizer (first chat)
+        self.responses_store = ResponseStore(cfg.server.responses_store)
         self.app = self._routes()
 
     def _routes(self) -> FastAPI:
@@ -109,6 +115,7 @@ class Api:
 
         app.post("/v1/completions", response_model=None)(self.completions)
         app.post("/v1/chat/completions", response_model=None)(self.chat)
+        app.post("/v1/responses", response_model=None)(self.responses)
         app.get("/v1/models")(self.models)
         app.get("/v1/models/{model_id:path}")(self.retrieve_model)
         app.post("/tokenize")(self.tokenize)
@@ -180,6 +187,18 @@ class Api:
             return JSONResponse((await answer(fan, request, whole)).model_dump())
         await begin(fan, request)   # the first tokens before the headers: a refused request gets its HTTP status
         return StreamingResponse(events(fan, chunk, body.include_usage, opening), media_type="text/event-stream")
+
+    async def responses(self, body: ResponsesRequest, request: Request) -> Response:
+        return await respond(self, self.responses_store, body, request)
+
+    async def turn(self, body: ChatCompletionRequest, request: Request) -> Turn:
+        """A Responses or Messages request, as the chat request `body`, ready to run (streamed: started)."""
+        body.bind(await self.chat_format())
+        check_bounds(body, self.cfg.server.http_max_n, self.cfg.server.http_max_choices)
+        turn = Turn(Fanout(body, self.client, self.metrics), Reply.of(body))
+        if body.stream:
+            await turn.start(request)
+        return turn
 
     async def chat_format(self) -> ChatFormat:
         """The model's tool and reasoning format, resolved from its tokenizer on first use (off the loop)."""
