@@ -82,3 +82,12 @@ def test_mistral_call_ids_are_nine_letters_or_digits_the_same_every_time():
     made = fmt.call_id("call_8f2b3c")
     assert re.fullmatch(r"[A-Za-z0-9]{9}", made) and made == fmt.call_id("call_8f2b3c") != fmt.call_id("call_other")
     assert fmt.call_id("a1b2c3d4e") == "a1b2c3d4e" and ChatFormat("hermes", None, True).call_id("call_x") == "call_x"
+
+
+def test_the_parsers_are_chosen_on_the_command_line_as_vllms_flags():
+    from orca_mq.cli import _config, build_parser
+
+    server = _config(build_parser().parse_args(["serve", "--tool-call-parser", "mistral", "--reasoning-parser", "none"])).server
+    assert (server.tool_call_parser, server.reasoning_parser) == ("mistral", "none")
+    with pytest.raises(SystemExit, match="gpt_oss"):   # harmony's parser reads both: it pairs with itself
+        _config(build_parser().parse_args(["serve", "--tool-call-parser", "gpt_oss", "--reasoning-parser", "think"]))

@@ -5,16 +5,14 @@ shown as a response (orca_mq.api.responses_view), whole or as its stream of even
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import Request
 
-from orca_mq.api.errors import ApiError
 from orca_mq.api.responses_schema import ResponsesRequest, validated
 from orca_mq.api.responses_store import ResponseStore
-from orca_mq.api.responses_view import ResponseOutput, new_id, whole_delta
+from orca_mq.api.responses_view import ResponseOutput, new_id
 from orca_mq.api.schemas import ChatCompletionRequest
 from orca_mq.api.turn import Turn
 
@@ -31,32 +29,15 @@ async def respond(api: Api, store: ResponseStore, body: ResponsesRequest, reques
     view = ResponseOutput(_head(rid, model, body))
     max_chars = (await api.tokenization.prompts()).max_chars
 
-    def keep() -> None:
+    def keep(_: dict[str, Any]) -> None:
         if body.store:
             store.put(rid, [*history, *body.messages(), _turn_message(turn)], max_chars)
 
     if not body.stream:
-        view.add(whole_delta(await turn.whole(request), turn.reply.content))
-        response = view.end(turn.reply.reason or "stop", turn.usage(), turn.reply.reasoning_tokens)[1]
-        keep()
+        response = await turn.shown(view, request)
+        keep(response)
         return JSONResponse(response)
-    return StreamingResponse(_events(turn, view, keep), media_type="text/event-stream")
-
-
-async def _events(turn: Turn, view: ResponseOutput, keep: Any) -> AsyncIterator[str]:
-    for event in view.start():
-        yield event
-    try:
-        async for delta in turn.deltas():
-            for event in view.add(delta):
-                yield event
-    except ApiError as e:
-        yield view.error(e)
-        return
-    events = view.end(turn.reply.reason or "stop", turn.usage(), turn.reply.reasoning_tokens)[0]
-    keep()
-    for event in events:
-        yield event
+    return StreamingResponse(turn.events(view, keep), media_type="text/event-stream")
 
 
 def _turn_message(turn: Turn) -> dict[str, Any]:

@@ -10,8 +10,7 @@ sends a call once complete) — and writes each step's events:
     ... response.output_text.done, response.content_part.done, response.output_item.done (the open items, at the end),
     response.completed (or response.incomplete: max_output_tokens reached)
 
-each `event: TYPE` with a JSON `data` carrying its sequence_number. An answer that is only whitespace
-beside calls is no message (as the chat API's null content).
+each `event: TYPE` with a JSON `data` carrying its sequence_number.
 """
 from __future__ import annotations
 
@@ -19,9 +18,15 @@ import json
 import uuid
 from typing import Any
 
+from typing import TYPE_CHECKING
+
 from orca_mq.api.errors import ApiError
-from orca_mq.api.parsers import CallDelta, Delta, Parsed
+from orca_mq.api.parsers import CallDelta
 from orca_mq.api.schemas import Usage
+from orca_mq.api.turn import View
+
+if TYPE_CHECKING:
+    from orca_mq.api.turn import Turn
 
 PARTS = {"reasoning": ("reasoning_text", "response.reasoning_text"), "message": ("output_text", "response.output_text")}
 
@@ -30,41 +35,23 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def whole_delta(parsed: Parsed, content: str | None) -> Delta:
-    """A whole output as the one delta a builder is fed (`content`: the reply's, None beside calls only)."""
-    return Delta(content or "", parsed.reasoning,
-                 [CallDelta(i, c.id, c.name, c.arguments) for i, c in enumerate(parsed.calls)])
+class ResponseOutput(View):
+    THINKING, ANSWER = "reasoning", "message"
 
-
-class ResponseOutput:
     def __init__(self, head: dict[str, Any]) -> None:
         self.head = head                      # the response's fields but its status, output and usage
         self.items: list[dict[str, Any]] = []
         self.open: dict[str, int] = {}        # reasoning / message -> its item's index, while open
-        self.held = ""                        # whitespace that may begin the answer, until text follows it
         self.seq = 0
 
     def start(self) -> list[str]:
         response = self.response("in_progress", None)
         return [self._event("response.created", response=response), self._event("response.in_progress", response=response)]
 
-    def add(self, d: Delta) -> list[str]:
-        out = self._text("reasoning", d.reasoning) if d.reasoning else []
-        content, self.held = self.held + d.content, ""
-        if content.strip() or ("message" in self.open and content):
-            out += self._text("message", content)
-        else:
-            self.held = content
-        for call in d.calls:
-            out += self._call(call)
-        return out
-
-    def end(self, reason: str, usage: Usage, reasoning_tokens: int) -> tuple[list[str], dict[str, Any]]:
+    def end(self, turn: Turn) -> tuple[list[str], dict[str, Any]]:
         """The events that close the response, and the response."""
         out = []
-        if self.held and not any(item["type"] == "function_call" for item in self.items):
-            out += self._text("message", self.held)
-        status = "incomplete" if reason == "length" else "completed"
+        status = "incomplete" if turn.reply.reason == "length" else "completed"
         for kind, i in sorted(self.open.items(), key=lambda kv: kv[1]):
             item, (part, event) = self.items[i], PARTS[kind]
             text = item["content"][0]["text"]
@@ -75,7 +62,7 @@ class ResponseOutput:
                                 part=item["content"][0]),
                     self._event("response.output_item.done", output_index=i, item=item)]
         self.open.clear()
-        response = self.response(status, usage, reasoning_tokens)
+        response = self.response(status, turn.usage(), turn.reply.reasoning_tokens)
         return [*out, self._event(f"response.{status}", response=response)], response
 
     def error(self, e: ApiError) -> str:
@@ -90,7 +77,7 @@ class ResponseOutput:
                                 "input_tokens_details": {"cached_tokens": usage.prompt_tokens_details.cached_tokens
                                                          if usage.prompt_tokens_details else 0, "cache_write_tokens": 0}}}
 
-    def _text(self, kind: str, text: str) -> list[str]:
+    def text(self, kind: str, text: str) -> list[str]:
         part, event = PARTS[kind]
         out = []
         if kind not in self.open:
@@ -109,7 +96,7 @@ class ResponseOutput:
         return [*out, self._event(f"{event}.delta", item_id=item["id"], output_index=i, content_index=0, delta=text,
                                   **({"logprobs": []} if kind == "message" else {}))]
 
-    def _call(self, call: CallDelta) -> list[str]:
+    def call(self, call: CallDelta) -> list[str]:
         i = len(self.items)
         item = {"type": "function_call", "id": new_id("fc"), "call_id": call.id, "name": call.name,
                 "arguments": call.arguments, "status": "completed"}

@@ -2,6 +2,7 @@
 
     POST /v1/completions, POST /v1/chat/completions   (stream or not)
     POST /v1/responses                                 (OpenAI's Responses API: orca_mq.api.responses)
+    POST /v1/messages                                  (Anthropic's Messages API: orca_mq.api.messages)
     GET  /v1/models, GET /v1/models/{id}, GET /health, GET /metrics, GET /version
     POST /tokenize, POST /detokenize                   (vLLM's; orca_mq.api.tokenize)
 
@@ -41,21 +42,20 @@ from orca_mq.models.registry import read_model_info
 from orca_mq.logs import setup_logging
 from orca_mq.protocol.control_msgs import Ready
 from orca_mq.api.edge import ApiKeyGuard, BodyLimit, Handled
-from orca_mq.api.errors import INTERNAL_TEXT, ApiError, error_body, from_validation
+from orca_mq.api.errors import INTERNAL_TEXT, ApiError, body_for, from_validation
 from orca_mq.api.fanout import Build, Choice, Fanout, answer, begin, check_bounds, events
+from orca_mq.api.chat import chat_builders
 from orca_mq.api.chat_format import ChatFormat, resolve
-from orca_mq.api.parsers import Delta
+from orca_mq.api.messages import message
+from orca_mq.api.messages_schema import MessagesRequest
 from orca_mq.api.reply import Reply
 from orca_mq.api.responses import respond
 from orca_mq.api.responses_schema import ResponsesRequest
 from orca_mq.api.responses_store import ResponseStore
 from orca_mq.api.turn import Turn
-from orca_mq.api.tools import CalledFunction, ToolCall, ToolCallDelta
 from orca_mq.api.metrics import ApiMetrics
 from orca_mq.api.tokenize import DetokenizeRequest, DetokenizeResponse, Tokenization, TokenizeRequest, TokenizeResponse
-from orca_mq.api.schemas import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,
-                                           ChatCompletionChunk, ChatCompletionRequest, ChatDelta, Completion,
-                                           CompletionChoice, CompletionRequest, CompletionTokensDetails, ModelCard,
+from orca_mq.api.schemas import (ChatCompletionRequest, Completion, CompletionChoice, CompletionRequest, ModelCard,
                                            ModelList, Usage, new_id)
 from orca_mq.server.process import process_main
 from orca_mq.server.zmq_queue import BrokerLink
@@ -64,8 +64,8 @@ STATS_TIMEOUT = 3.0    # a scheduler that does not answer stats within this is r
 STATS_MAX_AGE = 1.0    # /health and /metrics reuse a stats reply this recent
 
 
-def _json_error(err: ApiError) -> JSONResponse:
-    return JSONResponse(error_body(err), status_code=err.status)
+def _json_error(err: ApiError, request: Request) -> JSONResponse:
+    return JSONResponse(body_for(request.url.path, err), status_code=err.status)
 
 
 class Api:
@@ -96,26 +96,27 @@ class Api:
         app = FastAPI(title="orca-mq", docs_url=None, redoc_url=None)
 
         @app.exception_handler(RequestValidationError)
-        async def invalid(_: Request, e: RequestValidationError) -> JSONResponse:
-            return _json_error(from_validation(e.errors()))
+        async def invalid(request: Request, e: RequestValidationError) -> JSONResponse:
+            return _json_error(from_validation(e.errors()), request)
 
         @app.exception_handler(ApiError)
-        async def api_error(_: Request, e: ApiError) -> JSONResponse:
-            return _json_error(e)
+        async def api_error(request: Request, e: ApiError) -> JSONResponse:
+            return _json_error(e, request)
 
         @app.exception_handler(HTTPException)
-        async def http_error(_: Request, e: HTTPException) -> JSONResponse:  # unknown route, wrong method
+        async def http_error(request: Request, e: HTTPException) -> JSONResponse:  # unknown route, wrong method
             code = {400: "invalid_json", 404: "not_found", 405: "method_not_allowed"}.get(e.status_code, "error")
-            return _json_error(ApiError(e.status_code, str(e.detail), code))
+            return _json_error(ApiError(e.status_code, str(e.detail), code), request)
 
         @app.exception_handler(Exception)
-        async def internal(_: Request, e: Exception) -> JSONResponse:
+        async def internal(request: Request, e: Exception) -> JSONResponse:
             self.log.exception("request failed", error=str(e)[:500])
-            return _json_error(ApiError(500, INTERNAL_TEXT, "internal"))
+            return _json_error(ApiError(500, INTERNAL_TEXT, "internal"), request)
 
         app.post("/v1/completions", response_model=None)(self.completions)
         app.post("/v1/chat/completions", response_model=None)(self.chat)
         app.post("/v1/responses", response_model=None)(self.responses)
+        app.post("/v1/messages", response_model=None)(self.messages)
         app.get("/v1/models")(self.models)
         app.get("/v1/models/{model_id:path}")(self.retrieve_model)
         app.post("/tokenize")(self.tokenize)
@@ -142,42 +143,8 @@ class Api:
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         rid, model = new_id("chatcmpl"), self.model_for(body.model)
-        fmt = await self.chat_format()
-        body.bind(fmt)
-        replies: dict[int, Reply] = {}   # each choice's output through the model's parsers
-
-        def reply(c: Choice) -> Reply:
-            return replies.setdefault(c.index, Reply.of(body))
-
-        def counted(usage: Usage) -> Usage:   # the thinking's tokens, once every choice is parsed
-            if fmt.reasoning_parser:
-                usage.completion_tokens_details = CompletionTokensDetails(
-                    reasoning_tokens=sum(r.reasoning_tokens for r in replies.values()))
-            return usage
-
-        def chunk(c: Choice, text: str, reason: str | None, usage: Usage | None) -> ChatCompletionChunk:
-            if usage:
-                return ChatCompletionChunk(id=rid, model=model, usage=counted(usage), choices=[])
-            r = reply(c)
-            d = r.feed(c.gen, text) if reason is None else r.finish(c.gen)
-            delta = ChatDelta(content=d.content or (None if reason or d.reasoning or d.calls else ""),
-                              reasoning_content=d.reasoning or None, tool_calls=_call_deltas(d) or None)
-            return ChatCompletionChunk(id=rid, model=model, choices=[
-                ChatChunkChoice(index=c.index, delta=delta, finish_reason=r.reason)])
-
-        def whole(c: Choice, text: str, reason: str | None, usage: Usage | None) -> ChatCompletion:
-            r = reply(c)
-            parsed = r.whole(c.gen, text)
-            calls = [ToolCall(id=k.id, function=CalledFunction(name=k.name, arguments=k.arguments)) for k in parsed.calls]
-            message = AssistantMessage(content=r.content, reasoning_content=parsed.reasoning or None, tool_calls=calls or None)
-            return ChatCompletion(id=rid, model=model, usage=usage and counted(usage), choices=[   # one usage, every choice's
-                ChatChoice(index=c.index, message=message, finish_reason=r.reason)])
-
-        def opening(c: Choice) -> ChatCompletionChunk:
-            return ChatCompletionChunk(id=rid, model=model, choices=[
-                ChatChunkChoice(index=c.index, delta=ChatDelta(role="assistant", content=""))])
-
-        return await self._serve(body, request, chunk, whole, opening)
+        body.bind(await self.chat_format())
+        return await self._serve(body, request, *chat_builders(body, rid, model))
 
     async def _serve(self, body: CompletionRequest | ChatCompletionRequest, request: Request, chunk: Build,
                      whole: Build, opening: Callable[[Choice], BaseModel] | None = None) -> Response:
@@ -190,6 +157,9 @@ class Api:
 
     async def responses(self, body: ResponsesRequest, request: Request) -> Response:
         return await respond(self, self.responses_store, body, request)
+
+    async def messages(self, body: MessagesRequest, request: Request) -> Response:
+        return await message(self, body, request)
 
     async def turn(self, body: ChatCompletionRequest, request: Request) -> Turn:
         """A Responses or Messages request, as the chat request `body`, ready to run (streamed: started)."""
@@ -271,11 +241,6 @@ class Api:
             self.stats_ok = False
             self.log.warning("stats unavailable", error=str(e))
         self.stats_at = asyncio.get_running_loop().time()
-
-
-def _call_deltas(d: Delta) -> list[ToolCallDelta]:
-    return [ToolCallDelta(index=k.index, id=k.id or "", function=CalledFunction(name=k.name or "", arguments=k.arguments))
-            for k in d.calls]
 
 
 class _Server(uvicorn.Server):

@@ -43,13 +43,15 @@ class StopStrings:
 
     stops: list[str]
     held: str = ""
+    hit: str | None = None    # the stop string that ended the text
 
     def feed(self, text: str) -> tuple[str, bool]:
         buf = self.held + text
-        hits = [i for s in self.stops if (i := buf.find(s)) >= 0]
+        hits = [(i, s) for s in self.stops if (i := buf.find(s)) >= 0]
         if hits:
             self.held = ""
-            return buf[:min(hits)], True
+            at, self.hit = min(hits)
+            return buf[:at], True
         keep = partial_tail(buf, self.stops)
         self.held = buf[len(buf) - keep:]
         return buf[:len(buf) - keep], False

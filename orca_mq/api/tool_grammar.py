@@ -25,7 +25,7 @@ from orca_mq.api.chat_format import ChatFormat
 from orca_mq.api.parsers import harmony, hermes, llama3, mistral, reasoning
 from orca_mq.api.tools import Tool
 
-WS = r"/[ \t\r\n]*/"
+WS = r"/[ \t\r\n]{0,8}/"   # between the thinking and a call (bounded: a model may loop on whitespace)
 
 
 class _Lark:
