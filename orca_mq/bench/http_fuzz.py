@@ -2,14 +2,15 @@
 tools/bench_reliability.py (at length):
 
 - `schema_fuzz`: schemathesis, from the server's own OpenAPI schema, positive and negative cases of
-  every operation;
+  every operation (/v1/responses and /v1/messages among them);
 - `body_fuzz`: hypothesis bodies the schema knows nothing of: the request fields (known,
   unsupported and misspelt) with JSON values of every kind and magnitude (1e308, 2**200, NaN),
   bodies that are not objects, not JSON, not UTF-8, with odd content types.
 
 Every reply is judged by the contract: never a 5xx, a JSON error object with a message, type and
-code on every 4xx (and with a param when the schema refused a field), and the server still
-healthy afterwards. A violation is counted with a sample, never raised, so a caller sees them all.
+code on every 4xx (Anthropic's, with a type and message, on /v1/messages; with a param when the
+schema refused a field), and the server still healthy afterwards. A violation is counted with a
+sample, never raised, so a caller sees them all.
 """
 from __future__ import annotations
 
@@ -59,11 +60,13 @@ def _violation(status: int, body: bytes, content_type: str) -> str | None:
     if "json" not in content_type:
         return f"{status} without a JSON body"
     try:
-        err = json.loads(body)["error"]
-        ok = isinstance(err["message"], str) and isinstance(err["type"], str) and isinstance(err["code"], str)
-    except (ValueError, KeyError, TypeError):
+        reply = json.loads(body)
+        err = reply["error"]
+        ok = isinstance(err["message"], str) and isinstance(err["type"], str) and (
+            isinstance(err.get("code"), str) or reply.get("type") == "error")   # OpenAI's object, or Anthropic's
+    except (ValueError, KeyError, TypeError, AttributeError):
         ok = False
-    return None if ok else f"{status} without OpenAI's error object"
+    return None if ok else f"{status} without an error object"
 
 
 def _capped(body: Any, cap: int) -> Any:
