@@ -5,6 +5,7 @@ comes). The views differ only in how they show deltas and the end: the request, 
 parsing are the chat API's."""
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -57,12 +58,13 @@ class Turn:
     reply: Reply
 
     async def whole(self, request: Request) -> Parsed:
-        """The output parsed whole, once it has ended (the client's disconnect aborts it)."""
+        """The output parsed whole, once it has ended (the client's disconnect aborts it), on a thread: a
+        long output's parse and its thinking's count leave the event loop serving."""
         try:
             texts = await until_disconnect(request, self.fan.texts())
         finally:
             await self.fan.close()
-        return self.reply.whole(self.fan.choices[0].gen, texts[0])
+        return await asyncio.to_thread(self.reply.whole, self.fan.choices[0].gen, texts[0])
 
     async def start(self, request: Request) -> None:
         """A stream's first tokens, before its headers: a refused request gets its HTTP status."""
