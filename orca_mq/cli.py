@@ -1,7 +1,7 @@
 """The `orca-mq` command: serve, client, logs, keys, bench. Imports nothing heavy until a command runs.
 
     orca-mq serve [--model PATH] [--port N] [--host H] [--http-port N] [--served-model-name NAME ...] [--api-key KEY]
-                  [--config FILE] [--set section.key=value ...]
+                  [--tool-call-parser NAME] [--reasoning-parser NAME] [--config FILE] [--set section.key=value ...]
     orca-mq client --prompt "Hello" [--port N | --address ADDR] [--api-key KEY] [--chat] [--max-tokens N] ...
     orca-mq logs [--port N] [-f] [-n N] [--json]
     orca-mq keys DIR             (a CurveZMQ key pair for server.curve_secret_key)
@@ -28,6 +28,7 @@ from orca_mq.protocol.common_msgs import UNAUTHORIZED
 COMMANDS = ("serve", "client", "logs", "keys", "bench")
 NODE_FLAGS = {"--nnodes": "server.nnodes", "--node-rank": "server.node_rank",
               "--master-addr": "server.master_addr", "--master-port": "server.worker_base_port"}
+PARSER_FLAGS = {"--tool-call-parser": "server.tool_call_parser", "--reasoning-parser": "server.reasoning_parser"}   # vLLM's flags
 
 
 class _Parser(argparse.ArgumentParser):
@@ -90,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the model's names on the HTTP API, the first listed first (server.served_model_name; "
                             "default: the model file's name)")
     serve.add_argument("--api-key", help=f"API key(s), comma-separated (server.api_key; ${API_KEY_ENV} keeps it off the command line)")
-    for flag, key in NODE_FLAGS.items():  # torchrun-style shorthands of [server] keys, for many hosts
+    for flag, key in (NODE_FLAGS | PARSER_FLAGS).items():  # torchrun's and vLLM's shorthands of [server] keys
         serve.add_argument(flag, dest=key, default=None, metavar=flag[2:].upper(), help=f"= --set {key}=...")
     client = sub.add_parser("client", help="send one request and stream the text")
     client.add_argument("--prompt", required=True)
@@ -132,7 +133,7 @@ def _config(args: argparse.Namespace, expand_log_dir: bool = True) -> Config:
         sets.append(f"server.served_model_name={','.join(args.served_model_name)}")
     if getattr(args, "api_key", None) is not None:
         sets.append(f"server.api_key={args.api_key}")
-    sets += [f"{key}={v}" for key in NODE_FLAGS.values() if (v := getattr(args, key, None)) is not None]
+    sets += [f"{key}={v}" for key in (NODE_FLAGS | PARSER_FLAGS).values() if (v := getattr(args, key, None)) is not None]
     try:
         host, http_port = getattr(args, "host", None), getattr(args, "http_port", None)
         if host is not None and http_port is None:  # the configured port on another host

@@ -74,6 +74,7 @@ class StreamEvent:
     logprobs: Logprobs | None = None      # token_ids' log probabilities (sampling `logprobs=k`)
     prompt_logprobs: Logprobs | None = None  # with the first tokens: the prompt's (`prompt_logprobs=k`)
     param: str | None = None              # a refused request's field at fault, where one is (prompt, max_tokens, ...)
+    prompt_tail: str | None = None        # with a chat request's first tokens: its rendered prompt's end
 
 
 def _final_error(request_id: str, error: str, code: str) -> StreamEvent:
@@ -136,11 +137,12 @@ class AsyncClient:
         self._sock = self._ctx = self._reader = None
 
     async def stream(self, prompt: str | None = None, *, prompt_token_ids: list[int] | None = None,
-                     messages: list[dict[str, str]] | None = None, chat: bool = False,
-                     chat_template_kwargs: dict[str, Any] | None = None,
+                     messages: list[dict[str, Any]] | None = None, chat: bool = False,
+                     chat_template_kwargs: dict[str, Any] | None = None, tools: list[dict[str, Any]] | None = None,
                      request_id: str | None = None, on_behalf_of: str = "", **sampling: Any) -> AsyncIterator[StreamEvent]:
         """Submit a request and yield its events as tokens are produced; the last has finished=True.
-        `chat_template_kwargs`: more variables for the chat template (with messages or chat=True).
+        `chat_template_kwargs`: more variables for the chat template (with messages or chat=True); `tools`:
+        OpenAI's function tools, which the chat template renders (messages may then hold tool_calls).
         `on_behalf_of`: a gateway's end client the request is for: a client of its own in the server's
         fair shares of the queue and the KV pool."""
         rid = request_id or uuid.uuid4().hex
@@ -150,7 +152,7 @@ class AsyncClient:
             if isinstance(sampling.get("logit_bias"), dict):   # {token_id: bias}: map keys travel as strings
                 sampling = {**sampling, "logit_bias": params.logit_bias}
             frame = encode(Generate(rid, prompt, prompt_token_ids, messages, chat, sampling, self.api_key,
-                                    chat_template_kwargs, on_behalf_of))
+                                    chat_template_kwargs, on_behalf_of, tools))
         except InvalidRequest as e:
             yield _final_error(rid, str(e), INVALID_REQUEST)
             return
@@ -250,7 +252,8 @@ class AsyncClient:
                 for out in events(msg):
                     self._deliver(out.request_id, StreamEvent(out.request_id, out.token_ids, out.text, out.finished,
                                                               out.finish_reason, out.error, out.metrics, out.code,
-                                                              *_checked(out), param=out.param))
+                                                              *_checked(out), param=out.param,
+                                                              prompt_tail=out.prompt_tail))
             elif isinstance(msg, Error) and msg.request_id is not None:
                 self._deliver(msg.request_id, _final_error(msg.request_id, msg.error, msg.code))
             elif isinstance(msg, StatsReply):

@@ -29,6 +29,8 @@ SpecMethod = Literal["off", "ngram"]
 Quantization = Literal["none", "fp8"]
 KVCacheDType = Literal["auto", "fp8"]
 SplitKV = Literal["auto", "off"]
+ToolCallParser = Literal["auto", "none", "hermes", "llama3_json", "mistral", "gpt_oss"]   # orca_mq.api.parsers' names
+ReasoningParser = Literal["auto", "none", "think", "qwen3", "deepseek_r1", "gpt_oss"]
 
 
 @dataclass(slots=True)
@@ -122,6 +124,9 @@ class ServerConfig:
     api_key: str = ""
     curve_secret_key: str = ""
     client_headroom: float = 0.0625
+    tool_call_parser: ToolCallParser = "auto"
+    reasoning_parser: ReasoningParser = "auto"
+    responses_store: int = 1024
 
     def api_keys(self) -> tuple[str, ...]:
         """The accepted keys: `api_key` split at commas; none = no authentication."""
@@ -305,6 +310,7 @@ RANGES: dict[str, Range] = {
     "server.max_restarts": _COUNT, "server.restart_window": _POSITIVE, "server.max_waiting": _COUNT,
     "server.max_frame_bytes": _ONE, "server.http_max_connections": _ONE, "server.http_max_body_bytes": _ONE,
     "server.http_max_n": _ONE, "server.http_max_choices": _ONE, "server.http_max_logprobs": _ONE,
+    "server.responses_store": Range(0, note="0: none stored"),
     "server.nnodes": _ONE, "server.node_rank": _COUNT, "server.node_timeout": _POSITIVE,
     "server.client_headroom": Range(0, 0.5, note="0: no fair shares"),
     "structured.max_spec_bytes": _ONE, "structured.compile_timeout": _POSITIVE, "structured.cache_size": _COUNT,
@@ -332,6 +338,10 @@ def check(cfg: Config) -> None:
         if len(name) > 256 or not name.isprintable():
             raise ValueError(f"server.served_model_name: each name (comma-separated) must be 1 to 256 printable "
                              f"characters, got {name[:80]!r}")
+    if "gpt_oss" in (cfg.server.tool_call_parser, cfg.server.reasoning_parser) and {
+            cfg.server.tool_call_parser, cfg.server.reasoning_parser} - {"gpt_oss", "auto", "none"}:
+        raise ValueError("server.tool_call_parser and server.reasoning_parser: gpt_oss reads both the reasoning and the "
+                         "tool calls (harmony's channels), so it pairs with itself, auto or none")
     if cfg.speculative.lookup_min > cfg.speculative.lookup_max:
         raise ValueError(f"speculative.lookup_min ({cfg.speculative.lookup_min}) must not exceed speculative.lookup_max "
                          f"({cfg.speculative.lookup_max})")

@@ -98,3 +98,14 @@ def tiny_near_tie_dir(tmp_path_factory) -> Path:
     """tiny_served_dir's shape with its top logits in near-tied pairs: greedy tokens flip with
     rounding, so a test sees any change of a request's logits (engine.deterministic)."""
     return _served_model(tmp_path_factory.mktemp("tiny_near_tie"), near_ties=True)
+
+
+@pytest.fixture(scope="session")
+def family_servers(tmp_path_factory):
+    """Real servers of the model families' tiny checkpoints (tests/agent_harness.py), one alive at a time,
+    shared by the agent tests' modules."""
+    from agent_harness import FamilyServers
+
+    servers = FamilyServers(tmp_path_factory)
+    yield servers
+    servers.close()

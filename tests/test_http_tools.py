@@ -1,10 +1,11 @@
-"""Tool calling on the chat API: the rendering, parsing and streaming hold-back of orca_mq/api/tools.py
-on their own, then through the official `openai` client against a real server with the embedded
-model: `required` and a named function give calls whose arguments validate against the tool's JSON
-schema (streamed and not), `none` shows no tools, and a tool_choice naming no tool is a 400. What a
-request costs the others is bounded: a reply of a tag and a long run of whitespace parses in linear
-time (the HTTP API's event loop answers /health throughout), and an earlier call's arguments nested
-too deeply to read are a 400 naming the field."""
+"""Tool calling on the chat API: orca-mq's own rendering of tools (orca_mq/api/tools.py) on its own, then
+through the official `openai` client against a real server with the embedded model, whose template
+renders no tools (so orca-mq's system message and the hermes parser serve it): `required` and a named
+function give calls whose arguments validate against the tool's JSON schema (streamed and not), `none`
+shows no tools, and a tool_choice naming no tool is a 400. What a request costs the others is bounded: a
+reply of a tag and a long run of whitespace parses in linear time (the HTTP API's event loop answers
+/health throughout), a call nested deeper than json reads is no call, and an earlier call's arguments
+nested too deeply to read are a 400 naming the field. Each family's own format: tests/test_http_agents.py."""
 from __future__ import annotations
 
 import json
@@ -16,8 +17,10 @@ import jsonschema
 import openai
 import pytest
 
-from orca_mq.api.tools import (CLOSE, OPEN, CalledFunction, Function, NamedFunction, NamedToolChoice, Tool, ToolCall,
-                               ToolReply, constraint, parse, render, shown)
+from orca_mq.api.chat_format import PLAIN
+from orca_mq.api.parsers import output_parser, parse_all
+from orca_mq.api.tool_grammar import constraint
+from orca_mq.api.tools import CLOSE, OPEN, CalledFunction, Function, NamedFunction, NamedToolChoice, Tool, ToolCall, render, shown
 from serving_harness import free_port, openai_client, start_server
 
 WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "unit"], "properties": {
@@ -34,14 +37,10 @@ def call_text(name: str, args: dict) -> str:
     return f"{OPEN}\n" + json.dumps({"name": name, "arguments": args}) + f"\n{CLOSE}"
 
 
-def test_parse_takes_calls_of_given_tools_and_keeps_the_rest_as_content():
-    text = "Let me look. " + call_text("get_weather", {"city": "Paris", "unit": "celsius"})
-    content, calls = parse(text, TOOLS)
-    assert content == "Let me look." and [c.function.name for c in calls] == ["get_weather"]
-    assert json.loads(calls[0].function.arguments) == {"city": "Paris", "unit": "celsius"}
-    for bad in (call_text("rm_rf", {}), f"{OPEN}not json{CLOSE}", "no call at all", f"{OPEN}{'[' * 5000}{CLOSE}",
-                f"{OPEN}{'[' * 5000}{']' * 5000}{CLOSE}"):   # nested deeper than json reads: not a call, no error
-        assert parse(bad, TOOLS) == (bad, [])
+def test_a_call_nested_deeper_than_json_reads_is_text_not_an_error():
+    for bad in (f"{OPEN}{'[' * 5000}{CLOSE}", f"{OPEN}{'[' * 5000}{']' * 5000}{CLOSE}"):
+        parsed = parse_all(output_parser("hermes", None, {"get_weather"}), bad, "stop")
+        assert parsed.calls == [] and "".join(parsed.content_parts) == bad
 
 
 def test_render_shows_tools_once_and_writes_calls_and_results_back():
@@ -52,7 +51,7 @@ def test_render_shows_tools_once_and_writes_calls_and_results_back():
     out = render(history, TOOLS)
     assert [m["role"] for m in out] == ["system", "user", "assistant", "tool"]
     assert out[0]["content"].startswith("Be brief.") and '"get_time"' in out[0]["content"]
-    assert parse(out[2]["content"], TOOLS)[1][0].function.name == "get_weather"
+    assert parse_all(output_parser("hermes", None, {"get_weather"}), out[2]["content"], "stop").calls[0].name == "get_weather"
     assert out[3]["content"] == "<tool_response>\n18 C, sunny\n</tool_response>"
     assert all(set(m) == {"role", "content"} for m in out)
     assert render(ASK, []) == ASK
@@ -61,19 +60,8 @@ def test_render_shows_tools_once_and_writes_calls_and_results_back():
 def test_choice_selects_what_is_shown_and_constrained():
     named = NamedToolChoice(type="function", function=NamedFunction(name="get_time"))
     assert shown(TOOLS, "none") == [] and shown(TOOLS, named) == [TOOLS[1]] and shown(None, "auto") == []
-    assert constraint(TOOLS, "auto", True) is None
-    one, many = constraint(TOOLS, "required", False)["grammar"], constraint(TOOLS, "required", True)["grammar"]
+    one, many = (constraint(PLAIN, TOOLS, parallel, False)["grammar"] for parallel in (False, True))
     assert '"get_weather"' in one and "call (" not in one and 'call ("\\n" call)*' in many
-
-
-def test_streaming_holds_back_a_call_and_sends_it_parsed_at_the_end():
-    reply = ToolReply(TOOLS)
-    sent = [reply.stream(p, False)[0] for p in ("Sure. <to", "ol_call>\n{\"name\": \"get_weather\", ", '"arguments": ')]
-    assert "".join(sent) == "Sure. "
-    rest, calls = reply.stream('{"city": "Oslo", "unit": "celsius"}}\n</tool_call>', True)
-    assert rest == "" and [(c.index, c.function.name) for c in calls] == [(0, "get_weather")]
-    plain = ToolReply(TOOLS)
-    assert plain.stream("a <b", False)[0] == "a <b" and plain.stream("", True) == ("", None)
 
 
 @pytest.fixture(scope="module")

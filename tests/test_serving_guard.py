@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -57,7 +58,8 @@ def _client(server, key: str | None = KEYS[0]) -> Client:
 # ------------------------------------------------------------------ authentication
 
 @pytest.mark.parametrize("method, path", [("GET", "/v1/models"), ("GET", "/metrics"), ("POST", "/v1/completions"),
-                                          ("POST", "/v1/chat/completions"), ("GET", "/openapi.json"), ("GET", "/nothing")])
+                                          ("POST", "/v1/chat/completions"), ("POST", "/v1/responses"),
+                                          ("GET", "/openapi.json"), ("GET", "/nothing")])
 def test_http_routes_need_a_key(server, method, path):
     body = {"prompt": "hi", "max_tokens": 2}
     for headers, words in (({}, "didn't provide"), ({"authorization": "Bearer nope"}, "Incorrect"),
@@ -69,6 +71,19 @@ def test_http_routes_need_a_key(server, method, path):
     assert httpx.get(server.base_url + "/health", timeout=30).json() == {"status": "ok"}   # a probe needs none
     for key in KEYS:
         assert httpx.get(server.base_url + "/v1/models", headers={"authorization": f"Bearer {key}"}, timeout=30).status_code == 200
+
+
+def test_anthropic_client_with_and_without_the_key(server):
+    """/v1/messages takes the key as Anthropic's SDK sends it (x-api-key), and refuses in Anthropic's shape."""
+    model = httpx.get(server.base_url + "/v1/models", headers=AUTH, timeout=30).json()["data"][0]["id"]
+    ask = {"model": model, "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]}
+    out = anthropic.Anthropic(base_url=server.base_url, api_key=KEYS[1], max_retries=0).messages.create(**ask)
+    assert out.usage.output_tokens > 0 and out.stop_reason in ("end_turn", "max_tokens")
+    with pytest.raises(anthropic.AuthenticationError) as refused:
+        anthropic.Anthropic(base_url=server.base_url, api_key="nope", max_retries=0).messages.create(**ask)
+    assert refused.value.body["error"]["type"] == "authentication_error"
+    keyless = httpx.post(server.base_url + "/v1/messages", json=ask, timeout=30)
+    assert keyless.status_code == 401 and keyless.json()["type"] == "error", keyless.text
 
 
 def test_openai_client_with_and_without_the_key(server):

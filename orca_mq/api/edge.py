@@ -1,8 +1,9 @@
 """ASGI wrappers at the HTTP API's edge, before FastAPI reads anything:
 
-- `ApiKeyGuard`: with `server.api_key`, every route but /health needs `Authorization: Bearer KEY`
-  (one of the keys, compared in constant time); otherwise 401 with OpenAI's error object. Who a
-  request counts for in the server's fair shares (`end_client`) is its key then, else its connection;
+- `ApiKeyGuard`: with `server.api_key`, every route but /health needs `Authorization: Bearer KEY` or
+  `x-api-key: KEY` (Anthropic's; one of the keys, compared in constant time); otherwise 401 with the
+  route's API's error object (orca_mq.api.errors.body_for). Who a request counts for in the server's
+  fair shares (`end_client`) is its key then, else its connection;
 - `BodyLimit`: a declared Content-Length over the limit gets 413 at once; a chunked body is cut
   off (and refused) as soon as it passes the limit;
 - `Handled`: FastAPI answers an exception with its handler (which logs it) and then re-raises it
@@ -13,7 +14,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from orca_mq.api.errors import ApiError, error_body
+from orca_mq.api.errors import ApiError, body_for
 from orca_mq.auth import KeyCheck
 
 Scope = dict[str, Any]
@@ -40,14 +41,17 @@ class ApiKeyGuard:
         if scope["type"] != "http" or not self.keys.required or scope["path"] in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
-        scheme, _, key = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1").partition(" ")
+        headers = dict(scope["headers"])
+        scheme, _, key = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
+        if b"x-api-key" in headers:
+            scheme, key = "bearer", headers[b"x-api-key"].decode("latin-1")
         if scheme.lower() == "bearer" and (index := self.keys.which(key.strip())) >= 0:
             scope[END_CLIENT] = f"key{index}"
             await self.app(scope, receive, send)
             return
         message = ("Incorrect API key provided." if key else
-                   "You didn't provide an API key: send the header 'Authorization: Bearer KEY'.")
-        await send_error(send, ApiError(401, message, "invalid_api_key"), [(b"www-authenticate", b"Bearer")])
+                   "You didn't provide an API key: send the header 'Authorization: Bearer KEY' (or 'x-api-key: KEY').")
+        await send_error(send, scope, ApiError(401, message, "invalid_api_key"), [(b"www-authenticate", b"Bearer")])
 
 
 class BodyLimit:
@@ -61,7 +65,7 @@ class BodyLimit:
             return
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > self.limit):
-            await send_error(send, self._too_large())
+            await send_error(send, scope, self._too_large())
             return
         seen = 0
 
@@ -90,8 +94,8 @@ class Handled:
             pass
 
 
-async def send_error(send: Send, err: ApiError, headers: list[tuple[bytes, bytes]] | None = None) -> None:
-    body = json.dumps(error_body(err)).encode()
+async def send_error(send: Send, scope: Scope, err: ApiError, headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    body = json.dumps(body_for(scope["path"], err)).encode()
     await send({"type": "http.response.start", "status": err.status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                             *(headers or [])]})

@@ -7,7 +7,9 @@ for 5xx); `param` names the request field at fault where one is; `code` is machi
 request the schema refuses `unknown_parameter`, `unsupported_parameter`, `missing_parameter`,
 `invalid_type`, `invalid_value` or `invalid_json`, otherwise orca-mq's stable code (invalid_request, overloaded,
 unavailable, internal), `invalid_api_key`, `model_not_found`, `request_too_large`, `not_found`.
-A 500 says nothing more than that: the log has the rest.
+A 500 says nothing more than that: the log has the rest. POST /v1/messages answers in Anthropic's
+shape instead (`body_for`): {"type": "error", "error": {"type": "invalid_request_error", "message": ...}},
+the field at fault named in the message.
 """
 from __future__ import annotations
 
@@ -48,6 +50,22 @@ def error_type(status: int) -> str:
 
 def error_body(err: ApiError) -> dict[str, Any]:
     return {"error": {"message": err.message, "type": error_type(err.status), "param": err.param, "code": err.code}}
+
+
+ANTHROPIC_PATHS = frozenset({"/v1/messages"})
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                   404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+
+
+def anthropic_error_body(err: ApiError) -> dict[str, Any]:
+    kind = ANTHROPIC_TYPES.get(err.status, "api_error" if err.status >= 500 else "invalid_request_error")
+    message = err.message if not err.param or err.param in err.message else f"{err.param}: {err.message}"
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def body_for(path: str, err: ApiError) -> dict[str, Any]:
+    """The error object of the API a path belongs to."""
+    return anthropic_error_body(err) if path in ANTHROPIC_PATHS else error_body(err)
 
 
 def from_validation(errors: Sequence[Any]) -> ApiError:

@@ -29,7 +29,10 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 from pydantic_core import PydanticCustomError
 
-from orca_mq.api.tools import MAX_TOOLS, ArgumentsError, Tool, ToolCall, ToolCallDelta, ToolChoice, constraint, render, shown
+from orca_mq.api.chat_format import PLAIN, ChatFormat
+from orca_mq.api.errors import ApiError
+from orca_mq.api.tool_grammar import constraint
+from orca_mq.api.tools import MAX_TOOLS, Tool, ToolCall, ToolCallDelta, ToolChoice, arguments_of, render, shown
 from orca_mq.api.logprobs import ChatLogprobs, CompletionLogprobs
 from orca_mq.admission.prompts import check_template_kwargs
 from orca_mq.errors import InvalidRequest
@@ -246,6 +249,7 @@ class ChatMessage(Strict):
     name: str | None = Field(None, max_length=256)                 # accepted, not shown to the model
     tool_calls: list[ToolCall] | None = Field(None, max_length=MAX_TOOLS)   # an assistant's earlier calls
     tool_call_id: str | None = Field(None, max_length=256)         # a tool message's call
+    reasoning_content: str | None = None                           # an assistant's thinking (a reasoning model's template reads it)
 
     @model_validator(mode="after")
     def _content(self) -> "ChatMessage":
@@ -254,10 +258,26 @@ class ChatMessage(Strict):
                                       "may stand without it)", {"param": "content"})
         return self
 
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
+
     def plain(self) -> dict[str, Any]:
-        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
         calls = [c.model_dump() for c in self.tool_calls or []]
-        return {"role": self.role, "content": text} | ({"tool_calls": calls} if calls else {})
+        return {"role": self.role, "content": self.text} | ({"tool_calls": calls} if calls else {})
+
+    def templated(self, fmt: ChatFormat) -> dict[str, Any]:
+        """As the families' templates read a message: a call's arguments as their JSON value, its id as
+        the format takes it, the thinking under both names templates use (Qwen3's, gpt-oss')."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text}
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": fmt.call_id(c.id), "type": "function", "function": {
+                "name": c.function.name, "arguments": arguments_of(c.function.arguments)}} for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = fmt.call_id(self.tool_call_id)
+        if self.reasoning_content:
+            out["reasoning_content"] = out["thinking"] = self.reasoning_content
+        return out
 
 
 class ChatCompletionRequest(_Sampling):
@@ -271,7 +291,7 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: ToolChoice | None = None         # default: auto with tools, none without
     parallel_tool_calls: bool | None = Field(None, strict=True)   # default true
     chat_template_kwargs: dict[str, Any] | None = None   # vLLM extension: more variables for the chat template
-    _rendered: list[dict[str, str]] = PrivateAttr(default_factory=list)   # the messages as the template gets them
+    _format: ChatFormat = PrivateAttr(default=PLAIN)       # the served model's (`bind`)
 
     @model_validator(mode="after")
     def _template_kwargs(self) -> "ChatCompletionRequest":
@@ -288,19 +308,24 @@ class ChatCompletionRequest(_Sampling):
         if choice not in (None, "none", "auto") and not self.shown_tools:
             raise PydanticCustomError("value_error", "tool_choice {choice} names no tool of `tools`",
                                       {"param": "tool_choice", "choice": str(choice)[:100]})
-        if self.tool_constraint is not None and (self.structured_outputs is not None or (
+        if self.constrained and (self.structured_outputs is not None or (
                 self.response_format is not None and self.response_format.type != "text")):
             raise PydanticCustomError("value_error", "a required or named tool_choice constrains the output itself: "
                                       "give no response_format or structured_outputs with it", {"param": "tool_choice"})
         return self
 
     @model_validator(mode="after")
-    def _render(self) -> "ChatCompletionRequest":
-        """Rendered once, here: what cannot be rendered is a 400 naming its field."""
-        try:
-            self._rendered = render([m.plain() for m in self.messages], self.shown_tools)
-        except ArgumentsError as e:
-            raise PydanticCustomError("value_error", str(e), {"param": e.param}) from None
+    def _arguments(self) -> "ChatCompletionRequest":
+        """An earlier call's arguments are read back for the template: nested deeper than json reads is a 400
+        naming them, here, rather than a RecursionError's 500 when the prompt is rendered."""
+        for i, m in enumerate(self.messages):
+            for j, c in enumerate(m.tool_calls or ()):
+                try:
+                    arguments_of(c.function.arguments)
+                except RecursionError:
+                    param = f"messages.{i}.tool_calls.{j}.function.arguments"
+                    raise PydanticCustomError("value_error", "{param}: JSON nested too deeply to read",
+                                              {"param": param}) from None
         return self
 
     def limit(self) -> int | None:
@@ -325,16 +350,46 @@ class ChatCompletionRequest(_Sampling):
         return shown(self.tools, self.tool_choice)
 
     @property
-    def tool_constraint(self) -> dict[str, Any] | None:
-        return constraint(self.shown_tools, self.tool_choice, self.parallel_tool_calls is not False)
+    def constrained(self) -> bool:
+        """tool_choice required or a named function: the output is calls in the model's format (tool_grammar)."""
+        return bool(self.shown_tools) and self.tool_choice not in (None, "auto", "none")
+
+    @property
+    def thinking(self) -> bool:
+        """The model may think first (unless the template is told not to: enable_thinking false)."""
+        return (self.chat_template_kwargs or {}).get("enable_thinking") is not False
+
+    @property
+    def format(self) -> ChatFormat:
+        return self._format
+
+    @property
+    def strip_specials(self) -> bool:
+        """The engine keeps special tokens for the parser, which the request did not ask to see."""
+        return self._format.keeps_specials and self.skip_special_tokens is not False
+
+    def bind(self, fmt: ChatFormat) -> "ChatCompletionRequest":
+        """The request as the served model takes it (before anything runs): a 400 for tools it cannot parse."""
+        if self.shown_tools and fmt.tool_parser is None:
+            raise ApiError(400, "this server parses no tool calls (server.tool_call_parser = none): give no tools",
+                           "invalid_value", "tools")
+        self._format = fmt
+        return self
 
     def prompt_args(self) -> dict[str, Any]:
         kwargs = {} if self.chat_template_kwargs is None else {"chat_template_kwargs": self.chat_template_kwargs}
-        return {"messages": self._rendered} | kwargs
+        fmt = self._format
+        if not fmt.template_tools:
+            return {"messages": render([m.plain() for m in self.messages], self.shown_tools)} | kwargs
+        tools = [t.model_dump(exclude_none=True) for t in self.shown_tools]
+        return {"messages": [m.templated(fmt) for m in self.messages]} | ({"tools": tools} if tools else {}) | kwargs
 
     def sampling(self) -> dict[str, Any]:
-        given = _Sampling.sampling(self)
-        return given | ({"structured_outputs": c} if (c := self.tool_constraint) is not None else {})
+        given = _Sampling.sampling(self) | ({"skip_special_tokens": False} if self._format.keeps_specials else {})
+        if self.constrained:
+            given["structured_outputs"] = constraint(self._format, self.shown_tools, self.parallel_tool_calls is not False,
+                                                     self.thinking)
+        return given
 
 
 # ---------------------------------------------------------------- responses
@@ -343,11 +398,16 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0   # prompt tokens whose K/V came from the prefix cache (as OpenAI reports it)
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int = 0   # the thinking's tokens (with a reasoning parser)
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | None = None
 
 
 class CompletionChoice(BaseModel):
@@ -360,6 +420,7 @@ class CompletionChoice(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    reasoning_content: str | None = None    # the thinking (a reasoning parser's), as vLLM
     tool_calls: list[ToolCall] | None = None
 
 
@@ -373,6 +434,7 @@ class ChatChoice(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
 
 

@@ -1,6 +1,8 @@
 """The OpenAI-compatible HTTP API: one more client of the broker (FastAPI on uvicorn + uvloop).
 
     POST /v1/completions, POST /v1/chat/completions   (stream or not)
+    POST /v1/responses                                 (OpenAI's Responses API: orca_mq.api.responses)
+    POST /v1/messages                                  (Anthropic's Messages API: orca_mq.api.messages)
     GET  /v1/models, GET /v1/models/{id}, GET /health, GET /metrics, GET /version
     POST /tokenize, POST /detokenize                   (vLLM's; orca_mq.api.tokenize)
 
@@ -40,15 +42,22 @@ from orca_mq.models.registry import read_model_info
 from orca_mq.logs import setup_logging
 from orca_mq.protocol.control_msgs import Ready
 from orca_mq.api.edge import ApiKeyGuard, BodyLimit, Handled, end_client
-from orca_mq.api.errors import INTERNAL_TEXT, ApiError, error_body, from_validation
+from orca_mq.api.errors import INTERNAL_TEXT, ApiError, body_for, from_validation
 from orca_mq.api.fanout import Build, Choice, Fanout, answer, begin, check_bounds, events
 from orca_mq.api.offload import Builder
-from orca_mq.api.tools import ToolReply, parse
+from orca_mq.api.chat import chat_builders
+from orca_mq.api.chat_format import ChatFormat, resolve
+from orca_mq.api.messages import message
+from orca_mq.api.messages_schema import MessagesRequest
+from orca_mq.api.reply import Reply
+from orca_mq.api.responses import respond
+from orca_mq.api.responses_schema import ResponsesRequest
+from orca_mq.api.responses_store import ResponseStore
+from orca_mq.api.turn import Turn
 from orca_mq.api.metrics import ApiMetrics
 from orca_mq.api.tokenize import DetokenizeRequest, DetokenizeResponse, Tokenization, TokenizeRequest, TokenizeResponse
-from orca_mq.api.schemas import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,
-                                           ChatCompletionChunk, ChatCompletionRequest, ChatDelta, Completion,
-                                           CompletionChoice, CompletionRequest, ModelCard, ModelList, Usage, new_id)
+from orca_mq.api.schemas import (ChatCompletionRequest, Completion, CompletionChoice, CompletionRequest, ModelCard,
+                                           ModelList, Usage, new_id)
 from orca_mq.server.process import process_main
 from orca_mq.server.zmq_queue import BrokerLink
 
@@ -56,8 +65,8 @@ STATS_TIMEOUT = 3.0    # a scheduler that does not answer stats within this is r
 STATS_MAX_AGE = 1.0    # /health and /metrics reuse a stats reply this recent
 
 
-def _json_error(err: ApiError) -> JSONResponse:
-    return JSONResponse(error_body(err), status_code=err.status)
+def _json_error(err: ApiError, request: Request) -> JSONResponse:
+    return JSONResponse(body_for(request.url.path, err), status_code=err.status)
 
 
 class Api:
@@ -81,31 +90,35 @@ class Api:
         self.stats_at = -1.0
         self.stats_ok = False
         self.stats_task: asyncio.Task[None] | None = None
+        self.format: ChatFormat | None = None   # the model's tool and reasoning format, from its tokenizer (first chat)
+        self.responses_store = ResponseStore(cfg.server.responses_store)
         self.app = self._routes()
 
     def _routes(self) -> FastAPI:
         app = FastAPI(title="orca-mq", docs_url=None, redoc_url=None)
 
         @app.exception_handler(RequestValidationError)
-        async def invalid(_: Request, e: RequestValidationError) -> JSONResponse:
-            return _json_error(from_validation(e.errors()))
+        async def invalid(request: Request, e: RequestValidationError) -> JSONResponse:
+            return _json_error(from_validation(e.errors()), request)
 
         @app.exception_handler(ApiError)
-        async def api_error(_: Request, e: ApiError) -> JSONResponse:
-            return _json_error(e)
+        async def api_error(request: Request, e: ApiError) -> JSONResponse:
+            return _json_error(e, request)
 
         @app.exception_handler(HTTPException)
-        async def http_error(_: Request, e: HTTPException) -> JSONResponse:  # unknown route, wrong method
+        async def http_error(request: Request, e: HTTPException) -> JSONResponse:  # unknown route, wrong method
             code = {400: "invalid_json", 404: "not_found", 405: "method_not_allowed"}.get(e.status_code, "error")
-            return _json_error(ApiError(e.status_code, str(e.detail), code))
+            return _json_error(ApiError(e.status_code, str(e.detail), code), request)
 
         @app.exception_handler(Exception)
-        async def internal(_: Request, e: Exception) -> JSONResponse:
+        async def internal(request: Request, e: Exception) -> JSONResponse:
             self.log.exception("request failed", error=str(e)[:500])
-            return _json_error(ApiError(500, INTERNAL_TEXT, "internal"))
+            return _json_error(ApiError(500, INTERNAL_TEXT, "internal"), request)
 
         app.post("/v1/completions", response_model=None)(self.completions)
         app.post("/v1/chat/completions", response_model=None)(self.chat)
+        app.post("/v1/responses", response_model=None)(self.responses)
+        app.post("/v1/messages", response_model=None)(self.messages)
         app.get("/v1/models")(self.models)
         app.get("/v1/models/{model_id:path}")(self.retrieve_model)
         app.post("/tokenize")(self.tokenize)
@@ -118,7 +131,7 @@ class Api:
     # ---------------------------------------------------------------- generation
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
-        rid, model = new_id("cmpl"), self._model(body.model)
+        rid, model = new_id("cmpl"), self.model_for(body.model)
 
         def chunk(c: Choice, text: str, reason: str | None, usage: Usage | None) -> Completion:
             return Completion(id=rid, model=model, usage=usage,
@@ -131,31 +144,9 @@ class Api:
         return await self._serve(body, request, chunk, whole)
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
-        rid, model, tools = new_id("chatcmpl"), self._model(body.model), body.shown_tools
-        replies: dict[int, ToolReply] = {}   # each choice's: calls held back while streaming, parsed at the end
-
-        def chunk(c: Choice, text: str, reason: str | None, usage: Usage | None) -> ChatCompletionChunk:
-            if usage:
-                return ChatCompletionChunk(id=rid, model=model, usage=usage, choices=[])
-            calls = None
-            if tools:
-                text, calls = replies.setdefault(c.index, ToolReply(tools)).stream(text, reason is not None)
-            delta = ChatDelta(content=text) if reason is None else ChatDelta(content=text or None, tool_calls=calls)
-            reason = "tool_calls" if calls else reason
-            return ChatCompletionChunk(id=rid, model=model, choices=[
-                ChatChunkChoice(index=c.index, delta=delta, finish_reason=reason)])
-
-        def whole(c: Choice, text: str, reason: str | None, usage: Usage | None) -> ChatCompletion:
-            content, calls = parse(text, tools) if tools else (text, [])
-            message = AssistantMessage(content=content, tool_calls=calls or None)
-            return ChatCompletion(id=rid, model=model, usage=usage, choices=[
-                ChatChoice(index=c.index, message=message, finish_reason="tool_calls" if calls else reason)])
-
-        def opening(c: Choice) -> ChatCompletionChunk:
-            return ChatCompletionChunk(id=rid, model=model, choices=[
-                ChatChunkChoice(index=c.index, delta=ChatDelta(role="assistant", content=""))])
-
-        return await self._serve(body, request, chunk, whole, opening)
+        rid, model = new_id("chatcmpl"), self.model_for(body.model)
+        body.bind(await self.chat_format())
+        return await self._serve(body, request, *chat_builders(body, rid, model))
 
     async def _serve(self, body: CompletionRequest | ChatCompletionRequest, request: Request, chunk: Build,
                      whole: Build, opening: Callable[[Choice], BaseModel] | None = None) -> Response:
@@ -170,13 +161,36 @@ class Api:
             raise
         return StreamingResponse(events(fan, chunk, body.include_usage, opening), media_type="text/event-stream")
 
+    async def responses(self, body: ResponsesRequest, request: Request) -> Response:
+        return await respond(self, self.responses_store, body, request)
+
+    async def messages(self, body: MessagesRequest, request: Request) -> Response:
+        return await message(self, body, request)
+
+    async def turn(self, body: ChatCompletionRequest, request: Request) -> Turn:
+        """A Responses or Messages request, as the chat request `body`, ready to run (streamed: started)."""
+        body.bind(await self.chat_format())
+        check_bounds(body, self.cfg.server, self.max_model_len)
+        turn = Turn(Fanout(body, self.client, self.metrics, self.builder, end_client(request.scope)), Reply.of(body))
+        if body.stream:
+            await turn.start(request)
+        return turn
+
+    async def chat_format(self) -> ChatFormat:
+        """The model's tool and reasoning format, resolved from its tokenizer on first use (off the loop)."""
+        if self.format is None:
+            prompts = await self.tokenization.prompts()
+            self.format = await asyncio.get_running_loop().run_in_executor(
+                self.tokenization.pool, resolve, self.cfg, prompts.tokenizer)
+        return self.format
+
     # ---------------------------------------------------------------- state
 
     def _check_model(self, name: str | None) -> None:
         if name is not None and name not in self.model_names:
             raise ApiError(404, f"The model `{name[:100]}` does not exist.", "model_not_found", "model")
 
-    def _model(self, name: str | None) -> str:
+    def model_for(self, name: str | None) -> str:
         """The name a response gives: the one the request asked for, else the first served name."""
         self._check_model(name)
         return name or self.model_name

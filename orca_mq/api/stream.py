@@ -43,13 +43,15 @@ class StopStrings:
 
     stops: list[str]
     held: str = ""
+    hit: str | None = None    # the stop string that ended the text
 
     def feed(self, text: str) -> tuple[str, bool]:
         buf = self.held + text
-        hits = [i for s in self.stops if (i := buf.find(s)) >= 0]
+        hits = [(i, s) for s in self.stops if (i := buf.find(s)) >= 0]
         if hits:
             self.held = ""
-            return buf[:min(hits)], True
+            at, self.hit = min(hits)
+            return buf[:at], True
         keep = partial_tail(buf, self.stops)
         self.held = buf[len(buf) - keep:]
         return buf[:len(buf) - keep], False
@@ -78,6 +80,7 @@ class Generation:
     logprobs: Logprobs | None = None          # the generated tokens' (up to a stop string's), when asked
     prompt_logprobs: Logprobs | None = None   # the prompt's, when asked (echo)
     fresh: Logprobs | None = None             # generated tokens' not yet taken into a chunk (`take`)
+    prompt_tail: str | None = None            # a chat prompt's end, from its first event (orca_mq.api.reply)
 
     async def pieces(self) -> AsyncIterator[str]:
         """Text deltas (possibly empty, one per server event); raises ApiError if the server refuses."""
@@ -108,7 +111,9 @@ class Generation:
                 self.metrics.outcome("abort")  # the HTTP client left
 
     def _logprobs_of(self, ev: StreamEvent) -> StreamEvent:
-        """Keeps the prompt's log probabilities; an echo-only request's event without its token."""
+        """Keeps the prompt's log probabilities (and end); an echo-only request's event without its token."""
+        if ev.prompt_tail is not None:
+            self.prompt_tail = ev.prompt_tail
         if ev.prompt_logprobs is not None:
             self.prompt_logprobs = ev.prompt_logprobs
         if self.echo_only and (ev.token_ids or ev.text or ev.logprobs is not None):

@@ -2,16 +2,16 @@
 tools/bench_reliability.py (at length):
 
 - `schema_fuzz`: schemathesis, from the server's own OpenAPI schema, positive and negative cases of
-  every operation;
+  every operation (/v1/responses and /v1/messages among them);
 - `body_fuzz`: hypothesis requests to the generation routes (orca_mq.bench.http_bodies): wild ones
   the schema knows nothing of (issue 44's costly shapes among them: a tool reply of a tag and whitespace,
   arguments nested deep, a closing plan of many-byte letters, log probabilities and n at and past their
   bounds), and ones built to be served or to be refused for one named field.
 
 Every reply is judged by the contract: never a 5xx, a JSON error object with a message, type and
-code on every 4xx (and with a param when the schema refused a field); a request built to be served
-gets 200 and its whole answer, one built to be refused a 400 naming its field. A violation is counted
-with a sample, never raised, so a caller sees them all.
+code on every 4xx (Anthropic's, with a type and message, on /v1/messages; with a param when the
+schema refused a field); a request built to be served gets 200 and its whole answer, one built to be
+refused a 400 naming its field. A violation is counted with a sample, never raised, so a caller sees them all.
 """
 from __future__ import annotations
 
@@ -66,13 +66,15 @@ def _violation(status: int, body: bytes, content_type: str, expect: Expect) -> s
     if "json" not in content_type:
         return f"{status} without a JSON body"
     try:
-        err = json.loads(body)["error"]
-        ok = isinstance(err["message"], str) and isinstance(err["type"], str) and isinstance(err["code"], str)
-    except (ValueError, KeyError, TypeError):
-        return f"{status} without OpenAI's error object"
+        reply = json.loads(body)
+        err = reply["error"]
+        ok = isinstance(err["message"], str) and isinstance(err["type"], str) and (
+            isinstance(err.get("code"), str) or reply.get("type") == "error")   # OpenAI's object, or Anthropic's
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return f"{status} without an error object"
     if ok and expect.param is not None and not (status == 400 and _names(err.get("param"), expect.param)):
         return f"{status} with param {err.get('param')!r}, not {expect.param!r}"
-    return None if ok else f"{status} without OpenAI's error object"
+    return None if ok else f"{status} without an error object"
 
 
 def _names(param: Any, field_name: str) -> bool:

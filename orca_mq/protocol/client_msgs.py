@@ -14,8 +14,10 @@ frames, without the fields added after its version. Version 5 adds log probabili
 `logprobs` / `prompt_logprobs` sampling fields): `output.logprobs`, `output.prompt_logprobs` and the
 same as optional columns of `outputs` (orca_mq.protocol.logprobs.Logprobs, each token's text beside its id).
 Version 6 adds `generate`'s chat_template_kwargs (variables for the chat template). Version 7 adds
-`generate`'s on_behalf_of: the end client a gateway (the HTTP API) sends it for, its own client for
-the server's fair shares (orca_mq.fair_share).
+`output`'s param (the request field a refusal blames). Version 8 adds `generate`'s on_behalf_of: the end
+client a gateway (the HTTP API) sends it for, its own client for the server's fair shares
+(orca_mq.fair_share). Version 9 adds `generate`'s tools (the chat template renders them) and, with a
+chat request's first tokens, the end of its rendered prompt (`prompt_tail`: whether it left a thinking block open, for a reasoning parser).
 """
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ class Generate:
     # more variables for the chat template (vLLM's), e.g. {"enable_thinking": False}; orca_mq.admission.prompts bounds them
     chat_template_kwargs: dict[str, Any] | None = added(6, default=None)
     on_behalf_of: str = added(8, default="")   # a gateway's end client (at most 256 characters): a client of its own
+    tools: list[dict[str, Any]] | None = added(9, default=None)   # OpenAI's function tools, for the chat template
 
 
 @message("abort")
@@ -77,6 +80,7 @@ class Output:
     logprobs: Logprobs | None = added(5, default=None)          # token_ids' log probabilities, when asked
     prompt_logprobs: Logprobs | None = added(5, default=None)   # the prompt's, with the first tokens, when asked
     param: str | None = added(7, default=None)   # a refusal's request field at fault, where one is (InvalidRequest.param)
+    prompt_tail: str | None = added(9, default=None)   # a chat prompt's end (admission.prompts.PROMPT_TAIL_CHARS), with its first tokens
 
 
 @dataclass(slots=True)
@@ -90,7 +94,7 @@ class Final:
 
 
 @message("outputs", since=4, columns=("request_ids", "token_ids", "texts", "finals"),
-         optional_columns=("logprobs", "prompt_logprobs"))
+         optional_columns=("logprobs", "prompt_logprobs", "prompt_tails"))
 @dataclass(slots=True)
 class Outputs:
     """One iteration's news for one client, a row per request it moved: request_ids[i] got
@@ -103,6 +107,7 @@ class Outputs:
     # v5, where a row asks: empty (no row has any) or a column (None in the rows without)
     logprobs: list[Logprobs | None] = added(5, default_factory=list)
     prompt_logprobs: list[Logprobs | None] = added(5, default_factory=list)
+    prompt_tails: list[str | None] = added(9, default_factory=list)   # v9: as logprobs, where a row has one
 
     def rows(self) -> list[Output]:
         """Each row as the `output` frame it stands for (and an older client reads)."""
@@ -111,6 +116,8 @@ class Outputs:
             out.logprobs = lp
         for out, lp in zip(outs, self.prompt_logprobs):
             out.prompt_logprobs = lp
+        for out, tail in zip(outs, self.prompt_tails):
+            out.prompt_tail = tail
         return outs
 
 

@@ -16,7 +16,7 @@ Stats.api_key (and the code `unauthorized`); version 4 added `outputs` (one fram
 iteration, client_msgs); version 5 added log probabilities to `output` and `outputs`
 (orca_mq.protocol.logprobs); version 6 added `generate`'s chat_template_kwargs; version 7 added
 `output`'s param (the request field a refusal blames); version 8 `generate`'s on_behalf_of (a
-gateway's end client). An older frame
+gateway's end client); version 9 `generate`'s tools and `output`'s prompt_tail. An older frame
 still decodes, with the newer fields' defaults, and `encode(msg, version)` writes a frame an older
 peer reads: without the fields added after it.
 """
@@ -33,8 +33,8 @@ import msgpack
 
 from orca_mq.short_repr import short_repr
 
-PROTOCOL_VERSION = 8
-SUPPORTED_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8)
+PROTOCOL_VERSION = 9
+SUPPORTED_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9)
 MAX_FRAME_BYTES = 64 << 20
 
 Conv = Callable[[Any, str], Any]

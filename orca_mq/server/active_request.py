@@ -31,6 +31,7 @@ class ActiveRequest:
     version: int
     first_token: float | None = None
     prompt_head: int | None = None   # prompt logprobs asked: its prompt's first token, until they are sent
+    prompt_tail: str | None = None   # a chat prompt's end, until its first row is sent
 
     def step(self, new_ids: list[int], now: float, hide_last: bool = False) -> str:
         """Take an iteration's new tokens (received at `now`); return their new text (without the last

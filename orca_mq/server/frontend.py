@@ -153,9 +153,10 @@ class Frontend:
     async def _tokenize_and_admit(self, iid: str, msg: Generate, params: SamplingParams) -> None:
         failure: Exception | None = None
         prompt_ids: list[int] = []
+        tail: str | None = None   # a chat prompt's end, for the client's reasoning parser
         shortest = None   # a constrained request's shortest output, in tokens, that max_tokens must hold
         try:
-            prompt_ids = await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, self.prompts.token_ids, msg)
+            prompt_ids, tail = await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, self.prompts.tokenize, msg)
             if (spec := params.structured_outputs) is not None:  # parsed once, in _enqueue
                 shortest = await bounded(self.grammar_pool, self.model.grammars.shortest, spec, self.cfg.structured.compile_timeout)
         except Exception as e:
@@ -170,7 +171,7 @@ class Frontend:
             elif failure is not None:
                 raise failure
             else:
-                await self._admit(iid, adm, prompt_ids, shortest)
+                await self._admit(iid, adm, prompt_ids, shortest, tail)
         except InvalidRequest as e:
             self.ids.release(iid)
             await self._refuse(adm.client, msg.request_id, e, adm.version)
@@ -181,13 +182,14 @@ class Frontend:
                                       adm.version)
         await self._maybe_drained()
 
-    async def _admit(self, iid: str, adm: Admission, prompt_ids: list[int], shortest: int | None) -> None:
+    async def _admit(self, iid: str, adm: Admission, prompt_ids: list[int], shortest: int | None,
+                     tail: str | None) -> None:
         if self.draining:
             raise _Unavailable("server is shutting down; not accepting new requests")
         params = self.model.fit(prompt_ids, adm.params, shortest)
         rid = adm.msg.request_id
         detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
-        self.active[iid] = ActiveRequest(adm.client, rid, detok, len(prompt_ids), time.time(), adm.version)
+        self.active[iid] = ActiveRequest(adm.client, rid, detok, len(prompt_ids), time.time(), adm.version, prompt_tail=tail)
         if params.prompt_logprobs is not None:
             self.active[iid].prompt_head = prompt_ids[0]
         share = client_name(adm.client, adm.msg.api_key, adm.msg.on_behalf_of)   # the broker put the key's index there
@@ -229,10 +231,11 @@ class Frontend:
                 self._forget(iid)
                 self.log.info("request finished", request_id=iid, finish_reason=reason,
                               completion_tokens=len(req.detok.ids), iteration=batch.iteration)
+            tail, req.prompt_tail = req.prompt_tail, None   # with the request's first row
             if iid in logprobs or req.prompt_head is not None:
-                out.add(req, ids, text, final, *self._logprobs(req, logprobs.get(iid), batch.prompt_logprobs.get(iid)))
+                out.add(req, ids, text, final, *self._logprobs(req, logprobs.get(iid), batch.prompt_logprobs.get(iid)), tail)
             else:
-                out.add(req, ids, text, final)
+                out.add(req, ids, text, final, prompt_tail=tail)
         await out.send(self.link)
         await self._maybe_drained()
 

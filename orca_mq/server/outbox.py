@@ -25,7 +25,8 @@ class Outbox:
         self.singles: list[tuple[bytes, int, Output]] = []     # older clients: (client, version, frame)
 
     def add(self, req: ActiveRequest, token_ids: list[int], text: str, final: Final | None,
-            logprobs: Logprobs | None = None, prompt_logprobs: Logprobs | None = None) -> None:
+            logprobs: Logprobs | None = None, prompt_logprobs: Logprobs | None = None,
+            prompt_tail: str | None = None) -> None:
         if req.version < BATCHED_VERSION:
             self.singles.append((req.client, req.version, as_output(req.request_id, token_ids, text, final)))
             return
@@ -40,6 +41,10 @@ class Outbox:
         elif batch.logprobs:
             batch.logprobs.append(None)
             batch.prompt_logprobs.append(None)
+        if prompt_tail is not None and not batch.prompt_tails:   # the column starts at the first row with one
+            batch.prompt_tails = [None] * len(batch.request_ids)
+        if batch.prompt_tails:
+            batch.prompt_tails.append(prompt_tail)
         batch.request_ids.append(req.request_id)
         batch.token_ids.append(token_ids)
         batch.texts.append(text)
