@@ -10,14 +10,14 @@ list of Python floats.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any, Literal, get_args
+from typing import Any, get_args
 
 import numpy as np
 
+from orca_mq.config import Pooling
 from orca_mq.errors import InvalidRequest
 from orca_mq.short_repr import short_repr
 
-Pooling = Literal["last", "mean"]
 POOLINGS: tuple[str, ...] = get_args(Pooling)
 F32 = np.dtype("<f4")
 NORM_EPS = 1e-12   # torch.nn.functional.normalize's: a zero vector stays zero
