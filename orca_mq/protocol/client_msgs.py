@@ -13,7 +13,11 @@ frame in the version the client wrote it in, so an older client (v1-v3) gets per
 frames, without the fields added after its version. Version 5 adds log probabilities (a request's
 `logprobs` / `prompt_logprobs` sampling fields): `output.logprobs`, `output.prompt_logprobs` and the
 same as optional columns of `outputs` (orca_mq.protocol.logprobs.Logprobs, each token's text beside its id).
-Version 6 adds `generate`'s chat_template_kwargs (variables for the chat template).
+Version 6 adds `generate`'s chat_template_kwargs (variables for the chat template), version 7 `output`'s
+param (the request field a refusal blames). Version 8 adds embeddings: a `generate` with `pooling`
+(orca_mq.protocol.pooling.PoolingParams' fields) embeds its prompt instead of generating, and its final
+carries the vector (`output.embedding`, a column of `outputs`: little-endian float32 bytes, hidden_size
+x 4 of them); an older client's frame cannot hold `pooling` (refused, naming the version it needs).
 """
 from __future__ import annotations
 
@@ -37,6 +41,8 @@ class Generate:
     api_key: str = added(3, default="")   # one of server.api_key's keys, when the server has any
     # more variables for the chat template (vLLM's), e.g. {"enable_thinking": False}; orca_mq.admission.prompts bounds them
     chat_template_kwargs: dict[str, Any] | None = added(6, default=None)
+    # an embedding request (PoolingParams' fields; {} for the server's defaults): a prompt in, a vector out
+    pooling: dict[str, Any] | None = added(8, default=None)
 
 
 @message("abort")
@@ -74,6 +80,7 @@ class Output:
     logprobs: Logprobs | None = added(5, default=None)          # token_ids' log probabilities, when asked
     prompt_logprobs: Logprobs | None = added(5, default=None)   # the prompt's, with the first tokens, when asked
     param: str | None = added(7, default=None)   # a refusal's request field at fault, where one is (InvalidRequest.param)
+    embedding: bytes | None = added(8, default=None)   # an embedding request's final: its vector (float32, little-endian)
 
 
 @dataclass(slots=True)
@@ -87,7 +94,7 @@ class Final:
 
 
 @message("outputs", since=4, columns=("request_ids", "token_ids", "texts", "finals"),
-         optional_columns=("logprobs", "prompt_logprobs"))
+         optional_columns=("logprobs", "prompt_logprobs", "embeddings"))
 @dataclass(slots=True)
 class Outputs:
     """One iteration's news for one client, a row per request it moved: request_ids[i] got
@@ -100,6 +107,7 @@ class Outputs:
     # v5, where a row asks: empty (no row has any) or a column (None in the rows without)
     logprobs: list[Logprobs | None] = added(5, default_factory=list)
     prompt_logprobs: list[Logprobs | None] = added(5, default_factory=list)
+    embeddings: list[bytes | None] = added(8, default_factory=list)   # v8: the embedding requests' vectors
 
     def rows(self) -> list[Output]:
         """Each row as the `output` frame it stands for (and an older client reads)."""
@@ -108,6 +116,8 @@ class Outputs:
             out.logprobs = lp
         for out, lp in zip(outs, self.prompt_logprobs):
             out.prompt_logprobs = lp
+        for out, vector in zip(outs, self.embeddings):
+            out.embedding = vector
         return outs
 
 

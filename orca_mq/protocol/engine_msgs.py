@@ -11,6 +11,7 @@ from typing import Any
 
 from orca_mq.protocol.iteration import IterationResult, PackedPlan
 from orca_mq.protocol.logprobs import TokenLogprobs
+from orca_mq.protocol.pooling import PoolingParams
 from orca_mq.protocol.sampling import SamplingParams
 from orca_mq.protocol.codec import message
 
@@ -21,6 +22,7 @@ class AddRequest:
     request_id: str               # the frontend's internal id, unique within the server (not the client's)
     prompt_token_ids: list[int]
     params: SamplingParams        # validated by the frontend, max_tokens resolved (orca_mq.admission)
+    pooling: PoolingParams | None = None   # an embedding request: resolved by the frontend (model.pooling)
 
 
 @message("abort_req")
@@ -43,6 +45,7 @@ class TokenBatch:
     # log probabilities, where requests ask: empty, or a column beside token_ids (None: not asked)...
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     prompt_logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # ...and a prompt's, with its first token
+    embeddings: dict[str, bytes] = field(default_factory=dict)   # an embedding request's vector, with its final
 
 
 @message("stats_query")

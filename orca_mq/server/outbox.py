@@ -23,7 +23,7 @@ class Outbox:
         self.singles: list[tuple[bytes, int, Output]] = []     # older clients: (client, version, frame)
 
     def add(self, req: ActiveRequest, token_ids: list[int], text: str, final: Final | None,
-            logprobs: Logprobs | None = None, prompt_logprobs: Logprobs | None = None) -> None:
+            logprobs: Logprobs | None = None, prompt_logprobs: Logprobs | None = None, embedding: bytes | None = None) -> None:
         if req.version < BATCHED_VERSION:
             self.singles.append((req.client, req.version, as_output(req.request_id, token_ids, text, final)))
             return
@@ -38,6 +38,9 @@ class Outbox:
         elif batch.logprobs:
             batch.logprobs.append(None)
             batch.prompt_logprobs.append(None)
+        if embedding is not None or batch.embeddings:   # the column starts at its first vector
+            batch.embeddings = batch.embeddings or [None] * len(batch.request_ids)
+            batch.embeddings.append(embedding)
         batch.request_ids.append(req.request_id)
         batch.token_ids.append(token_ids)
         batch.texts.append(text)

@@ -130,7 +130,7 @@ class SchedulerProcess:
                     self.compile_tasks.add(task)
                     task.add_done_callback(self.compile_tasks.discard)
                     return
-                self._add(self.model.request(msg.request_id, msg.prompt_token_ids, msg.params))
+                self._add(self.model.request(msg.request_id, msg.prompt_token_ids, msg.params, pooling=msg.pooling))
             except Exception:  # the frontend validated it: a refusal here is a bug, fail only this request
                 await self._refused(msg.request_id)
                 return
@@ -244,6 +244,7 @@ def token_batch(iteration: int, events: list[TokenEvent], final_metrics: Callabl
     tokens: list[int] = []
     finals: dict[str, str] = {}
     metrics: dict[str, dict[str, Any]] = {}
+    embeddings: dict[str, bytes] = {}
     for e in events:
         if e.token_id is not None:
             rids.append(e.request_id)
@@ -252,7 +253,9 @@ def token_batch(iteration: int, events: list[TokenEvent], final_metrics: Callabl
             finals[e.request_id] = e.finish_reason
             if m := final_metrics(e):
                 metrics[e.request_id] = m
-    batch = TokenBatch(iteration, rids, tokens, finals, metrics)
+            if e.embedding is not None:
+                embeddings[e.request_id] = e.embedding
+    batch = TokenBatch(iteration, rids, tokens, finals, metrics, embeddings=embeddings)
     if any(e.logprobs is not None or e.prompt_logprobs is not None for e in events):
         _logprob_columns(batch, events)
     return batch
