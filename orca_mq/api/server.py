@@ -3,6 +3,7 @@
     POST /v1/completions, POST /v1/chat/completions   (stream or not)
     GET  /v1/models, GET /v1/models/{id}, GET /health, GET /metrics, GET /version
     POST /tokenize, POST /detokenize                   (vLLM's; orca_mq.api.tokenize)
+    POST /v1/embeddings                                (orca_mq.api.embeddings)
 
 Generation requests go over the normal ZeroMQ protocol (orca_mq.client.AsyncClient), so the
 frontend tokenizes, applies the chat template and validates exactly as for ZeroMQ clients; /tokenize
@@ -40,6 +41,7 @@ from orca_mq.models.registry import read_model_info
 from orca_mq.logs import setup_logging
 from orca_mq.protocol.control_msgs import Ready
 from orca_mq.api.edge import ApiKeyGuard, BodyLimit, Handled
+from orca_mq.api.embeddings import Embeddings
 from orca_mq.api.errors import INTERNAL_TEXT, ApiError, error_body, from_validation
 from orca_mq.api.fanout import Build, Choice, Fanout, answer, begin, check_bounds, events
 from orca_mq.api.tools import ToolReply, parse
@@ -75,6 +77,7 @@ class Api:
         self.client = AsyncClient(cfg.server.frontend_address, api_key=keys[0] if keys else None,
                                   server_key=server_keys(curve)[0].decode() if curve else None)
         self.metrics = ApiMetrics(self.model_name)
+        self.embeddings = Embeddings(self.client, self.metrics, self._model, info.hidden_size, cfg.server.http_max_embedding_inputs)
         self.created = int(time.time())
         self.stats_at = -1.0
         self.stats_ok = False
@@ -104,6 +107,7 @@ class Api:
 
         app.post("/v1/completions", response_model=None)(self.completions)
         app.post("/v1/chat/completions", response_model=None)(self.chat)
+        app.post("/v1/embeddings")(self.embeddings.create)
         app.get("/v1/models")(self.models)
         app.get("/v1/models/{model_id:path}")(self.retrieve_model)
         app.post("/tokenize")(self.tokenize)
