@@ -8,7 +8,9 @@ Sampling keyword arguments are SamplingParams fields, checked here first (the se
 again with the vocabulary): a bad one ends the stream with an `invalid_request` event, nothing is
 sent. Leaving a stream early (break, exception, cancellation) aborts the request.
 `api_key=` is sent with every request and stats query (servers with `server.api_key`);
-`server_key=` (the server's CurveZMQ public key, or its key file) encrypts the connection. If the server stops answering — even its broker's pings — for `liveness_timeout`
+`server_key=` (the server's CurveZMQ public key, or its key file) encrypts the connection.
+`embed(prompt)` (or `prompt_token_ids=`) returns the prompt's embedding (EmbeddingOutput; `pooling=`
+"last" | "mean", the server's model.pooling by default; `normalize=` True: L2-normalised). If the server stops answering — even its broker's pings — for `liveness_timeout`
 seconds, every open stream ends with an `error` event; if no server ever answered there (a wrong
 port, the HTTP port, a CurveZMQ handshake that fails: no server_key or another one), after
 `connect_timeout` seconds, saying so; no send waits longer either (a failed handshake leaves the socket
@@ -26,7 +28,7 @@ import asyncio
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Coroutine, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -34,12 +36,13 @@ import zmq
 import zmq.asyncio
 
 from orca_mq.auth import curve_client
-from orca_mq.outputs import RequestOutput
+from orca_mq.outputs import EmbeddingOutput, RequestOutput
 from orca_mq.protocol import ProtocolError, decode, encode
 from orca_mq.protocol.client_msgs import TO_CLIENT, Abort, Generate, Output, Outputs, Ping, Pong, Stats, StatsReply, events
 from orca_mq.protocol.common_msgs import ABORTED, INVALID_REQUEST, UNAUTHORIZED, UNAVAILABLE, Error
 from orca_mq.errors import InvalidRequest
 from orca_mq.protocol.logprobs import Logprobs
+from orca_mq.protocol.pooling import PoolingParams
 from orca_mq.protocol.sampling import SamplingParams
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:5555"
@@ -75,10 +78,11 @@ class StreamEvent:
     prompt_logprobs: Logprobs | None = None  # with the first tokens: the prompt's (`prompt_logprobs=k`)
     param: str | None = None              # a refused request's field at fault, where one is (prompt, max_tokens, ...)
     prompt_tail: str | None = None        # with a chat request's first tokens: its rendered prompt's end
+    embedding: bytes | None = None        # an embedding request's final event: its vector (float32, little-endian)
 
 
-def _final_error(request_id: str, error: str, code: str) -> StreamEvent:
-    return StreamEvent(request_id, [], "", True, "error", error, code=code)
+def _final_error(request_id: str, error: str, code: str, param: str | None = None) -> StreamEvent:
+    return StreamEvent(request_id, [], "", True, "error", error, code=code, param=param)
 
 
 def _checked(out: Output) -> tuple[Logprobs | None, Logprobs | None]:
@@ -136,25 +140,53 @@ class AsyncClient:
             self._ctx.term()
         self._sock = self._ctx = self._reader = None
 
-    async def stream(self, prompt: str | None = None, *, prompt_token_ids: list[int] | None = None,
-                     messages: list[dict[str, Any]] | None = None, chat: bool = False,
-                     chat_template_kwargs: dict[str, Any] | None = None, tools: list[dict[str, Any]] | None = None,
-                     request_id: str | None = None, on_behalf_of: str = "", **sampling: Any) -> AsyncIterator[StreamEvent]:
+    def stream(self, prompt: str | None = None, *, prompt_token_ids: list[int] | None = None,
+               messages: list[dict[str, Any]] | None = None, chat: bool = False,
+               chat_template_kwargs: dict[str, Any] | None = None, tools: list[dict[str, Any]] | None = None,
+               request_id: str | None = None, on_behalf_of: str = "", **sampling: Any) -> AsyncIterator[StreamEvent]:
         """Submit a request and yield its events as tokens are produced; the last has finished=True.
         `chat_template_kwargs`: more variables for the chat template (with messages or chat=True); `tools`:
         OpenAI's function tools, which the chat template renders (messages may then hold tool_calls).
         `on_behalf_of`: a gateway's end client the request is for: a client of its own in the server's
         fair shares of the queue and the KV pool."""
-        rid = request_id or uuid.uuid4().hex
-        try:
+        def frame(rid: str) -> bytes:
             params = SamplingParams.from_dict(sampling)
             params.validate()
+            given = sampling
             if isinstance(sampling.get("logit_bias"), dict):   # {token_id: bias}: map keys travel as strings
-                sampling = {**sampling, "logit_bias": params.logit_bias}
-            frame = encode(Generate(rid, prompt, prompt_token_ids, messages, chat, sampling, self.api_key,
-                                    chat_template_kwargs, on_behalf_of, tools))
+                given = {**sampling, "logit_bias": params.logit_bias}
+            return encode(Generate(rid, prompt, prompt_token_ids, messages, chat, given, self.api_key, chat_template_kwargs,
+                                   on_behalf_of, tools))
+
+        return self._submit(request_id or uuid.uuid4().hex, frame)
+
+    async def embed(self, prompt: str | None = None, *, prompt_token_ids: list[int] | None = None,
+                    pooling: str | None = None, normalize: bool = True, request_id: str | None = None,
+                    on_behalf_of: str = "") -> EmbeddingOutput:
+        """The prompt's embedding (a prompt in, a vector out: nothing is generated); `on_behalf_of` as stream's."""
+        def frame(rid: str) -> bytes:
+            params = PoolingParams(pooling, normalize)
+            params.validate()
+            return encode(Generate(rid, prompt, prompt_token_ids, api_key=self.api_key, on_behalf_of=on_behalf_of,
+                                   pooling=params.to_dict()))
+
+        events = self._submit(request_id or uuid.uuid4().hex, frame)
+        try:
+            async for ev in events:
+                if ev.finished:
+                    return EmbeddingOutput(ev.request_id, ev.embedding or b"", int((ev.metrics or {}).get("prompt_tokens", 0)),
+                                           ev.finish_reason, ev.error, ev.code, ev.param, ev.metrics)
+        finally:
+            await events.aclose()
+        raise RuntimeError("stream ended without a final event")
+
+    async def _submit(self, rid: str, frame: Callable[[str], bytes]) -> AsyncIterator[StreamEvent]:
+        """Send the frame `frame(rid)` builds (a refusal here ends the stream at once, nothing sent) and
+        yield its request's events; leaving early aborts the request."""
+        try:
+            data = frame(rid)
         except InvalidRequest as e:
-            yield _final_error(rid, str(e), INVALID_REQUEST)
+            yield _final_error(rid, str(e), INVALID_REQUEST, e.param)
             return
         except (OverflowError, TypeError, ValueError) as e:  # msgpack: an integer over 64 bits, an object it cannot pack
             yield _final_error(rid, f"invalid request: cannot be sent ({e})", INVALID_REQUEST)
@@ -162,7 +194,7 @@ class AsyncClient:
         queue: asyncio.Queue[StreamEvent] = asyncio.Queue()
         self._streams[rid] = queue
         try:
-            if not await self._send_raw(frame):
+            if not await self._send_raw(data):
                 self._streams.pop(rid, None)
                 yield _final_error(rid, self._no_server(self.connect_timeout), UNAVAILABLE)
                 return
@@ -253,7 +285,7 @@ class AsyncClient:
                     self._deliver(out.request_id, StreamEvent(out.request_id, out.token_ids, out.text, out.finished,
                                                               out.finish_reason, out.error, out.metrics, out.code,
                                                               *_checked(out), param=out.param,
-                                                              prompt_tail=out.prompt_tail))
+                                                              prompt_tail=out.prompt_tail, embedding=out.embedding))
             elif isinstance(msg, Error) and msg.request_id is not None:
                 self._deliver(msg.request_id, _final_error(msg.request_id, msg.error, msg.code))
             elif isinstance(msg, StatsReply):
@@ -366,6 +398,9 @@ class Client:
 
     def generate(self, prompt: str | None = None, **kwargs: Any) -> RequestOutput:
         return self._call(self._client.generate(prompt, **kwargs))
+
+    def embed(self, prompt: str | None = None, **kwargs: Any) -> EmbeddingOutput:
+        return self._call(self._client.embed(prompt, **kwargs))
 
     def abort(self, request_id: str) -> None:
         self._call(self._client.abort(request_id))

@@ -27,6 +27,7 @@ JsonWhitespace = Literal["compact", "flexible"]
 Switch = Literal["auto", "on", "off"]
 SpecMethod = Literal["off", "ngram"]
 Quantization = Literal["none", "fp8"]
+Pooling = Literal["last", "mean"]   # an embedding's (orca_mq.protocol.pooling)
 KVCacheDType = Literal["auto", "fp8"]
 SplitKV = Literal["auto", "off"]
 ToolCallParser = Literal["auto", "none", "hermes", "llama3_json", "mistral", "gpt_oss"]   # orca_mq.api.parsers' names
@@ -42,6 +43,7 @@ class ModelConfig:
     max_logprobs: int = 20
     max_logit_bias: int = 1024
     quantization: Quantization = "none"
+    pooling: Pooling = "last"
 
 
 @dataclass(slots=True)
@@ -117,6 +119,7 @@ class ServerConfig:
     http_max_n: int = 16
     http_max_choices: int = 64
     http_max_logprobs: int = 262144
+    http_max_embedding_inputs: int = 128
     nnodes: int = 1
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
@@ -310,7 +313,7 @@ RANGES: dict[str, Range] = {
     "server.max_restarts": _COUNT, "server.restart_window": _POSITIVE, "server.max_waiting": _COUNT,
     "server.max_frame_bytes": _ONE, "server.http_max_connections": _ONE, "server.http_max_body_bytes": _ONE,
     "server.http_max_n": _ONE, "server.http_max_choices": _ONE, "server.http_max_logprobs": _ONE,
-    "server.responses_store": Range(0, note="0: none stored"),
+    "server.responses_store": Range(0, note="0: none stored"), "server.http_max_embedding_inputs": _ONE,
     "server.nnodes": _ONE, "server.node_rank": _COUNT, "server.node_timeout": _POSITIVE,
     "server.client_headroom": Range(0, 0.5, note="0: no fair shares"),
     "structured.max_spec_bytes": _ONE, "structured.compile_timeout": _POSITIVE, "structured.cache_size": _COUNT,

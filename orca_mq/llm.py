@@ -17,7 +17,7 @@ from orca_mq.models.files import resolve_model_path
 from orca_mq.models.registry import read_model_info
 from orca_mq.errors import InvalidRequest
 from orca_mq.logs import tell
-from orca_mq.outputs import RequestOutput, output_metrics
+from orca_mq.outputs import EmbeddingOutput, RequestOutput, output_metrics
 from orca_mq.protocol.iteration import IterationResult
 from orca_mq.protocol.logprobs import Logprobs, TokenLogprobs
 from orca_mq.protocol.sampling import SamplingParams
@@ -58,8 +58,7 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
+        prompts = _batch(prompts)
         params_list = list(params) if isinstance(params, Sequence) else [params or SamplingParams()] * len(prompts)
         if len(params_list) != len(prompts):
             raise InvalidRequest(f"{len(prompts)} prompts but {len(params_list)} sampling params")
@@ -74,6 +73,19 @@ class LLM:
                           **self._outputs_logprobs(r.request_id, r.params, r.prompt_token_ids))
             for r in reqs
         ]
+
+    def embed(self, prompts: Prompt | Sequence[Prompt], pooling: str | None = None,
+              normalize: bool = True) -> list[EmbeddingOutput]:
+        """Each prompt's embedding (text as a completion's prompt, or token ids): its final hidden states
+        pooled ("last" token or "mean"; model.pooling by default), L2-normalised unless normalize=False.
+        They run as the server runs them: prefill-only requests batched by the same scheduler."""
+        reqs = [self.model.admit_embedding(f"offline-{next(self._ids)}", prompt, {"pooling": pooling, "normalize": normalize})
+                for prompt in _batch(prompts)]
+        for r in reqs:
+            self.scheduler.add(r)
+        self.run_until_done()
+        return [EmbeddingOutput(r.request_id, r.embedding or b"", len(r.prompt_token_ids), r.finish_reason,
+                                metrics=self._metrics(r)) for r in reqs]
 
     def _metrics(self, r: Request) -> dict[str, Any]:
         """A finished request's metrics, as the server's final message gives them (its times on the wall
@@ -144,3 +156,10 @@ class LLM:
                     raise RuntimeError("scheduler has requests but cannot schedule any (KV pool too small?)")
                 return
             results = [self.runner.collect(launched.popleft())]  # type: ignore[list-item]
+
+
+def _batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    """One prompt (text or token ids) or a list of them, as a list."""
+    if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        return [prompts]  # type: ignore[list-item]
+    return list(prompts)  # type: ignore[arg-type]

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from orca_mq.protocol.logprobs import Logprobs
+from orca_mq.protocol.pooling import floats
 
 
 @dataclass(slots=True)
@@ -21,6 +22,24 @@ class RequestOutput:
     logprobs: Logprobs | None = None         # SamplingParams.logprobs: each generated token's and its top k
     prompt_logprobs: Logprobs | None = None  # SamplingParams.prompt_logprobs: each prompt token's (the first: None)
     param: str | None = None                 # with "error": the request field at fault, where one is (prompt, max_tokens, ...)
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    """An embedding request's result (`embed`), the same from the ZeroMQ client and the offline LLM."""
+
+    request_id: str
+    data: bytes                            # the vector: hidden_size little-endian float32 (b"" when it failed)
+    prompt_tokens: int
+    finish_reason: str | None              # "stop" (embedded) | "abort" | "error"
+    error: str | None = None
+    code: str | None = None                # with "error"/"abort": a stable code (orca_mq.protocol.common_msgs)
+    param: str | None = None               # with "error": the request field at fault, where one is (prompt, pooling)
+    metrics: dict[str, Any] | None = None  # output_metrics (completion_tokens 0)
+
+    @property
+    def embedding(self) -> list[float]:
+        return floats(self.data)
 
 
 def output_metrics(prompt_tokens: int, completion_tokens: int, arrival: float, first_token: float | None, finish: float,

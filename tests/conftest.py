@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from orca_mq.bench.random_models import random_llama, save_random_model
+from orca_mq.bench.random_models import family_config, random_llama, save_byte_tokenizer, save_random_model
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 ROOT = Path(__file__).resolve().parents[1]
@@ -109,3 +109,23 @@ def family_servers(tmp_path_factory):
     servers = FamilyServers(tmp_path_factory)
     yield servers
     servers.close()
+
+
+EMBEDDING_FAMILIES = ("qwen3", "gemma2")
+
+
+@pytest.fixture(scope="session")
+def embedding_checkpoints(tmp_path_factory) -> dict[str, Path]:
+    """Tiny random checkpoints of two families (qwen3; gemma2: its embedding scale and soft-caps) for the
+    embedding tests, offline and served."""
+    root = tmp_path_factory.mktemp("embed_families")
+    return {name: save_byte_tokenizer(save_random_model(root / name, family_config(name))) for name in EMBEDDING_FAMILIES}
+
+
+@pytest.fixture(scope="session")
+def embedding_references(embedding_checkpoints) -> dict[str, torch.nn.Module]:
+    """Each one's transformers base model (the CausalLM's `model`: last_hidden_state is the final norm's output)."""
+    from transformers import AutoModelForCausalLM
+
+    return {name: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().model
+            for name, path in embedding_checkpoints.items()}

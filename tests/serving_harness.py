@@ -88,10 +88,10 @@ def openai_client(base_url: str, api_key: str = "unused", timeout: float = 120) 
     return openai.OpenAI(base_url=base_url + "/v1", api_key=api_key, max_retries=0, timeout=timeout)
 
 
-def settled(address: str, timeout: float = 30.0) -> dict[str, Any]:
+def settled(address: str, timeout: float = 30.0, api_key: str | None = None) -> dict[str, Any]:
     """The server's stats once no request is active anywhere and no KV slot is held."""
     deadline = time.monotonic() + timeout
-    with Client(address) as client:
+    with Client(address, api_key=api_key) as client:
         while True:
             stats = client.stats()
             if (stats["frontend"]["active_requests"] == 0 and stats["scheduler"]["used_slots"] == 0

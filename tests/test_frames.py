@@ -12,7 +12,7 @@ import pytest
 from orca_mq.admission.limits import fit
 from orca_mq.errors import InvalidRequest
 from orca_mq.kv.pool import PoolSize
-from orca_mq.protocol import codec, decode
+from orca_mq.protocol import PROTOCOL_VERSION, codec, decode
 from orca_mq.protocol.client_msgs import TO_CLIENT, Final, Outputs
 from orca_mq.protocol.codec import channel
 from orca_mq.protocol.engine_msgs import TokenBatch
@@ -65,6 +65,28 @@ def test_a_clients_rows_split_into_frames_that_fit(monkeypatch):
     assert [r.request_id for r in rows] == [f"q{i}" for i in range(10)] + ["plain"]
     assert all(len(r.prompt_logprobs) == 401 for r in rows[:10]) and rows[-1].prompt_logprobs is None
     assert [r.finished for r in rows[:4]] == [True, False, False, True]
+
+
+def test_every_optional_column_reaches_its_row_split_or_not(monkeypatch):
+    """A prompt's tail and an embedding start their columns at the row that has one, the first row too,
+    and each row keeps its own across a split."""
+    monkeypatch.setattr(codec, "MAX_FRAME_BYTES", 600)
+    for n in (1, 40):
+        sent: list[tuple[bytes, bytes]] = []
+
+        class Link:
+            async def to_clients(self, frames: list[tuple[bytes, bytes]]) -> None:
+                sent.extend(frames)
+
+        box, tails, vectors = Outbox(), {0: "<think>", n - 1: "end"}, {0: b"\x01" * 256, n // 2: b"\x02" * 256}
+        for i in range(n):
+            req = ActiveRequest(b"c", f"q{i}", None, 4, 0.0, PROTOCOL_VERSION)   # type: ignore[arg-type]
+            box.add(req, [i], "x", Final("stop") if i in vectors else None, None, None, tails.get(i), vectors.get(i))
+        asyncio.run(box.send(Link()))   # type: ignore[arg-type]
+        assert (len(sent) > 1) == (n > 1)
+        rows = [row for _, p in sent for row in decode(p, TO_CLIENT).rows()]
+        assert [r.prompt_tail for r in rows] == [tails.get(i) for i in range(n)]
+        assert [r.embedding for r in rows] == [vectors.get(i) for i in range(n)]
 
 
 def test_one_row_over_the_bound_is_an_error_not_a_drop(monkeypatch):

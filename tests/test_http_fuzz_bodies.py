@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from pydantic import ValidationError
 
 from orca_mq.api.errors import from_validation
+from orca_mq.api.embeddings import EmbeddingRequest
 from orca_mq.api.schemas import ChatCompletionRequest, CompletionRequest
 from orca_mq.bench.http_bodies import ANY, SERVED, Expect, refused, served
 from orca_mq.bench.http_fuzz import FuzzReport
@@ -18,7 +19,8 @@ FAST = settings(max_examples=150, deadline=None, database=None, suppress_health_
 
 
 def _validate(path: str, payload: bytes) -> None:
-    schema = ChatCompletionRequest if path.endswith("chat/completions") else CompletionRequest
+    schema = (ChatCompletionRequest if path.endswith("chat/completions") else EmbeddingRequest if path.endswith("embeddings")
+              else CompletionRequest)
     schema.model_validate(json.loads(payload))
 
 
@@ -46,6 +48,8 @@ STREAM = b'data: {"choices": [{"text": "a"}]}\n\ndata: [DONE]\n\n'
 
 @pytest.mark.parametrize("status, body, content_type, expect, violation", [
     (200, b'{"choices": [{"text": "a"}]}', "application/json", SERVED, None),
+    (200, b'{"data": [{"embedding": [0.5]}]}', "application/json", SERVED, None),
+    (200, b'{"data": []}', "application/json", SERVED, "built to be served"),
     (200, STREAM, "text/event-stream", SERVED, None),
     (200, b'data: {"error": {"message": "m"}}\n\ndata: [DONE]\n\n', "text/event-stream", SERVED, "built to be served"),
     (200, b'{"choices": []}', "application/json", SERVED, "built to be served"),

@@ -1,7 +1,7 @@
 """A request's limits, each checked once where it enters: its id (the broker), and, once its prompt is
 tokenized, the prompt against the vocabulary, the context length and the KV pool, with `max_tokens`
-resolved and, for a structured output, able to hold its shortest (`fit`), and its prompt's log
-probabilities within what one message carries. A clear message names the problem.
+resolved and, for a structured output, able to hold its shortest (`fit`; an embedding's: `fit_embedding`),
+and its prompt's log probabilities within what one message carries. A clear message names the problem.
 """
 from __future__ import annotations
 
@@ -41,7 +41,16 @@ def fit(prompt_token_ids: list[int], params: SamplingParams, max_len: int, vocab
     return fitted
 
 
-def _fit(prompt_token_ids: list[int], params: SamplingParams, max_len: int, vocab_size: int, pool: PoolSize) -> SamplingParams:
+def fit_embedding(prompt_token_ids: list[int], max_len: int, vocab_size: int, pool: PoolSize) -> None:
+    """An embedding request's prompt, once tokenized: within the context and the KV pool (it generates nothing)."""
+    check_prompt(prompt_token_ids, max_len, vocab_size)
+    if not pool.fits(n := len(prompt_token_ids)):
+        raise InvalidRequest(f"prompt ({n} tokens) exceeds the KV pool of {pool.device_slots} slots (engine.n_slots)",
+                             "prompt")
+
+
+def check_prompt(prompt_token_ids: list[int], max_len: int, vocab_size: int) -> None:
+    """Any prompt: at least one token, at most the context, every one in the vocabulary."""
     if not isinstance(prompt_token_ids, list) or not prompt_token_ids:
         raise InvalidRequest("empty prompt: at least one token is required", "prompt")
     if len(prompt_token_ids) > max_len:
@@ -49,6 +58,10 @@ def _fit(prompt_token_ids: list[int], params: SamplingParams, max_len: int, voca
     bad = [t for t in prompt_token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size]
     if bad:
         raise InvalidRequest(f"prompt token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}", "prompt")
+
+
+def _fit(prompt_token_ids: list[int], params: SamplingParams, max_len: int, vocab_size: int, pool: PoolSize) -> SamplingParams:
+    check_prompt(prompt_token_ids, max_len, vocab_size)
     n = len(prompt_token_ids)
     if params.max_tokens is None:
         room = min(max_len, pool.device_slots) - n

@@ -7,7 +7,9 @@ A request goes in by these steps, each value checked once, where it enters:
 3. `fit`: the prompt against the vocabulary, the context and the pool, `max_tokens` resolved (and
    able to hold a constrained request's shortest output);
 4. `request`: its grammar compiled (with the vocabulary), the scheduler's Request built.
-The offline LLM takes all four in its process (`admit`); the server splits them at its processes:
+An embedding request takes the same steps with its pooling parameters in place of sampling ones
+(`pooling`, `fit_embedding`). The offline LLM takes all four in its process (`admit`, `admit_embedding`);
+the server splits them at its processes:
 the frontend 1-3 (its event loop, then its tokenize threads), the scheduler process 4.
 """
 from __future__ import annotations
@@ -19,13 +21,14 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from orca_mq.admission.limits import fit
+from orca_mq.admission.limits import fit, fit_embedding
 from orca_mq.admission.prompts import Prompts
 from orca_mq.config import Config
 from orca_mq.models.info import ModelInfo
 from orca_mq.models.registry import read_model_info
 from orca_mq.kv.pool import PoolSize
 from orca_mq.protocol.codec import MAX_FRAME_BYTES
+from orca_mq.protocol.pooling import PoolingParams
 from orca_mq.protocol.sampling import SamplingParams
 from orca_mq.sched.request import Request
 from orca_mq.structured.compiler import Compiler
@@ -71,6 +74,18 @@ class ServedModel:
         params.validate_logit_bias(self.cfg.model.max_logit_bias, self.info.vocab_size - 1)
         return params
 
+    def pooling(self, pooling: PoolingParams | dict[str, Any] | None) -> PoolingParams:
+        """Step 1 of an embedding request: its pooling parameters parsed and validated, model.pooling by default."""
+        given = PoolingParams() if pooling is None else (
+            pooling if isinstance(pooling, PoolingParams) else PoolingParams.from_dict(pooling))
+        return given.resolved(self.cfg.model.pooling)
+
+    def fit_embedding(self, prompt_token_ids: list[int]) -> SamplingParams:
+        """Step 3 of an embedding request: its prompt's checks; the params it is scheduled with (it samples
+        nothing: one token past its prompt, the least a SamplingParams holds, never generated)."""
+        fit_embedding(prompt_token_ids, self.max_model_len, self.info.vocab_size, self.pool)
+        return SamplingParams(max_tokens=1)
+
     def fit(self, prompt_token_ids: list[int], params: SamplingParams, shortest: int | None = None) -> SamplingParams:
         """Step 3: the tokenized prompt's checks; the params to serve it with. `shortest`: a
         constrained request's shortest output in tokens (`grammars.shortest`), which max_tokens must hold."""
@@ -78,15 +93,17 @@ class ServedModel:
         return fit(prompt_token_ids, params, self.max_model_len, self.info.vocab_size, self.pool, shortest, bound)
 
     def request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                grammar: Grammar | None = None, client: str = "") -> Request:
+                grammar: Grammar | None = None, client: str = "", pooling: PoolingParams | None = None) -> Request:
         """Step 4: the scheduler's Request; a constrained one's grammar is compiled here unless given
         (the scheduler process compiles on a thread, bounded in time, and passes it), and finishes
-        within max_tokens. `client`: who it counts for in the pool's fair shares (orca_mq.fair_share)."""
+        within max_tokens. `client`: who it counts for in the pool's fair shares (orca_mq.fair_share);
+        `pooling`: an embedding request's (step 1's)."""
         if grammar is None and params.structured_outputs is not None:
             grammar = self.grammars.compile(params.structured_outputs)
         if grammar is not None and params.max_tokens is not None:
             grammar.limit(params.max_tokens, params.min_tokens)
-        return Request(request_id, prompt_token_ids, params, time.monotonic(), grammar=grammar, client=client)
+        return Request(request_id, prompt_token_ids, params, time.monotonic(), grammar=grammar, client=client,
+                       pooling=pooling)
 
     def admit(self, request_id: str, prompt: Prompt, sampling: SamplingParams | None) -> Request:
         """All four steps in this process (the offline API): a text prompt as raw completion text."""
@@ -94,6 +111,12 @@ class ServedModel:
         params = self.params(sampling)
         shortest = None if params.structured_outputs is None else self.grammars.shortest(params.structured_outputs)
         return self.request(request_id, ids, self.fit(ids, params, shortest))
+
+    def admit_embedding(self, request_id: str, prompt: Prompt, pooling: PoolingParams | dict[str, Any] | None) -> Request:
+        """An embedding request's steps in this process (the offline API)."""
+        ids = self.prompts.encode_text(prompt) if isinstance(prompt, str) else list(prompt)
+        resolved = self.pooling(pooling)
+        return self.request(request_id, ids, self.fit_embedding(ids), pooling=resolved)
 
     def _vocabulary(self) -> Vocabulary:
         started = time.perf_counter()

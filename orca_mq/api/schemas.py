@@ -219,13 +219,16 @@ class CompletionRequest(_Sampling):
         return asks
 
     def prompts(self) -> list[dict[str, Any]]:
-        """Each prompt's arguments: the one prompt, or each of a batch (a list of strings or of id lists)."""
-        p = self.prompt
-        batch = p if isinstance(p, list) and p and isinstance(p[0], (str, list)) else [p]
-        return [{"prompt": q} if isinstance(q, str) else {"prompt_token_ids": q} for q in batch]
+        return prompt_batch(self.prompt)
 
     def prompt_args(self) -> dict[str, Any]:
         return self.prompts()[0]   # a batch's prompts are all text or all ids: the first tells which
+
+
+def prompt_batch(p: str | list[int] | list[str] | list[list[int]]) -> list[dict[str, Any]]:
+    """Each prompt's arguments: the one prompt, or each of a batch (a list of strings or of id lists)."""
+    batch = p if isinstance(p, list) and p and isinstance(p[0], (str, list)) else [p]
+    return [{"prompt": q} if isinstance(q, str) else {"prompt_token_ids": q} for q in batch]
 
 
 class TextPart(Strict):

@@ -5,6 +5,7 @@
     POST /v1/messages                                  (Anthropic's Messages API: orca_mq.api.messages)
     GET  /v1/models, GET /v1/models/{id}, GET /health, GET /metrics, GET /version
     POST /tokenize, POST /detokenize                   (vLLM's; orca_mq.api.tokenize)
+    POST /v1/embeddings                                (orca_mq.api.embeddings)
 
 Generation requests go over the normal ZeroMQ protocol (orca_mq.client.AsyncClient), so the
 frontend tokenizes, applies the chat template and validates exactly as for ZeroMQ clients; /tokenize
@@ -42,6 +43,7 @@ from orca_mq.models.registry import read_model_info
 from orca_mq.logs import setup_logging
 from orca_mq.protocol.control_msgs import Ready
 from orca_mq.api.edge import ApiKeyGuard, BodyLimit, Handled, end_client
+from orca_mq.api.embeddings import Embeddings
 from orca_mq.api.errors import INTERNAL_TEXT, ApiError, body_for, from_validation
 from orca_mq.api.fanout import Build, Choice, Fanout, answer, begin, check_bounds, events
 from orca_mq.api.offload import Builder
@@ -86,6 +88,7 @@ class Api:
                                   server_key=server_keys(curve)[0].decode() if curve else None)
         self.metrics = ApiMetrics(self.model_name)
         self.builder = Builder()   # heavy responses are built off the event loop
+        self.embeddings = Embeddings(self.client, self.metrics, self.model_for, info.hidden_size, cfg.server.http_max_embedding_inputs)
         self.created = int(time.time())
         self.stats_at = -1.0
         self.stats_ok = False
@@ -119,6 +122,7 @@ class Api:
         app.post("/v1/chat/completions", response_model=None)(self.chat)
         app.post("/v1/responses", response_model=None)(self.responses)
         app.post("/v1/messages", response_model=None)(self.messages)
+        app.post("/v1/embeddings")(self.embeddings.create)
         app.get("/v1/models")(self.models)
         app.get("/v1/models/{model_id:path}")(self.retrieve_model)
         app.post("/tokenize")(self.tokenize)

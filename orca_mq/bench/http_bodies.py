@@ -1,5 +1,5 @@
-"""The hypothesis strategies orca_mq.bench.http_fuzz sends to the two generation routes, each a
-(path, payload, content type, expectation) request, in three families:
+"""The hypothesis strategies orca_mq.bench.http_fuzz sends to the two generation routes and the embeddings
+route, each a (path, payload, content type, expectation) request, in three families:
 
 - `wild`: bodies the schema knows nothing of (the request fields, known, unsupported and misspelt,
   with JSON values of every kind and magnitude, bodies that are not objects, not JSON, not UTF-8,
@@ -11,8 +11,9 @@
 
 The last two hold by construction, whatever a hypothesis version chooses to draw, so a caller's
 "some served, some refused" never rests on the fuzzer's luck. What "within its bounds" assumes of a
-server: a vocabulary of at least TOKEN_IDS ids, server.http_max_n >= 2, model.max_logprobs >= 2 and
-model.max_logit_bias >= 3 (the defaults: 16, 20, 1024); the context is asked (/tokenize).
+server: a vocabulary of at least TOKEN_IDS ids, server.http_max_n >= 2, model.max_logprobs >= 2,
+model.max_logit_bias >= 3 and server.http_max_embedding_inputs >= 2 (the defaults: 16, 20, 1024, 128); the
+context is asked (/tokenize).
 """
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ from hypothesis import strategies as st
 from orca_mq.protocol.sampling import (INT32_MAX, INT64_MAX, MAX_PENALTY, MAX_REPETITION_PENALTY, MAX_TEMPERATURE,
                                        MIN_REPETITION_PENALTY, MIN_TEMPERATURE)
 
-PATHS = ("/v1/completions", "/v1/chat/completions")
+PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings")
+GENERATION = PATHS[:2]
 MAX_TOKENS = 4      # what is served costs milliseconds
 TOKEN_IDS = 256     # ids below it are in any real vocabulary
 BYTES_PER_CHAR = 4  # UTF-8: a byte-level tokenizer spends at most a token a byte
@@ -53,7 +55,8 @@ def encode(body: Any) -> bytes:
 _NAMES = ["prompt", "messages", "model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
           "stop", "stream", "stream_options", "n", "logprobs", "top_logprobs", "echo", "user", "ignore_eos", "stop_token_ids",
           "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "min_p", "logit_bias", "tools",
-          "response_format", "skip_special_tokens", "chat_template_kwargs", "temprature", "", "\x00", "é"]
+          "response_format", "skip_special_tokens", "chat_template_kwargs", "input", "encoding_format", "dimensions",
+          "pooling", "normalize", "temprature", "", "\x00", "é"]
 _EDGE = st.sampled_from([0, 1, -1, 2**31, 2**63, 2**64, 10**30, 2**200, -(2**200), 1e30, 1e308, -1e308, 0.5, 1e-320,
                          math.inf, -math.inf, math.nan, True, False, None, "", "x" * 300, [], {}])
 _JSON = st.recursive(st.one_of(_EDGE, st.integers(), st.floats(), st.text(max_size=20), st.booleans(), st.none()),
@@ -86,6 +89,8 @@ _BODY = st.one_of(
                           optional={k: _JSON for k in ("max_tokens", "temperature", "top_p", "seed", "stop", "top_k", "n")}),
     st.fixed_dictionaries({"messages": st.lists(_MESSAGE, max_size=3)},
                           optional={k: _JSON for k in ("max_completion_tokens", "stream", "stream_options", "tools")}),
+    st.fixed_dictionaries({"input": st.one_of(st.text(max_size=30), st.lists(st.integers(-5, 2**40), max_size=5), _JSON)},
+                          optional={k: _JSON for k in ("encoding_format", "dimensions", "pooling", "normalize", "user")}),
     _JSON,
 )
 
@@ -95,7 +100,7 @@ def wild(draw: st.DrawFn) -> Request:
     path = draw(st.sampled_from(PATHS))
     kind = draw(st.integers(0, 9))
     body = draw(_BODY)
-    if isinstance(body, dict) and "max_tokens" not in body:
+    if isinstance(body, dict) and "max_tokens" not in body and path in GENERATION:
         body["max_tokens"] = MAX_TOKENS   # the schema and the tests cover an absent one
     if kind == 0:
         payload = draw(st.binary(max_size=64))                            # not JSON, maybe not UTF-8
@@ -135,11 +140,17 @@ _SAMPLING = {   # optional fields both routes serve, each within its bounds
 }
 _COMPLETION = _SAMPLING | {"logprobs": st.integers(0, 2), "echo": st.booleans()}
 _CHAT = _SAMPLING | {"logprobs": st.booleans(), "response_format": st.just({"type": "text"})}
+_EMBEDDING = {"encoding_format": st.sampled_from(["float", "base64"]), "pooling": st.sampled_from(["last", "mean"]),
+              "normalize": st.booleans(), "user": st.text(max_size=16)}
 
 
 @st.composite
 def _served_body(draw: st.DrawFn, chat: bool, prompt_chars: int) -> dict[str, Any]:
     text = st.text(min_size=1, max_size=prompt_chars)
+    ids = st.lists(_IDS, min_size=1, max_size=min(8, prompt_chars))
+    if chat is None:   # an embedding
+        inputs = st.one_of(text, ids, st.lists(text, min_size=1, max_size=2), st.lists(ids, min_size=1, max_size=2))
+        return {"input": draw(inputs)} | draw(st.fixed_dictionaries({}, optional=_EMBEDDING))
     if chat:
         content = draw(st.one_of(text, st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": text}),
                                                 min_size=1, max_size=1)))
@@ -147,7 +158,6 @@ def _served_body(draw: st.DrawFn, chat: bool, prompt_chars: int) -> dict[str, An
         if body.get("logprobs"):
             body["top_logprobs"] = draw(st.integers(0, 2))
     else:
-        ids = st.lists(_IDS, min_size=1, max_size=min(8, prompt_chars))
         prompt = st.one_of(text, ids, st.lists(text, min_size=1, max_size=2), st.lists(ids, min_size=1, max_size=2))
         body = {"prompt": draw(prompt)} | draw(st.fixed_dictionaries({}, optional=_COMPLETION))
     limit = draw(st.integers(1, MAX_TOKENS))
@@ -168,9 +178,10 @@ def prompt_chars(room: int) -> int:
 def served(draw: st.DrawFn, completion_room: int, chat_room: int) -> Request:
     """`*_room`: the tokens a route's prompt text may take (the context less the template, the BOS and
     MAX_TOKENS: orca_mq.bench.http_fuzz asks the server's /tokenize)."""
-    chat = draw(st.booleans())
+    route = draw(st.integers(0, 2))   # completion, chat, embedding (its input: a completion's prompt)
+    chat = None if route == 2 else route == 1
     body = draw(_served_body(chat, prompt_chars(chat_room if chat else completion_room)))
-    return PATHS[chat], encode(body), "application/json", SERVED
+    return PATHS[route], encode(body), "application/json", SERVED
 
 
 # ---------------------------------------------------------------- refused
@@ -210,13 +221,15 @@ _WRONG_COMPLETION = _WRONG | {"prompt": st.one_of(st.integers(), _junk(str, list
                               "logprobs": _int_out_of(0, INT32_MAX)}
 _WRONG_CHAT = _WRONG | {"messages": st.one_of(st.just([]), st.integers(), _junk(list)), "logprobs": _not_bool(),
                         "max_completion_tokens": _int_out_of(1, INT32_MAX)}
+_WRONG_EMBEDDING = {"input": st.one_of(st.integers(), _junk(str, list)), "encoding_format": _junk(), "pooling": _junk(),
+                    "normalize": _not_bool(), "dimensions": _int_out_of(1, INT32_MAX), "user": _junk(str)}
 
 
 @st.composite
 def refused(draw: st.DrawFn, completion_room: int, chat_room: int) -> Request:
     path, payload, content_type, _ = draw(served(completion_room, chat_room))
     body = json.loads(payload)
-    wrong = _WRONG_CHAT if "messages" in body else _WRONG_COMPLETION
+    wrong = _WRONG_CHAT if "messages" in body else _WRONG_EMBEDDING if "input" in body else _WRONG_COMPLETION
     field = draw(st.sampled_from(sorted(wrong) + ["unknown"]))
     if field == "unknown":
         field = "x_" + draw(st.text(max_size=10))

@@ -3,10 +3,10 @@ tools/bench_reliability.py (at length):
 
 - `schema_fuzz`: schemathesis, from the server's own OpenAPI schema, positive and negative cases of
   every operation (/v1/responses and /v1/messages among them);
-- `body_fuzz`: hypothesis requests to the generation routes (orca_mq.bench.http_bodies): wild ones
-  the schema knows nothing of (issue 44's costly shapes among them: a tool reply of a tag and whitespace,
-  arguments nested deep, a closing plan of many-byte letters, log probabilities and n at and past their
-  bounds), and ones built to be served or to be refused for one named field.
+- `body_fuzz`: hypothesis requests to the generation and embeddings routes (orca_mq.bench.http_bodies):
+  wild ones the schema knows nothing of (issue 44's costly shapes among them: a tool reply of a tag and
+  whitespace, arguments nested deep, a closing plan of many-byte letters, log probabilities and n at
+  and past their bounds), and ones built to be served or to be refused for one named field.
 
 Every reply is judged by the contract: never a 5xx, a JSON error object with a message, type and
 code on every 4xx (Anthropic's, with a type and message, on /v1/messages; with a param when the
@@ -82,19 +82,22 @@ def _names(param: Any, field_name: str) -> bool:
 
 
 def _whole(body: bytes, content_type: str) -> bool:
-    """A served answer is whole: a completion with choices, or a stream to its [DONE] without an error event."""
+    """A served answer is whole: a completion with choices, embeddings with data, or a stream to its [DONE]
+    without an error event."""
     if "event-stream" in content_type:
         text = body.decode()
         return text.endswith("data: [DONE]\n\n") and '\ndata: {"error"' not in "\n" + text
     try:
-        return bool(json.loads(body)["choices"])
+        answer = json.loads(body)
+        return bool(answer["choices"] if "choices" in answer else answer["data"])
     except (ValueError, KeyError, TypeError):
         return False
 
 
 def _capped(body: Any, cap: int) -> Any:
-    """A body that would be served generates at most `cap` tokens: a fuzz case costs milliseconds, not a whole context."""
-    if isinstance(body, dict):
+    """A body that would be served generates at most `cap` tokens: a fuzz case costs milliseconds, not a whole context
+    (an embedding's body generates nothing: it takes no max_tokens)."""
+    if isinstance(body, dict) and "input" not in body:
         for key in ("max_tokens", "max_completion_tokens"):
             if type(body.get(key)) is int and body[key] > cap or key not in body:
                 body[key] = cap
@@ -133,7 +136,7 @@ def schema_fuzz(base_url: str, api_key: str | None, examples: int, seed: int = 0
 
 
 def body_fuzz(base_url: str, api_key: str | None, examples: int, seed: int = 0) -> FuzzReport:
-    """`examples` wild requests to the two generation routes, and `examples // BUILT_SHARE` (at least one) each
+    """`examples` wild requests to the generation and embeddings routes, and `examples // BUILT_SHARE` (at least one) each
     built to be served and built to be refused: each family is its own hypothesis run, so every one is sent."""
     report = FuzzReport()
     auth = {"authorization": f"Bearer {api_key}"} if api_key else {}

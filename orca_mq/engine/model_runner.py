@@ -33,6 +33,7 @@ from orca_mq.engine.parallel import TensorParallel, TPGroup
 from orca_mq.engine.sampler import SamplingRows, failed_rows, greedy, sample
 from orca_mq.engine.history import TokenHistory
 from orca_mq.engine.logprobs import LogprobsOut, fill_result, prompt_logprobs, prompt_positions, sampled_logprobs
+from orca_mq.engine.pooling import Pooled, pool, pool_positions
 from orca_mq.runtime.threads import use_threads
 from orca_mq.models.info import ModelInfo
 from orca_mq.models.registry import read_model_info
@@ -171,7 +172,7 @@ class ModelRunner:
         lost = [] if self.history is None else self.history.begin(a)   # first: a failed forward keeps its releases
         swapper = self.swap(packed)
         try:
-            out, first, unfilled = self._forward(a, hidden_in)
+            out, first, unfilled, pooled = self._forward(a, hidden_in)
         finally:
             if swapper is not None:
                 swapper.computed(packed)
@@ -189,9 +190,10 @@ class ModelRunner:
             host = torch.empty(back.shape, dtype=back.dtype, pin_memory=True)   # the caching host allocator's
             back = host.copy_(back, non_blocking=True)
             logprobs = [None if x is None else x.copy() for x in logprobs]
+            pooled = None if pooled is None else pooled.copy()
             event = torch.cuda.Event()
             event.record()
-        return Launched(a, back, event, drawn.failed, unfilled, logprobs)
+        return Launched(a, back, event, drawn.failed, unfilled, logprobs, pooled)
 
     @staticmethod
     def _logprobs(a: PlanArrays, logits: Tensor, tokens: Tensor, extra: Tensor | None,
@@ -223,6 +225,8 @@ class ModelRunner:
             verify(result, a, tokens, sampling)
         if launched.logprobs:
             fill_result(result, *launched.logprobs)
+        if launched.pooled is not None:
+            result.pool_rows, result.pooled = launched.pooled.rows, launched.pooled.as_bytes()
         return result
 
     def prepare(self, plan: PackedPlan) -> None:
@@ -240,27 +244,30 @@ class ModelRunner:
 
     def forward(self, plan: IterationPlan | PackedPlan, hidden_in: Tensor | None = None) -> Tensor:
         """Hidden states [T, hidden], or on the last stage logits [S, vocab] of each sampling request's last token."""
-        out, first, _ = self._forward((plan if isinstance(plan, PackedPlan) else pack(plan)).arrays(), hidden_in)
+        out, first, _, _ = self._forward((plan if isinstance(plan, PackedPlan) else pack(plan)).arrays(), hidden_in)
         return out.clone() if first is not None else out
 
     @torch.inference_mode()
-    def _forward(self, a: PlanArrays, hidden_in: Tensor | None) -> tuple[Tensor, Tensor | None, list[int]]:
-        """The stage's output; from a CUDA graph its greedy step too (else None); and the rows whose
+    def _forward(self, a: PlanArrays, hidden_in: Tensor | None) -> tuple[Tensor, Tensor | None, list[int], Pooled | None]:
+        """The stage's output; from a CUDA graph its greedy step too (else None); the rows whose
         token could not be filled (the iteration they follow is not the last one this stage sampled:
-        they fail, the others run)."""
+        they fail, the others run); and on the last stage the pooling rows' sums (embeddings), if any."""
         step = build(a, self.geometry)
         prev, unfilled = self._filler(a)
         if unfilled:
             step.fields["fill_dst"] = step.fields["fill_src"] = np.zeros(0, np.int64)
         positions = prompt_positions(a) if self.last else None   # prompt logprobs: extra LM-head rows, eagerly
-        if (positions is None and self.first and hidden_in is None and self.graphs is not None
+        pooling = pool_positions(a) if self.last else None       # embeddings: final-norm rows, eagerly too
+        if (positions is None and pooling is None and self.first and hidden_in is None and self.graphs is not None
                 and (bucket := self.graphs.fits(step)) is not None):
             logits, first = self.graphs.run(step, bucket, prev)
-            return logits[: len(step.fields["logit_rows"])], first, unfilled
+            return logits[: len(step.fields["logit_rows"])], first, unfilled, None
         lay = step.layout()
         dev = metadata(step, lay, self.stager.stage(step, lay))
         if positions is not None:
             dev.meta.prompt_rows = torch.from_numpy(positions.token_rows).to(self.device)
+        if pooling is not None:
+            dev.meta.pool_rows = torch.from_numpy(pooling.token_rows).to(self.device)
         fill(dev.token_ids, dev.fill_dst, dev.fill_src, prev)
         if self.first:
             inputs = dev.token_ids
@@ -268,7 +275,8 @@ class ModelRunner:
             raise ValueError(f"stage {self.stage} needs the previous stage's hidden states")
         else:
             inputs = hidden_in
-        return self.model.forward(inputs, dev.meta, self.kv), None, unfilled
+        out, normed = self.model.forward_pooled(inputs, dev.meta, self.kv)
+        return out, None, unfilled, None if pooling is None or normed is None else pool(normed, pooling)
 
     def _filler(self, a: PlanArrays) -> tuple[Tensor | None, list[int]]:
         """The sampled tokens the plan's placeholders read, or the rows that cannot be filled."""
@@ -346,3 +354,4 @@ class Launched:
     failed: list[int] = field(default_factory=list)     # sampling rows whose sampling raised
     unfilled: list[int] = field(default_factory=list)   # plan rows whose token could not be filled
     logprobs: list[LogprobsOut | None] = field(default_factory=list)   # (sampled, prompt) where rows ask
+    pooled: Pooled | None = None       # the pooling rows' sums (embeddings), where rows pool

@@ -4,8 +4,10 @@ All tokens of the iteration flow as one [T, hidden] tensor through embeddings, n
 projections, MLP (or experts) and residual adds; only attention is split per request (the backend of
 engine/attention/); the LM head runs only on the last token of each request that samples (a prompt
 chunk with more to come does not), and on the prompt positions of a request that asks for prompt
-logprobs (a call of its own). What a family changes (biases, q/k norms, windows, soft-caps, sinks,
-sandwich norms, the activation, experts, the rotary) comes from ModelInfo's options, set per layer once.
+logprobs (a call of its own); an embedding request's pooled rows get the final norm alone, in a call of
+their own too (its output is transformers' last_hidden_state). What a family changes (biases, q/k norms,
+windows, soft-caps, sinks, sandwich norms, the activation, experts, the rotary) comes from ModelInfo's
+options, set per layer once.
 """
 from __future__ import annotations
 
@@ -62,21 +64,26 @@ class StageModel:
 
     # ------------------------------------------------------------ forward
 
-    @torch.inference_mode()
     def forward(self, inputs: Tensor, meta: AttentionMetadata, kv: KVCache) -> Tensor:
         """inputs: token ids [T] on the first stage, else hidden [T, H]. Returns hidden [T, H],
         or on the last stage logits [S, vocab] of the last token of each request that samples."""
+        return self.forward_pooled(inputs, meta, kv)[0]
+
+    @torch.inference_mode()
+    def forward_pooled(self, inputs: Tensor, meta: AttentionMetadata, kv: KVCache) -> tuple[Tensor, Tensor | None]:
+        """`forward`'s output and, on the last stage where `meta.pool_rows` asks (embeddings), the final
+        norm's output at those token rows in float32 [N, H] (transformers' last_hidden_state), else None."""
         h = self.embed(inputs, meta) if self.first else inputs
         tables = {kind: r.tables(meta) for kind, r in self.rotary.items()}
         delta = None   # the last layer's MLP output, added to h by the next norm (one pass for both)
         for i, w in enumerate(self.w.layers):
             h, delta = self._layer(i, h, delta, w, meta, tables, *kv.layer(i))
         if not self.last:
-            return h if delta is None else h + delta
+            return (h if delta is None else h + delta), None
         logits = self._head(h, delta, meta.logit_rows)
         if meta.prompt_rows is not None:   # prompt logprobs: their rows in an LM-head call of their own, after
             logits = torch.cat((logits, self._head(h, delta, meta.prompt_rows)))
-        return logits
+        return logits, None if meta.pool_rows is None else self._final_norm(h, delta, meta.pool_rows).float()
 
     def _norm(self, x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
         if self.layer_norm:
@@ -92,13 +99,16 @@ class StageModel:
             return h, self._norm(h, w, b)
         return self.ops.add_rms_norm(h, delta, w, self.info.norm_eps)
 
-    def _head(self, h: Tensor, delta: Tensor | None, rows: Tensor) -> Tensor:
-        """The final norm and the LM head over the token rows `rows`: logits [len(rows), vocab]."""
+    def _final_norm(self, h: Tensor, delta: Tensor | None, rows: Tensor) -> Tensor:
+        """The final norm's output at the token rows `rows`: [len(rows), hidden]."""
         norm = self.w.final_norm
         assert norm is not None
         h, delta = h.index_select(0, rows), None if delta is None else delta.index_select(0, rows)
-        x = self._add_norm(h, delta, norm["w"], norm.get("b"))[1]
-        logits = self.tp.gather_logits(self.linear(x, self.w.lm_head))
+        return self._add_norm(h, delta, norm["w"], norm.get("b"))[1]
+
+    def _head(self, h: Tensor, delta: Tensor | None, rows: Tensor) -> Tensor:
+        """The final norm and the LM head over the token rows `rows`: logits [len(rows), vocab]."""
+        logits = self.tp.gather_logits(self.linear(self._final_norm(h, delta, rows), self.w.lm_head))
         if cap := self.info.final_softcap:
             logits = torch.tanh(logits / cap) * cap
         return logits

@@ -18,6 +18,10 @@ Version 6 adds `generate`'s chat_template_kwargs (variables for the chat templat
 client a gateway (the HTTP API) sends it for, its own client for the server's fair shares
 (orca_mq.fair_share). Version 9 adds `generate`'s tools (the chat template renders them) and, with a
 chat request's first tokens, the end of its rendered prompt (`prompt_tail`: whether it left a thinking block open, for a reasoning parser).
+Version 10 adds embeddings: a `generate` with `pooling`
+(orca_mq.protocol.pooling.PoolingParams' fields) embeds its prompt instead of generating, and its final
+carries the vector (`output.embedding`, a column of `outputs`: little-endian float32 bytes, hidden_size
+x 4 of them); an older client's frame cannot hold `pooling` (refused, naming the version it needs).
 """
 from __future__ import annotations
 
@@ -43,6 +47,8 @@ class Generate:
     chat_template_kwargs: dict[str, Any] | None = added(6, default=None)
     on_behalf_of: str = added(8, default="")   # a gateway's end client (at most 256 characters): a client of its own
     tools: list[dict[str, Any]] | None = added(9, default=None)   # OpenAI's function tools, for the chat template
+    # an embedding request (PoolingParams' fields; {} for the server's defaults): a prompt in, a vector out
+    pooling: dict[str, Any] | None = added(10, default=None)
 
 
 @message("abort")
@@ -81,6 +87,7 @@ class Output:
     prompt_logprobs: Logprobs | None = added(5, default=None)   # the prompt's, with the first tokens, when asked
     param: str | None = added(7, default=None)   # a refusal's request field at fault, where one is (InvalidRequest.param)
     prompt_tail: str | None = added(9, default=None)   # a chat prompt's end (admission.prompts.PROMPT_TAIL_CHARS), with its first tokens
+    embedding: bytes | None = added(10, default=None)   # an embedding request's final: its vector (float32, little-endian)
 
 
 @dataclass(slots=True)
@@ -94,7 +101,7 @@ class Final:
 
 
 @message("outputs", since=4, columns=("request_ids", "token_ids", "texts", "finals"),
-         optional_columns=("logprobs", "prompt_logprobs", "prompt_tails"))
+         optional_columns=("logprobs", "prompt_logprobs", "prompt_tails", "embeddings"))
 @dataclass(slots=True)
 class Outputs:
     """One iteration's news for one client, a row per request it moved: request_ids[i] got
@@ -108,6 +115,7 @@ class Outputs:
     logprobs: list[Logprobs | None] = added(5, default_factory=list)
     prompt_logprobs: list[Logprobs | None] = added(5, default_factory=list)
     prompt_tails: list[str | None] = added(9, default_factory=list)   # v9: as logprobs, where a row has one
+    embeddings: list[bytes | None] = added(10, default_factory=list)   # v10: the embedding requests' vectors
 
     def rows(self) -> list[Output]:
         """Each row as the `output` frame it stands for (and an older client reads)."""
@@ -118,6 +126,8 @@ class Outputs:
             out.prompt_logprobs = lp
         for out, tail in zip(outs, self.prompt_tails):
             out.prompt_tail = tail
+        for out, vector in zip(outs, self.embeddings):
+            out.embedding = vector
         return outs
 
 

@@ -16,9 +16,11 @@ Stats.api_key (and the code `unauthorized`); version 4 added `outputs` (one fram
 iteration, client_msgs); version 5 added log probabilities to `output` and `outputs`
 (orca_mq.protocol.logprobs); version 6 added `generate`'s chat_template_kwargs; version 7 added
 `output`'s param (the request field a refusal blames); version 8 `generate`'s on_behalf_of (a
-gateway's end client); version 9 `generate`'s tools and `output`'s prompt_tail. An older frame
-still decodes, with the newer fields' defaults, and `encode(msg, version)` writes a frame an older
-peer reads: without the fields added after it.
+gateway's end client); version 9 `generate`'s tools and `output`'s prompt_tail; version 10 embeddings
+(`generate`'s pooling, `output`'s embedding and the same column of `outputs`: orca_mq.protocol.pooling).
+An older frame still decodes, with the newer fields' defaults (a field its version does not have is
+refused: an older client cannot ask for what it would not understand), and `encode(msg, version)` writes
+a frame an older peer reads: without the fields added after it.
 """
 from __future__ import annotations
 
@@ -33,8 +35,8 @@ import msgpack
 
 from orca_mq.short_repr import short_repr
 
-PROTOCOL_VERSION = 9
-SUPPORTED_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9)
+PROTOCOL_VERSION = 10
+SUPPORTED_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10)
 MAX_FRAME_BYTES = 64 << 20
 
 Conv = Callable[[Any, str], Any]
@@ -48,6 +50,7 @@ _SINCE: dict[str, int] = {}                                 # type -> the protoc
 _COLUMNS: dict[type, tuple[str, ...]] = {}                  # cls -> fields that must be equally long
 _OPTIONAL_COLUMNS: dict[type, tuple[str, ...]] = {}         # cls -> fields empty or as long as those
 _DECODERS: dict[type, dict[str, tuple[Conv, bool]]] = {}   # cls -> field -> (converter, required)
+_FIELD_SINCE: dict[type, dict[str, int]] = {}              # cls -> its fields added after version 1 -> that version
 _ENCODERS: dict[tuple[type, int], Callable[[Any], dict[str, Any]]] = {}   # (cls, version) -> body builder
 _POSITIONAL: dict[type, Wire] = {}                          # nested dataclass -> its positional form
 
@@ -203,6 +206,9 @@ def from_dict(body: dict[str, Any], accepted: frozenset[str]) -> Any:
     if not body.keys() <= spec.keys() | _HEADER:
         unknown = body.keys() - spec.keys() - _HEADER
         raise ProtocolError(f"{name}: unknown field(s) {short_repr(sorted(map(str, unknown)))}", rid)
+    if newer := sorted(f for f, since in _FIELD_SINCE[cls].items() if since > body["v"] and f in body):
+        raise ProtocolError(f"{name}: field {newer[0]!r} needs protocol version {_FIELD_SINCE[cls][newer[0]]} or later "
+                            f"(the frame is version {body['v']}: upgrade the client)", rid)
     kwargs: dict[str, Any] = {}
     try:
         for field, (conv, required) in spec.items():
@@ -227,6 +233,7 @@ def _decoders(cls: type) -> dict[str, tuple[Conv, bool]]:
             f.name: (_converter(hints[f.name]), f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
             for f in dataclasses.fields(cls)
         }
+        _FIELD_SINCE[cls] = {f.name: f.metadata["since"] for f in dataclasses.fields(cls) if f.metadata.get("since", 1) > 1}
     return _DECODERS[cls]
 
 

@@ -11,6 +11,7 @@ from typing import Any
 
 from orca_mq.protocol.iteration import IterationResult, PackedPlan
 from orca_mq.protocol.logprobs import TokenLogprobs
+from orca_mq.protocol.pooling import PoolingParams
 from orca_mq.protocol.sampling import SamplingParams
 from orca_mq.protocol.codec import message
 
@@ -24,6 +25,7 @@ class AddRequest:
     start_known: bool = False     # a constrained request's shortest plan was searched by the frontend...
     start: list[int] | None = None   # ...and is this (None: none found): the scheduler does not search again
     client: str = ""              # who it counts for in the pool's fair shares (orca_mq.fair_share.client_name)
+    pooling: PoolingParams | None = None   # an embedding request: resolved by the frontend (model.pooling)
 
 
 @message("abort_req")
@@ -46,6 +48,7 @@ class TokenBatch:
     # log probabilities, where requests ask: empty, or a column beside token_ids (None: not asked)...
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     prompt_logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # ...and a prompt's, with its first token
+    embeddings: dict[str, bytes] = field(default_factory=dict)   # an embedding request's vector, with its final
 
 
 @message("stats_query")

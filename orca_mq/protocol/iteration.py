@@ -73,6 +73,9 @@ class SeqWork:
     # a constrained one has a bitmask for the positions after its draft tokens too (its grammar advanced by them)
     draft: int = 0
     draft_bitmasks: list[bytes] = field(default_factory=list)
+    # embeddings (orca_mq/protocol/pooling.py): the last stage returns the sum of the final norm's output
+    # over this row's last `pool` tokens (0: none); such a row samples nothing
+    pool: int = 0
 
     @property
     def seq_len(self) -> int:
@@ -134,6 +137,9 @@ class PackedPlan:
     seen_ids: bytes = b""      # int32 [sum x_seen_lens] RowExtras.seen, concatenated
     released: list[str] = field(default_factory=list)   # IterationPlan.released
     drafts: bytes = b""        # int32 [S] SeqWork.draft, empty when no row verifies a draft
+    # embeddings: the rows that pool (ascending) and each one's SeqWork.pool, both empty when none does
+    pool_rows: bytes = b""     # int32 [P]
+    pool_counts: bytes = b""   # int32 [P]
 
     def arrays(self) -> "PlanArrays":
         """The columns as arrays, checked for consistent sizes (ValueError otherwise); the engine checks
@@ -162,6 +168,7 @@ class PackedPlan:
             a.drafts = col(self.drafts, I32, "drafts")
             if len(a.drafts) != s or (a.drafts < 0).any() or (a.drafts >= a.q_lens).any() or (a.drafts[a.sample == 0] > 0).any():
                 raise ValueError("plan draft column: a row each, fewer drafts than the row's tokens, on sampling rows only")
+        _pool_columns(self, a, col)
         if len(a.mask_rows) and (np.bincount(a.mask_rows, minlength=s) > 1 + (0 if a.drafts is None else a.drafts)).any():
             raise ValueError("plan masks: more for a row than it samples positions")
         return a
@@ -202,6 +209,8 @@ class PlanArrays:
     next_tokens: np.ndarray | None = None
     extras: "ExtraArrays | None" = None          # the rows' logits processors, when any row has them
     drafts: np.ndarray | None = None             # int32 [S] when a row verifies a draft (PackedPlan's), else None
+    pool_rows: np.ndarray | None = None          # int32 [P] when a row pools (PackedPlan's), else None
+    pool_counts: np.ndarray | None = None        # int32 [P]
 
     @property
     def num_rows(self) -> int:
@@ -229,6 +238,19 @@ def _logprob_columns(plan: PackedPlan, a: PlanArrays, col: "Callable[[bytes, np.
     if any(bool((c < -1).any()) for c in cols):
         raise ValueError("plan log-probability columns hold a value below -1")
     a.logprobs, a.prompt_logprobs, a.next_tokens = cols
+
+
+def _pool_columns(plan: PackedPlan, a: PlanArrays, col: "Callable[[bytes, np.dtype, str], np.ndarray]") -> None:
+    """The pooling columns, when the plan has them: ascending plan rows, each pooling 1 .. q_len of its last tokens."""
+    if not plan.pool_rows and not plan.pool_counts:
+        return
+    rows, counts = col(plan.pool_rows, I32, "pool_rows"), col(plan.pool_counts, I32, "pool_counts")
+    s = len(plan.request_ids)
+    if len(rows) != len(counts) or not len(rows) or rows[0] < 0 or rows[-1] >= s or (np.diff(rows) <= 0).any():
+        raise ValueError("plan pooling columns: as many counts as rows, the rows ascending plan rows")
+    if (counts < 1).any() or (counts > a.q_lens[rows]).any():
+        raise ValueError("plan pooling columns: a row pools 1 .. its q_len tokens")
+    a.pool_rows, a.pool_counts = rows, counts
 
 
 def _pack_logprobs(seqs: list[SeqWork]) -> tuple[bytes, bytes, bytes]:
@@ -313,7 +335,16 @@ def pack(plan: IterationPlan) -> PackedPlan:
         col([i for i, _ in masked], I32), [m for _, m in masked],  # type: ignore[misc]
         list(plan.swap_out), list(plan.swap_in), plan.follows, *_pack_logprobs(seqs), **_pack_extras(plan),
         drafts=col([s.draft for s in seqs], I32) if any(s.draft for s in seqs) else b"",
+        **_pack_pool(seqs),
     )
+
+
+def _pack_pool(seqs: list[SeqWork]) -> dict[str, bytes]:
+    """PackedPlan's pooling columns: nothing when no row pools (what every other plan costs)."""
+    rows = [i for i, s in enumerate(seqs) if s.pool]
+    if not rows:
+        return {}
+    return {"pool_rows": np.array(rows, I32).tobytes(), "pool_counts": np.array([seqs[i].pool for i in rows], I32).tobytes()}
 
 
 @dataclass(slots=True)
@@ -332,3 +363,7 @@ class IterationResult:
     # the drafts it accepted are among them, its last the first disagreeing or the bonus token)
     verify_rows: list[int] = field(default_factory=list)
     verified: list[list[int]] = field(default_factory=list)
+    # embeddings: the plan rows that pooled, and each one's float32 sum (orca_mq/protocol/pooling.py) of
+    # the final norm's output over its pooled tokens: [len(pool_rows), hidden] little-endian, in one buffer
+    pool_rows: list[int] = field(default_factory=list)
+    pooled: bytes = b""

@@ -22,6 +22,7 @@ from orca_mq.kv.prefix import chain_seed
 from orca_mq.sched.profiler import IterationProfile, Profiler, profile_max_len
 from orca_mq.sched import closings
 from orca_mq.sched.request import Phase, Request
+from orca_mq.sched.pooling import PooledRows, ask_pooling, max_pooled_rows, pools
 from orca_mq.sched.processors import add_extras
 from orca_mq.sched.speculative import Speculator
 from orca_mq.structured.bitmask import fill_masks
@@ -43,6 +44,7 @@ class TokenEvent:
     metrics: dict[str, Any] | None = None  # on a final event: what the final message reports (structured outputs)
     logprobs: TokenLogprobs | None = None         # the token's log probabilities, when its request asks
     prompt_logprobs: TokenLogprobs | None = None  # on its first token: its prompt's, positions 1.. (prompt_logprobs)
+    embedding: bytes | None = None  # an embedding request's final: its vector (orca_mq/protocol/pooling.py)
 
 
 @dataclass(slots=True)
@@ -101,6 +103,7 @@ class Scheduler:
         self.max_len = info.max_model_len(cfg)
         self.speculator = Speculator(cfg.speculative, self.token_budget) if cfg.speculative.method != "off" else None
         self.plan_budget = cfg.structured.plan_budget or None   # matcher calls an iteration may spend planning closings
+        self.max_pooled = max_pooled_rows(info.hidden_size)   # embedding rows an iteration may pool
 
     # ------------------------------------------------------------ the iteration loop
 
@@ -135,7 +138,7 @@ class Scheduler:
             self.held[req.request_id] = req
             return
         self.pool[req.request_id] = req
-        if self.speculator is not None:
+        if self.speculator is not None and req.pooling is None:
             self.speculator.start(req)
         self.enter(req)
 
@@ -200,13 +203,14 @@ class Scheduler:
             table = self.block_manager.ensure(req.request_id, start + len(tokens))
             p = req.params
             seqs.append(SeqWork(req.request_id, tokens, start, self.block_manager.wire(table), p.temperature, p.top_k, p.top_p, p.seed,
-                                sample=not req.prompt_pending, prev_row=prev, draft=req.draft))
+                                sample=not req.prompt_pending and req.pooling is None, prev_row=prev, draft=req.draft))
             req.in_flight += 1
         fill_masks(seqs, [None if r.prompt_pending else r.grammar for r in batch])  # only rows that sample
         if drafts:
             Speculator.mask_drafts(seqs, batch, planning)
         add_extras(seqs, batch, self.eos_token_ids)   # logits processors: penalties, min_p, logit_bias, min_tokens
         ask_logprobs(seqs, batch)
+        ask_pooling(seqs, batch)
         self.iteration += 1
         row = 0
         for req, s in zip(batch, seqs):   # a row's place among the sampled positions (a verify row's: its first)
@@ -224,9 +228,13 @@ class Scheduler:
         left, in batch order, a chunk each; a prompt left with no budget waits for a later iteration.
         Sets each request's `chunk`."""
         left = self.token_budget - sum(r.phase is Phase.INCREMENT for r in batch) if self.token_budget else None
-        kept = []
+        kept, pooling = [], self.max_pooled   # embedding rows past it wait: an iteration's vectors stay in a frame
         for req in batch:
             req.chunk = 0
+            if pools(req):
+                if not pooling:
+                    continue
+                pooling -= 1
             if req.phase is Phase.INITIATION:
                 policy = self.prompt_chunk(req)
                 req.chunk = req.prompt_left if policy is None else min(policy, req.prompt_left)
@@ -245,6 +253,7 @@ class Scheduler:
         events = []
         failed = set(result.failed)
         verified = dict(zip(result.verify_rows, result.verified))
+        pooled = PooledRows(result)
         for row, (req, token) in enumerate(zip(batch, result.token_ids)):
             req.in_flight -= 1
             drafted = req.draft   # kept until its next plan: FastServe charges the tokens it verified
@@ -257,6 +266,11 @@ class Scheduler:
                 reason = "abort" if req.aborted else "error"
                 self._finish(req, reason)
                 events.append(TokenEvent(req.request_id, None, reason))
+                continue
+            if req.pooling is not None:   # embeddings: its chunk's pooled sum; its prompt's last chunk ends it
+                if reason := pooled.add(req, row):
+                    self._finish(req, reason, now)
+                    events.append(TokenEvent(req.request_id, None, reason, embedding=req.embedding))
                 continue
             if req.prompt_pending:  # part of its prompt still to feed: what the engine sampled is dropped
                 continue

@@ -136,7 +136,7 @@ class FastServeScheduler(Scheduler):
         self.log.debug("skip-join", request_id=req.request_id, queue=q + 1, prompt=len(req.prompt_token_ids))
 
     def release(self, req: Request) -> None:
-        if self.lengths.observe(len(req.output_token_ids), req.finish_reason in ("stop", "length")):
+        if req.pooling is None and self.lengths.observe(len(req.output_token_ids), req.finish_reason in ("stop", "length")):
             self.lengths.refresh(len(r.output_token_ids) for r in self.pool.values())
         self.log.info("fastserve request done", request_id=req.request_id, finish_reason=req.finish_reason,
                       **self.finished[req.request_id])

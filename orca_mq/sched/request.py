@@ -7,7 +7,10 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from orca_mq.kv.request import SwapCounts
+from orca_mq.protocol.pooling import PoolingParams
 from orca_mq.protocol.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -73,6 +76,11 @@ class Request:
     spec: "SpecState | None" = None   # speculative decoding: its n-gram index and adaptive k (None: it does not speculate)
     draft: int = 0                 # draft tokens its iteration in flight verifies
     client: str = ""               # who it counts for in the pool's fair shares (orca_mq.fair_share.client_name)
+    # an embedding request (orca_mq/sched/pooling.py): a prompt that samples nothing and leaves with its vector
+    pooling: PoolingParams | None = None
+    pooled: np.ndarray | None = None   # float64 [hidden]: the sum of its pooled rows so far...
+    pooled_count: int = 0              # ...and how many tokens they cover
+    embedding: bytes | None = None     # its vector (float32 bytes), once its prompt's last chunk came back
 
     @property
     def running(self) -> bool:
@@ -85,8 +93,9 @@ class Request:
 
     @property
     def max_total_tokens(self) -> int:
-        """ORCA's max_tokens: input tokens + max generated tokens, what the KV reservation covers."""
-        return len(self.prompt_token_ids) + self.params.max_tokens
+        """ORCA's max_tokens: input tokens + max generated tokens, what the KV reservation covers (an
+        embedding generates none)."""
+        return len(self.prompt_token_ids) + (self.params.max_tokens if self.pooling is None else 0)
 
     @property
     def prompt_left(self) -> int:
@@ -98,9 +107,9 @@ class Request:
 
     @property
     def reads_prefix_cache(self) -> bool:
-        """Prompt logprobs need every prompt position's logits: such a request computes its whole
-        prompt (as vLLM), though it still publishes its blocks for others."""
-        return self.params.prompt_logprobs is None
+        """Prompt logprobs need every prompt position's logits, mean pooling every position's hidden state:
+        such a request computes its whole prompt (as vLLM), though it still publishes its blocks for others."""
+        return self.params.prompt_logprobs is None and not (self.pooling is not None and self.pooling.mean)
 
     def next_tokens(self, max_prompt_tokens: int | None = None) -> tuple[list[int], int]:
         """(tokens to feed, their start position): the rest of the prompt (or its next
@@ -108,4 +117,4 @@ class Request:
         if self.phase is Phase.INITIATION:
             end = len(self.prompt_token_ids) if max_prompt_tokens is None else self.n_prompt_fed + max_prompt_tokens
             return self.prompt_token_ids[self.n_prompt_fed:end], self.n_prompt_fed
-        return [self.output_token_ids[-1]], self.num_tokens - 1
+        return [(self.output_token_ids or self.prompt_token_ids)[-1]], self.num_tokens - 1   # an embedding has no output

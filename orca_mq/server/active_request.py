@@ -9,6 +9,7 @@ from typing import Any
 from orca_mq.detokenizer import IncrementalDetokenizer
 from orca_mq.outputs import output_metrics
 from orca_mq.protocol.client_msgs import Generate
+from orca_mq.protocol.pooling import PoolingParams
 from orca_mq.protocol.sampling import SamplingParams
 
 
@@ -18,6 +19,7 @@ class Admission:
     msg: Generate
     params: SamplingParams    # parsed and validated once, before tokenizing
     version: int              # the protocol version of its `generate`: every reply is written in it
+    pooling: PoolingParams | None = None   # an embedding request's (resolved, model.pooling by default)
     aborted: bool = False     # an abort arrived while it was tokenized
 
 

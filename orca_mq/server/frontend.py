@@ -37,6 +37,7 @@ from orca_mq.protocol.codec import channel, from_dict
 from orca_mq.protocol.control_msgs import AbortAll, ClientGone, Drain, Drained, Ready
 from orca_mq.protocol.engine_msgs import AbortRequest, AddRequest, StatsQuery, StatsResult, TokenBatch
 from orca_mq.protocol.logprobs import Logprobs, TokenLogprobs
+from orca_mq.protocol.pooling import PoolingParams
 from orca_mq.errors import InvalidRequest
 from orca_mq.fair_share import client_name
 from orca_mq.protocol.sampling import SamplingParams
@@ -141,14 +142,22 @@ class Frontend:
                 raise _Unavailable("server is shutting down; not accepting new requests")
             self.prompts.check(msg)
             params = self.model.params(msg.sampling)
+            pooling = None if msg.pooling is None else self._pooling(msg)
             iid = self.ids.new(client, msg.request_id)
         except InvalidRequest as e:
             await self._refuse(client, msg.request_id, e, version)
             return
-        self.admitting[iid] = Admission(client, msg, params, version)
+        self.admitting[iid] = Admission(client, msg, params, version, pooling)
         task = asyncio.create_task(self._tokenize_and_admit(iid, msg, params))
         self.admissions.add(task)
         task.add_done_callback(self.admissions.discard)
+
+    def _pooling(self, msg: Generate) -> PoolingParams:
+        """An embedding request's pooling parameters: it embeds a prompt (text or token ids), nothing else."""
+        if msg.messages is not None or msg.chat or msg.sampling or msg.chat_template_kwargs is not None:
+            raise InvalidRequest("an embedding request (pooling) takes a prompt, as text or token ids, and no messages, "
+                                 "chat, chat_template_kwargs or sampling parameters", "pooling")
+        return self.model.pooling(msg.pooling)
 
     async def _tokenize_and_admit(self, iid: str, msg: Generate, params: SamplingParams) -> None:
         failure: Exception | None = None
@@ -186,7 +195,7 @@ class Frontend:
                      tail: str | None) -> None:
         if self.draining:
             raise _Unavailable("server is shutting down; not accepting new requests")
-        params = self.model.fit(prompt_ids, adm.params, shortest)
+        params = self.model.fit(prompt_ids, adm.params, shortest) if adm.pooling is None else self.model.fit_embedding(prompt_ids)
         rid = adm.msg.request_id
         detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
         self.active[iid] = ActiveRequest(adm.client, rid, detok, len(prompt_ids), time.time(), adm.version, prompt_tail=tail)
@@ -197,7 +206,7 @@ class Frontend:
                       max_tokens=params.max_tokens, client=share)
         known = None if params.structured_outputs is None else self.model.grammars.known(params.structured_outputs)
         await self.link.to_peer("scheduler", AddRequest(iid, prompt_ids, params, known is not None,
-                                                         None if known is None else known.tokens, share))
+                                                         None if known is None else known.tokens, share, adm.pooling))
 
     async def _refuse(self, client: bytes, rid: str, e: InvalidRequest, version: int) -> None:
         self.log.info("request rejected", client_request_id=rid, error=str(e))
@@ -232,10 +241,9 @@ class Frontend:
                 self.log.info("request finished", request_id=iid, finish_reason=reason,
                               completion_tokens=len(req.detok.ids), iteration=batch.iteration)
             tail, req.prompt_tail = req.prompt_tail, None   # with the request's first row
-            if iid in logprobs or req.prompt_head is not None:
-                out.add(req, ids, text, final, *self._logprobs(req, logprobs.get(iid), batch.prompt_logprobs.get(iid)), tail)
-            else:
-                out.add(req, ids, text, final, prompt_tail=tail)
+            lps = (self._logprobs(req, logprobs.get(iid), batch.prompt_logprobs.get(iid))
+                   if iid in logprobs or req.prompt_head is not None else (None, None))
+            out.add(req, ids, text, final, *lps, tail, batch.embeddings.get(iid))
         await out.send(self.link)
         await self._maybe_drained()
 

@@ -8,6 +8,8 @@ the frame bound: orca_mq.protocol.frames).
 """
 from __future__ import annotations
 
+import dataclasses
+
 from orca_mq.protocol import encode
 from orca_mq.protocol.client_msgs import Final, Output, Outputs, as_output
 from orca_mq.protocol.frames import frames
@@ -26,7 +28,7 @@ class Outbox:
 
     def add(self, req: ActiveRequest, token_ids: list[int], text: str, final: Final | None,
             logprobs: Logprobs | None = None, prompt_logprobs: Logprobs | None = None,
-            prompt_tail: str | None = None) -> None:
+            prompt_tail: str | None = None, embedding: bytes | None = None) -> None:
         if req.version < BATCHED_VERSION:
             self.singles.append((req.client, req.version, as_output(req.request_id, token_ids, text, final)))
             return
@@ -41,10 +43,13 @@ class Outbox:
         elif batch.logprobs:
             batch.logprobs.append(None)
             batch.prompt_logprobs.append(None)
-        if prompt_tail is not None and not batch.prompt_tails:   # the column starts at the first row with one
-            batch.prompt_tails = [None] * len(batch.request_ids)
-        if batch.prompt_tails:
-            batch.prompt_tails.append(prompt_tail)
+        for column, value in (("prompt_tails", prompt_tail), ("embeddings", embedding)):
+            values = getattr(batch, column)
+            if value is not None and not values:   # an optional column starts at its first value
+                values = [None] * len(batch.request_ids)
+                setattr(batch, column, values)
+            if value is not None or values:
+                values.append(value)
         batch.request_ids.append(req.request_id)
         batch.token_ids.append(token_ids)
         batch.texts.append(text)
@@ -61,8 +66,7 @@ def rows(batch: Outputs, lo: int, hi: int) -> Outputs:
     """Rows lo..hi-1 of `batch` (the batch itself when that is all of it)."""
     if hi - lo == len(batch.request_ids):
         return batch
-    return Outputs(batch.request_ids[lo:hi], batch.token_ids[lo:hi], batch.texts[lo:hi], batch.finals[lo:hi],
-                   batch.logprobs[lo:hi], batch.prompt_logprobs[lo:hi])
+    return Outputs(*(getattr(batch, f.name)[lo:hi] for f in dataclasses.fields(Outputs)))   # every column, empty ones too
 
 
 def _logprob_row(batch: Outputs, logprobs: Logprobs | None, prompt_logprobs: Logprobs | None) -> None:

@@ -142,7 +142,8 @@ class SchedulerProcess:
                     self.compile_tasks.add(task)
                     task.add_done_callback(self._compiled)
                     return
-                self._add(self.model.request(msg.request_id, msg.prompt_token_ids, msg.params, client=msg.client))
+                self._add(self.model.request(msg.request_id, msg.prompt_token_ids, msg.params, client=msg.client,
+                                             pooling=msg.pooling))
             except Exception:  # the frontend validated it: a refusal here is a bug, fail only this request
                 await self._refused(msg.request_id)
                 return
@@ -221,7 +222,7 @@ class SchedulerProcess:
             batch = token_batch(iteration, events, self.sched.final_metrics)
             self.telemetry.finished(batch.metrics.values())
             for frame in frames(lambda lo, hi: batch if hi - lo == len(events) else
-                                token_batch(iteration, events[lo:hi], self.sched.request_metrics), len(events)):
+                                token_batch(iteration, events[lo:hi], self.sched.final_metrics), len(events)):
                 await self.link.send_raw(PEER, FRONTEND, frame)
 
     async def _start_stats(self, source: bytes, query: StatsQuery) -> None:
@@ -270,6 +271,7 @@ def token_batch(iteration: int, events: list[TokenEvent], final_metrics: Callabl
     tokens: list[int] = []
     finals: dict[str, str] = {}
     metrics: dict[str, dict[str, Any]] = {}
+    embeddings: dict[str, bytes] = {}
     for e in events:
         if e.token_id is not None:
             rids.append(e.request_id)
@@ -278,7 +280,9 @@ def token_batch(iteration: int, events: list[TokenEvent], final_metrics: Callabl
             finals[e.request_id] = e.finish_reason
             if m := final_metrics(e):
                 metrics[e.request_id] = m
-    batch = TokenBatch(iteration, rids, tokens, finals, metrics)
+            if e.embedding is not None:
+                embeddings[e.request_id] = e.embedding
+    batch = TokenBatch(iteration, rids, tokens, finals, metrics, embeddings=embeddings)
     if any(e.logprobs is not None or e.prompt_logprobs is not None for e in events):
         _logprob_columns(batch, events)
     return batch

@@ -31,6 +31,7 @@ class AttentionMetadata:
     prefill_slots: list[Tensor | None]    # cached slots before start_pos (None when start_pos == 0)
     decode_tiles: bool | None = None      # triton: tiles of one-token rows or of prompt chunks (None: from the shape)
     prompt_rows: Tensor | None = None     # [P] int64 prompt positions whose logits are asked (prompt logprobs), after logit_rows'
+    pool_rows: Tensor | None = None       # [N] int64 token rows whose final-norm output is pooled (embeddings; no LM head)
 
 
 @dataclass(frozen=True, slots=True)
