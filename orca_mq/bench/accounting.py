@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from orca_mq.engine import model_runner
+from orca_mq.models.layers.mlp import DenseMLP
 from orca_mq.engine.model_runner import ModelRunner
 
 CATEGORIES = ("GEMMs (layers)", "GEMM (LM head)", "attention (KV write + attend)", "norms + residual adds",
@@ -71,7 +72,11 @@ def instrument(runner: ModelRunner) -> Iterator[Ledger]:
                                    (model_runner, "metadata"))),
                (m, "attention", _Timed(m.attention, ledger, {"write_kv": CATEGORIES[2], "attend": CATEGORIES[2]})),
                (m, "ops", _Timed(m.ops, ledger, {"rms_norm": CATEGORIES[3], "add_rms_norm": CATEGORIES[3],
-                                                 "rotary": CATEGORIES[4], "silu_mul": CATEGORIES[5]}))]
+                                                 "rotary": CATEGORIES[4], "silu_mul": CATEGORIES[5]})),
+               # a dense MLP holds its GEMM and activation from construction: time them where it holds them
+               *((mlp, name, timer) for mlp in m.mlps if isinstance(mlp, DenseMLP)
+                 for name, timer in (("linear", ledger.timer(gemm_kind, mlp.linear)),
+                                     ("act", ledger.timer(CATEGORIES[5], mlp.act))))]
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
     for obj, name, new in patches:
         setattr(obj, name, new)
