@@ -167,7 +167,7 @@ class _Sampling(Strict):
 
     def field(self, param: str | None) -> str | None:
         """The request's name for a field the server blames by its wire name (InvalidRequest.param)."""
-        return param
+        return "logprobs" if param == "prompt_logprobs" else param   # echo's k is logprobs'
 
     def sampling(self) -> dict[str, Any]:
         """The SamplingParams fields that were given; max_tokens None = the rest of the context (the frontend's)."""
@@ -336,8 +336,8 @@ class ChatCompletionRequest(_Sampling):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def field(self, param: str | None) -> str | None:
-        if param == "prompt":
-            return "messages"
+        if param in ("prompt", "logprobs"):
+            return "messages" if param == "prompt" else "top_logprobs"
         return "max_completion_tokens" if param == "max_tokens" and self.max_completion_tokens is not None else param
 
     @model_validator(mode="after")
