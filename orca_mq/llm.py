@@ -1,28 +1,55 @@
-"""Offline API in the style of vLLM, on the same iteration-level scheduler and engine as the server.
+"""Offline API in the style of vLLM, on the same iteration-level scheduler and engine as the server,
+its outputs assembled as the server's are (orca_mq.assembly: each step's events as the frontend takes them).
 Its start-up says what it does on stderr, a line per step (`log.progress`: LLM(progress=False) is quiet)."""
 from __future__ import annotations
 
 import itertools
 import time
 from collections import deque
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
 from orca_mq.admission.prompts import check_template_kwargs
 from orca_mq.admission.served_model import Prompt, ServedModel
+from orca_mq.assembly import Assembler, Assembly, Row
 from orca_mq.config import load_config
-from orca_mq.detokenizer import ends_on_eos
 from orca_mq.engine.model_runner import Launched, ModelRunner
 from orca_mq.models.files import resolve_model_path
 from orca_mq.models.registry import read_model_info
 from orca_mq.errors import InvalidRequest
 from orca_mq.logs import tell
-from orca_mq.outputs import EmbeddingOutput, RequestOutput, output_metrics
+from orca_mq.outputs import EmbeddingOutput, RequestOutput
+from orca_mq.protocol.client_msgs import Final
 from orca_mq.protocol.iteration import IterationResult
-from orca_mq.protocol.logprobs import Logprobs, TokenLogprobs
+from orca_mq.protocol.logprobs import Logprobs
 from orca_mq.protocol.sampling import SamplingParams
-from orca_mq.sched import make_scheduler
+from orca_mq.sched import TokenEvent, make_scheduler
 from orca_mq.sched.request import Request
+from orca_mq.server.scheduler_process import token_batch
+
+
+@dataclass(slots=True)
+class _Gathered:
+    """An offline request's rows (orca_mq.assembly, as the server streams them), until its final."""
+
+    out: Assembly
+    texts: list[str] = field(default_factory=list)
+    logprobs: Logprobs | None = None
+    prompt_logprobs: Logprobs | None = None
+    final: Final | None = None
+    embedding: bytes | None = None
+
+    def add(self, row: Row) -> None:
+        self.texts.append(row.text)
+        if row.logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = row.logprobs
+            else:
+                self.logprobs.extend(row.logprobs)
+        self.prompt_logprobs = row.prompt_logprobs or self.prompt_logprobs
+        self.final = row.final or self.final
+        self.embedding = row.embedding or self.embedding
 
 
 class LLM:
@@ -45,9 +72,8 @@ class LLM:
         self.model = ServedModel(self.cfg, self.runner.info)   # admission: this process is the whole server
         self.info, self.tokenizer = self.model.info, self.model.tokenizer
         self.scheduler = make_scheduler(self.cfg, self.info)
-        self._logprobs: dict[str, list[TokenLogprobs | None]] = {}   # the events' (sampled, prompt), by request
-        self._finals: dict[str, dict[str, Any]] = {}   # the scheduler's metrics of each final event, by request
-        self._texts: dict[int, str] = {}
+        self.assembler = Assembler(self.tokenizer, self.info.eos_token_ids)   # the outputs, as the server's frontend makes them
+        self._gathered: dict[str, _Gathered] = {}   # by request, until it is returned
         self.run_until_done()   # a policy that needs this engine's iteration profile times its probes now
         self._ids = itertools.count()
         self._progress(started, f"ready in {time.monotonic() - started:.1f} s")
@@ -64,15 +90,10 @@ class LLM:
             raise InvalidRequest(f"{len(prompts)} prompts but {len(params_list)} sampling params")
         # all admitted (checked, grammars compiled) before any is queued
         reqs = [self.model.admit(f"offline-{next(self._ids)}", prompt, p) for prompt, p in zip(prompts, params_list)]
-        for r in reqs:
-            self.scheduler.add(r)
-        self.run_until_done()
-        return [
-            RequestOutput(r.request_id, self._decode(r.output_token_ids, r.finish_reason, r.params.skip_special_tokens),
-                          r.output_token_ids, r.finish_reason, prompt_token_ids=r.prompt_token_ids, metrics=self._metrics(r),
-                          **self._outputs_logprobs(r.request_id, r.params, r.prompt_token_ids))
-            for r in reqs
-        ]
+        return [RequestOutput(r.request_id, "".join(g.texts), list(g.out.detok.ids), f.finish_reason, f.error, f.metrics,
+                              f.code, prompt_token_ids=r.prompt_token_ids, logprobs=g.logprobs,
+                              prompt_logprobs=g.prompt_logprobs)
+                for r, g, f in self._run(reqs)]
 
     def embed(self, prompts: Prompt | Sequence[Prompt], pooling: str | None = None,
               normalize: bool = True) -> list[EmbeddingOutput]:
@@ -81,53 +102,30 @@ class LLM:
         They run as the server runs them: prefill-only requests batched by the same scheduler."""
         reqs = [self.model.admit_embedding(f"offline-{next(self._ids)}", prompt, {"pooling": pooling, "normalize": normalize})
                 for prompt in _batch(prompts)]
+        return [EmbeddingOutput(r.request_id, g.embedding or b"", len(r.prompt_token_ids), f.finish_reason, f.error, f.code,
+                                metrics=f.metrics) for r, g, f in self._run(reqs)]
+
+    def _run(self, reqs: list[Request]) -> list[tuple[Request, _Gathered, Final]]:
+        """Admitted requests queued and run to their ends; each one's output gathered as the server streams it."""
+        now = time.time()
         for r in reqs:
+            self._gathered[r.request_id] = _Gathered(self.assembler.start(r.prompt_token_ids, r.params, now))
             self.scheduler.add(r)
         self.run_until_done()
-        return [EmbeddingOutput(r.request_id, r.embedding or b"", len(r.prompt_token_ids), r.finish_reason,
-                                metrics=self._metrics(r)) for r in reqs]
+        done = [(r, self._gathered.pop(r.request_id)) for r in reqs]
+        assert all(g.final is not None for _, g in done)   # run_until_done returns once every request has ended
+        return [(r, g, g.final) for r, g in done]  # type: ignore[misc]
 
-    def _metrics(self, r: Request) -> dict[str, Any]:
-        """A finished request's metrics, as the server's final message gives them (its times on the wall
-        clock: the scheduler's is monotonic)."""
-        wall = time.time() - time.monotonic()
-        first = None if r.first_token_time is None else r.first_token_time + wall
-        finish = (r.finish_time or time.monotonic()) + wall
-        return output_metrics(len(r.prompt_token_ids), len(r.output_token_ids), r.arrival + wall, first, finish,
-                              self._finals.pop(r.request_id, None))
+    def _keep(self, events: list[TokenEvent]) -> None:
+        """A step's events as the server's frontend takes them (a TokenBatch, the finals' metrics as the
+        server's scheduler gives them), each request's row gathered."""
+        batch = token_batch(0, events, self.scheduler.final_metrics)
+        for iid, _, row in self.assembler.rows(batch, time.time(), self._assembly):
+            self._gathered[iid].add(row)
 
-    def _decode(self, ids: list[int], finish_reason: str | None, skip_special_tokens: bool) -> str:
-        """A finished request's text, as the server's detokenizer makes it (without the EOS that ended it)."""
-        shown = ids[:-1] if ends_on_eos(ids, finish_reason, self.info.eos_token_ids) else ids
-        return self.tokenizer.decode(shown, skip_special_tokens=skip_special_tokens)
-
-    def _outputs_logprobs(self, rid: str, params: SamplingParams, prompt: list[int]) -> dict[str, Logprobs | None]:
-        """A finished request's log probabilities, as the server's client gets them."""
-        sampled, prompt_lp = self._logprobs.pop(rid, [None, None])
-        return {"logprobs": None if params.logprobs is None else Logprobs.decoded(sampled or TokenLogprobs(), self._text),
-                "prompt_logprobs": None if params.prompt_logprobs is None or not prompt
-                else Logprobs.prompt(prompt[0], prompt_lp, self._text)}
-
-    def _text(self, token_id: int) -> str:
-        if (text := self._texts.get(token_id)) is None:
-            text = self._texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False) or ""
-        return text
-
-    def _keep(self, events: list[Any]) -> None:
-        """What the events carry that the outputs give: the finals' metrics (as the server's scheduler
-        takes them) and the log probabilities."""
-        for e in events:
-            if e.finish_reason:
-                self._finals[e.request_id] = self.scheduler.final_metrics(e)
-            if e.logprobs is None and e.prompt_logprobs is None:
-                continue
-            kept = self._logprobs.setdefault(e.request_id, [None, None])
-            if e.logprobs is not None:
-                if kept[0] is None:
-                    kept[0] = TokenLogprobs()
-                kept[0].extend(e.logprobs)
-            if e.prompt_logprobs is not None:
-                kept[1] = e.prompt_logprobs
+    def _assembly(self, request_id: str) -> Assembly | None:
+        g = self._gathered.get(request_id)
+        return None if g is None else g.out
 
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
              params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -1,5 +1,5 @@
 """What a finished request returns, the same from the ZeroMQ client and the offline LLM, and its
-metrics, made by one function for both (the server's frontend and the offline LLM)."""
+metrics, made by one function for both (orca_mq.assembly, the server's frontend's and the offline LLM's)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

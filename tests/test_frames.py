@@ -55,10 +55,10 @@ def test_a_clients_rows_split_into_frames_that_fit(monkeypatch):
 
     box = Outbox()
     for i in range(10):
-        req = ActiveRequest(b"c", f"q{i}", None, 400, 0.0, 6)   # type: ignore[arg-type]
+        req = ActiveRequest(b"c", f"q{i}", None, 6)   # type: ignore[arg-type]
         head = Logprobs.prompt(1, _prompt(400), lambda t: f"tok{t}")
         box.add(req, [9], "x", Final("length") if i % 3 == 0 else None, None, head)
-    box.add(ActiveRequest(b"c", "plain", None, 3, 0.0, 6), [4], "y", None)   # type: ignore[arg-type]
+    box.add(ActiveRequest(b"c", "plain", None, 6), [4], "y", None)   # type: ignore[arg-type]
     asyncio.run(box.send(Link()))   # type: ignore[arg-type]
     assert len(sent) > 1 and all(c == b"c" and len(p) <= LIMIT for c, p in sent)
     rows = [row for _, p in sent for row in decode(p, TO_CLIENT).rows()]
@@ -80,7 +80,7 @@ def test_every_optional_column_reaches_its_row_split_or_not(monkeypatch):
 
         box, tails, vectors = Outbox(), {0: "<think>", n - 1: "end"}, {0: b"\x01" * 256, n // 2: b"\x02" * 256}
         for i in range(n):
-            req = ActiveRequest(b"c", f"q{i}", None, 4, 0.0, PROTOCOL_VERSION)   # type: ignore[arg-type]
+            req = ActiveRequest(b"c", f"q{i}", None, PROTOCOL_VERSION)   # type: ignore[arg-type]
             box.add(req, [i], "x", Final("stop") if i in vectors else None, None, None, tails.get(i), vectors.get(i))
         asyncio.run(box.send(Link()))   # type: ignore[arg-type]
         assert (len(sent) > 1) == (n > 1)

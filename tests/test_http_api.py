@@ -104,7 +104,7 @@ def test_stop_string_cuts_the_text_and_frees_the_request(zmq, oai, model):
 @pytest.mark.parametrize("body, status, needle, code, param", [
     ({"prompt": ""}, 400, "empty prompt", "invalid_request", "prompt"),
     ({"prompt": "hi", "temperature": -1}, 400, "temperature", "invalid_value", "temperature"),
-    ({"prompt": "hi", "temperature": 0.0001, "stream": True}, 400, "temperature", "invalid_request", None),
+    ({"prompt": "hi", "temperature": 0.0001, "stream": True}, 400, "temperature", "invalid_value", "temperature"),
     ({"prompt": "hi", "max_tokens": 100000}, 400, "context length", "invalid_request", "max_tokens"),
     ({"prompt": "hi", "max_tokens": "many"}, 400, "max_tokens", "invalid_type", "max_tokens"),
     ({"prompt": "hi", "best_of": 2}, 400, "'best_of'", "unsupported_parameter", "best_of"),

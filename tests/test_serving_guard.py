@@ -198,7 +198,11 @@ AUTH = {"authorization": f"Bearer {KEYS[0]}"}
     ("/v1/completions", {"prompt": "hi", "stop_token_ids": [10**20]}, "invalid_value", "stop_token_ids.0"),
     ("/v1/completions", {"prompt": "hi", "temprature": 0}, "unknown_parameter", "temprature"),   # was ignored
     ("/v1/completions", {"prompt": "hi", "logprobs": -1}, "invalid_value", "logprobs"),
-    ("/v1/completions", {"prompt": "hi", "logprobs": 21}, "invalid_request", None),   # the frontend's: model.max_logprobs
+    ("/v1/completions", {"prompt": "hi", "logprobs": 21}, "invalid_request", "logprobs"),   # the frontend's: model.max_logprobs
+    ("/v1/completions", {"prompt": "hi", "logprobs": 21, "echo": True}, "invalid_request", "logprobs"),   # prompt_logprobs'
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21},
+     "invalid_request", "top_logprobs"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "min_tokens": 3}, "invalid_value", "min_tokens"),
     ("/v1/completions", {"prompt": "hi", "n": 17}, "invalid_value", "n"),   # over server.http_max_n
     ("/v1/completions", {"prompt": "hi", "echo": "yes"}, "invalid_type", "echo"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "invalid_value", "max_tokens"),   # 0 only with echo

@@ -34,7 +34,7 @@ from orca_mq.client import AsyncClient
 from orca_mq.config import Pooling
 from orca_mq.outputs import EmbeddingOutput
 from orca_mq.protocol.pooling import floats
-from orca_mq.protocol.sampling import INT32_MAX
+from orca_mq.protocol.sampling_fields import INT32_MAX
 
 
 class EmbeddingRequest(Strict):

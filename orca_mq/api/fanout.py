@@ -38,7 +38,7 @@ from orca_mq.api.schemas import ChatCompletionRequest, CompletionRequest, Prompt
 from orca_mq.api.stream import Generation, StopStrings, until_disconnect
 from orca_mq.client import AsyncClient
 from orca_mq.config import ServerConfig
-from orca_mq.protocol.sampling import INT64_MAX
+from orca_mq.protocol.sampling_fields import INT64_MAX
 
 Body = CompletionRequest | ChatCompletionRequest
 

@@ -21,9 +21,10 @@ from typing import Annotated, Any, Literal
 from pydantic import Discriminator, Field, Tag, model_validator
 from pydantic_core import PydanticCustomError
 
+from orca_mq.api.fields import http
 from orca_mq.api.schemas import MAX_STOP_LEN, MAX_STOP_STRINGS, Strict
 from orca_mq.api.tools import MAX_TOOLS
-from orca_mq.protocol.sampling import INT32_MAX
+from orca_mq.protocol.sampling_fields import INT32_MAX
 
 
 class _Block(Strict):
@@ -141,14 +142,14 @@ class MessagesRequest(Strict):
                    "workspace_id": ()}
 
     model: str = Field(max_length=256)
-    max_tokens: int = Field(strict=True, ge=1, le=INT32_MAX)
+    max_tokens: http("max_tokens")
     messages: list[MessageParam] = Field(min_length=1)
     system: str | list[TextBlock] | None = None
     stop_sequences: list[str] | None = Field(None, max_length=MAX_STOP_STRINGS)
     stream: bool = Field(False, strict=True)
-    temperature: float | None = Field(None, ge=0, le=1, allow_inf_nan=False)
-    top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
-    top_k: int | None = Field(None, strict=True, ge=0, le=INT32_MAX)
+    temperature: http("temperature", high=1.0) | None = None   # Anthropic's range
+    top_p: http("top_p") | None = None
+    top_k: http("top_k") | None = None
     tools: list[ToolParam] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: ToolChoiceParam | None = None
     thinking: ThinkingParam | None = None

@@ -22,9 +22,9 @@ from typing import Annotated, Any, Literal
 from pydantic import Discriminator, Field, Tag, ValidationError
 
 from orca_mq.api.errors import from_validation
+from orca_mq.api.fields import http
 from orca_mq.api.schemas import JsonSchemaFormat, Strict
 from orca_mq.api.tools import MAX_TOOLS, Function
-from orca_mq.protocol.sampling import INT32_MAX, MAX_TEMPERATURE
 
 MAX_ITEMS = 4096       # input items of one request (each a message at least: the context bounds them long before)
 
@@ -129,9 +129,9 @@ class ResponsesRequest(Strict):
     tools: list[FunctionTool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedTool | None = None
     parallel_tool_calls: bool | None = Field(None, strict=True)
-    max_output_tokens: int | None = Field(None, strict=True, ge=1, le=INT32_MAX)
-    temperature: float | None = Field(None, ge=0, le=MAX_TEMPERATURE, allow_inf_nan=False)
-    top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
+    max_output_tokens: http("max_tokens") | None = None
+    temperature: http("temperature") | None = None
+    top_p: http("top_p") | None = None
     stream: bool = Field(False, strict=True)
     store: bool = Field(True, strict=True)
     previous_response_id: str | None = Field(None, max_length=256)

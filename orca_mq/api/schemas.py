@@ -36,15 +36,14 @@ from orca_mq.api.tools import MAX_TOOLS, Tool, ToolCall, ToolCallDelta, ToolChoi
 from orca_mq.api.logprobs import ChatLogprobs, CompletionLogprobs
 from orca_mq.admission.prompts import check_template_kwargs
 from orca_mq.errors import InvalidRequest
-from orca_mq.protocol.sampling import (INT32_MAX, INT64_MAX, MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES, MAX_PENALTY,
-                                       MAX_REPETITION_PENALTY, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, MIN_REPETITION_PENALTY)
+from orca_mq.api.fields import http
+from orca_mq.protocol.sampling_fields import (BIAS, INT32_MAX, MAX_LOGIT_BIAS_ENTRIES, MAX_STOP_TOKEN_IDS, TOKEN_ID,
+                                              min_tokens_problem)
 
 MAX_STOP_STRINGS = 16           # these two bound the work of the stop-string check on every token
 MAX_STOP_LEN = 256
-TokenId = Annotated[int, Field(strict=True, ge=0, le=INT32_MAX)]
-BiasKey = Annotated[int, Field(ge=0, le=INT32_MAX)]   # a JSON object's key: the token id as a string
-Bias = Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS, allow_inf_nan=False)]
-Penalty = Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)]
+TokenId = http(TOKEN_ID)
+BiasKey = Annotated[int, Field(ge=TOKEN_ID.low, le=TOKEN_ID.high)]   # a JSON object's key: the token id as a string
 
 # OpenAI fields orca-mq does not implement -> the values that ask for nothing (null always does)
 COMPLETION_UNSUPPORTED: dict[str, tuple[Any, ...]] = {"best_of": (1,), "suffix": ("",)}
@@ -119,35 +118,37 @@ class ResponseFormat(Strict):
 
 
 class _Sampling(Strict):
+    """The sampling fields both routes take: each one's bounds are the table's (orca_mq.protocol.sampling_fields)."""
     model: str | None = None
-    max_tokens: int | None = Field(None, strict=True, ge=1, le=INT32_MAX)
-    temperature: float | None = Field(None, ge=0, le=MAX_TEMPERATURE, allow_inf_nan=False)
-    top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
-    seed: int | None = Field(None, strict=True, ge=0, le=INT64_MAX)
+    max_tokens: http("max_tokens") | None = None
+    temperature: http("temperature") | None = None
+    top_p: http("top_p") | None = None
+    seed: http("seed") | None = None
     n: int | None = Field(None, strict=True, ge=1, le=INT32_MAX)   # choices per prompt; the server bounds it (server.http_max_n)
     stop: str | list[str] | None = None
     stream: bool = Field(False, strict=True)
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, max_length=256)                         # OpenAI's end-user id: accepted, unused
-    top_k: int | None = Field(None, strict=True, ge=-1, le=INT32_MAX)      # vLLM extension; -1 = off, as vLLM
-    ignore_eos: bool | None = Field(None, strict=True)                     # vLLM extension
+    top_k: http("top_k", low=-1) | None = None                             # vLLM extension; -1 = off, as vLLM
+    ignore_eos: http("ignore_eos") | None = None                           # vLLM extension
     stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)  # vLLM extension
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None  # vLLM extension: json | regex | choice | grammar | json_object
-    presence_penalty: Penalty | None = None
-    frequency_penalty: Penalty | None = None
-    logit_bias: dict[BiasKey, Bias] | None = Field(None, max_length=MAX_LOGIT_BIAS_ENTRIES)   # the server's model.max_logit_bias: the frontend's
-    repetition_penalty: float | None = Field(None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY,
-                                             allow_inf_nan=False)   # vLLM extension
-    min_tokens: int | None = Field(None, strict=True, ge=0, le=INT32_MAX)  # vLLM extension
-    min_p: float | None = Field(None, ge=0, le=1, allow_inf_nan=False)     # vLLM extension
-    skip_special_tokens: bool | None = Field(None, strict=True)            # vLLM extension; default true
+    presence_penalty: http("presence_penalty") | None = None
+    frequency_penalty: http("frequency_penalty") | None = None
+    logit_bias: dict[BiasKey, http(BIAS)] | None = Field(None, max_length=MAX_LOGIT_BIAS_ENTRIES)   # the server's model.max_logit_bias: the frontend's
+    repetition_penalty: http("repetition_penalty") | None = None           # vLLM extension
+    min_tokens: http("min_tokens") | None = None                           # vLLM extension
+    min_p: http("min_p") | None = None                                     # vLLM extension
+    skip_special_tokens: http("skip_special_tokens") | None = None         # vLLM extension; default true
 
     @model_validator(mode="after")
     def _stops(self) -> "_Sampling":
         if self.structured_outputs is not None and self.response_format is not None and self.response_format.type != "text":
             raise PydanticCustomError("value_error", "give response_format or structured_outputs, not both",
                                       {"param": "structured_outputs"})
+        if self.min_tokens is not None and (problem := min_tokens_problem(self.min_tokens, self.limit())):
+            raise PydanticCustomError("value_error", problem, {"param": "min_tokens"})
         if len(self.stop_strings) > MAX_STOP_STRINGS or any(not 0 < len(s) <= MAX_STOP_LEN for s in self.stop_strings):
             raise PydanticCustomError("value_error", "stop: at most {n} strings of 1 to {chars} characters",
                                       {"n": MAX_STOP_STRINGS, "chars": MAX_STOP_LEN, "param": "stop"})
@@ -166,7 +167,7 @@ class _Sampling(Strict):
 
     def field(self, param: str | None) -> str | None:
         """The request's name for a field the server blames by its wire name (InvalidRequest.param)."""
-        return param
+        return "logprobs" if param == "prompt_logprobs" else param   # echo's k is logprobs'
 
     def sampling(self) -> dict[str, Any]:
         """The SamplingParams fields that were given; max_tokens None = the rest of the context (the frontend's)."""
@@ -190,8 +191,8 @@ class CompletionRequest(_Sampling):
     UNSUPPORTED = COMPLETION_UNSUPPORTED
 
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
-    max_tokens: int | None = Field(None, strict=True, ge=0, le=INT32_MAX)   # 0 only with echo: the prompt alone
-    logprobs: int | None = Field(None, strict=True, ge=0, le=INT32_MAX)     # k; the frontend bounds it (model.max_logprobs)
+    max_tokens: http("max_tokens", low=0) | None = None   # 0 only with echo: the prompt alone
+    logprobs: http("logprobs") | None = None              # k; the frontend bounds it (model.max_logprobs)
     echo: bool = Field(False, strict=True)                                   # the prompt before the text (and its logprobs)
 
     @model_validator(mode="after")
@@ -287,9 +288,9 @@ class ChatCompletionRequest(_Sampling):
     UNSUPPORTED = CHAT_UNSUPPORTED
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, strict=True, ge=1, le=INT32_MAX)
+    max_completion_tokens: http("max_tokens") | None = None
     logprobs: bool | None = Field(None, strict=True)                      # each token's log probability...
-    top_logprobs: int | None = Field(None, strict=True, ge=0, le=INT32_MAX)  # ...and its k most likely (needs logprobs)
+    top_logprobs: http("logprobs") | None = None          # ...and its k most likely (needs logprobs)
     tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: ToolChoice | None = None         # default: auto with tools, none without
     parallel_tool_calls: bool | None = Field(None, strict=True)   # default true
@@ -335,8 +336,8 @@ class ChatCompletionRequest(_Sampling):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def field(self, param: str | None) -> str | None:
-        if param == "prompt":
-            return "messages"
+        if param in ("prompt", "logprobs"):
+            return "messages" if param == "prompt" else "top_logprobs"
         return "max_completion_tokens" if param == "max_tokens" and self.max_completion_tokens is not None else param
 
     @model_validator(mode="after")

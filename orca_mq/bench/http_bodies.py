@@ -24,8 +24,7 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from orca_mq.protocol.sampling import (INT32_MAX, INT64_MAX, MAX_PENALTY, MAX_REPETITION_PENALTY, MAX_TEMPERATURE,
-                                       MIN_REPETITION_PENALTY, MIN_TEMPERATURE)
+from orca_mq.protocol.sampling_fields import FIELDS, INT32_MAX, INT64_MAX, SamplingField
 
 PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings")
 GENERATION = PATHS[:2]
@@ -121,7 +120,7 @@ def _floats(low: float, high: float, exclude_min: bool = False) -> st.SearchStra
 _IDS = st.integers(0, TOKEN_IDS - 1)
 _STOP = st.text(min_size=1, max_size=8)
 _SAMPLING = {   # optional fields both routes serve, each within its bounds
-    "temperature": st.one_of(st.just(0), _floats(MIN_TEMPERATURE, 2.0)),
+    "temperature": st.one_of(st.just(0), _floats(FIELDS["temperature"].low, 2.0)),
     "top_p": _floats(0.0, 1.0, exclude_min=True),
     "top_k": st.integers(-1, 50),
     "seed": st.integers(0, INT64_MAX),
@@ -129,9 +128,9 @@ _SAMPLING = {   # optional fields both routes serve, each within its bounds
     "n": st.integers(1, 2),
     "ignore_eos": st.booleans(),
     "stop_token_ids": st.lists(_IDS, max_size=3),
-    "presence_penalty": _floats(-MAX_PENALTY, MAX_PENALTY),
-    "frequency_penalty": _floats(-MAX_PENALTY, MAX_PENALTY),
-    "repetition_penalty": _floats(MIN_REPETITION_PENALTY, 2.0),
+    "presence_penalty": _floats(FIELDS["presence_penalty"].low, FIELDS["presence_penalty"].high),
+    "frequency_penalty": _floats(FIELDS["frequency_penalty"].low, FIELDS["frequency_penalty"].high),
+    "repetition_penalty": _floats(FIELDS["repetition_penalty"].low, 2.0),
     "min_p": _floats(0.0, 1.0),
     "logit_bias": st.dictionaries(_IDS.map(str), _floats(-100.0, 100.0), max_size=3),
     "user": st.text(max_size=16),
@@ -208,19 +207,32 @@ def _not_bool() -> st.SearchStrategy[Any]:
     return st.one_of(st.integers(), _junk(bool))
 
 
+def _refused(name: str, low: float | None = None) -> st.SearchStrategy[Any]:
+    """Values the table (orca_mq.protocol.sampling_fields) refuses for a field, its gaps too (temperature's
+    (0, 0.001), top_p's 0); `low`: the HTTP API's own lower bound."""
+    f: SamplingField = FIELDS[name].bounded(low)
+    if f.kind is bool:
+        return _not_bool()
+    assert f.low is not None and f.high is not None
+    if f.kind is int:
+        return _int_out_of(int(f.low), int(f.high))
+    gaps = ([st.floats(0.0, f.low, exclude_min=True, exclude_max=True)] if f.zero else []) + (
+        [st.just(float(f.low))] if f.low_open else [])
+    return st.one_of(_out_of(0.0 if f.zero else f.low, f.high), *gaps)
+
+
 _WRONG = {   # field -> values the schema refuses, naming the field
-    "max_tokens": _int_out_of(0, INT32_MAX), "n": _int_out_of(1, INT32_MAX), "seed": _int_out_of(0, INT64_MAX),
-    "top_k": _int_out_of(-1, INT32_MAX), "min_tokens": _int_out_of(0, INT32_MAX),
-    "temperature": _out_of(0.0, MAX_TEMPERATURE), "top_p": st.one_of(_out_of(0.0, 1.0), st.just(0.0)),
-    "presence_penalty": _out_of(-MAX_PENALTY, MAX_PENALTY), "frequency_penalty": _out_of(-MAX_PENALTY, MAX_PENALTY),
-    "repetition_penalty": _out_of(MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY), "min_p": _out_of(0.0, 1.0),
-    "stream": _not_bool(), "ignore_eos": _not_bool(), "skip_special_tokens": _not_bool(),
+    **{name: _refused(name) for name in ("seed", "min_tokens", "temperature", "top_p", "presence_penalty",
+                                         "frequency_penalty", "repetition_penalty", "min_p", "ignore_eos",
+                                         "skip_special_tokens")},
+    "max_tokens": _refused("max_tokens", low=0), "top_k": _refused("top_k", low=-1), "n": _int_out_of(1, INT32_MAX),
+    "stream": _not_bool(),
     "stop": st.one_of(st.integers(), st.just([""]), st.lists(st.integers(), min_size=1, max_size=2)),
 }
 _WRONG_COMPLETION = _WRONG | {"prompt": st.one_of(st.integers(), _junk(str, list)), "echo": _not_bool(),
-                              "logprobs": _int_out_of(0, INT32_MAX)}
+                              "logprobs": _refused("logprobs")}
 _WRONG_CHAT = _WRONG | {"messages": st.one_of(st.just([]), st.integers(), _junk(list)), "logprobs": _not_bool(),
-                        "max_completion_tokens": _int_out_of(1, INT32_MAX)}
+                        "max_completion_tokens": _refused("max_tokens")}
 _WRONG_EMBEDDING = {"input": st.one_of(st.integers(), _junk(str, list)), "encoding_format": _junk(), "pooling": _junk(),
                     "normalize": _not_bool(), "dimensions": _int_out_of(1, INT32_MAX), "user": _junk(str)}
 

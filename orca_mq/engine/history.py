@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from orca_mq.protocol.iteration import HISTORY_KEEP, HISTORY_NONE, HISTORY_START, PlanArrays
+from orca_mq.protocol.sampling_fields import is_greedy
 
 Tensor = torch.Tensor
 
@@ -135,7 +136,7 @@ class Processors:
         pen = (rows >= 0) & (x.history != HISTORY_NONE)
         min_p = np.zeros(len(sampling), np.float32)
         min_p[rows[rows >= 0]] = x.params[rows >= 0, 3]
-        min_p[(a.temperature[sampling] == 0) | (a.top_k[sampling] == 1)] = 0   # greedy keeps its argmax anyway
+        min_p[is_greedy(a.temperature[sampling], a.top_k[sampling])] = 0   # greedy keeps its argmax anyway
         if not keep.any() and not pen.any() and not min_p.any():
             return None
         return cls(bias_rows[keep], x.bias_ids[keep].astype(np.int64), x.bias_vals[keep], rows[pen],

@@ -26,6 +26,7 @@ import torch
 
 from orca_mq.engine.history import Processors, TokenHistory
 from orca_mq.protocol.iteration import IterationPlan, PlanArrays, SeqWork, mask_bytes, pack
+from orca_mq.protocol.sampling_fields import is_greedy
 
 Tensor = torch.Tensor
 _MASK64 = (1 << 64) - 1
@@ -91,7 +92,7 @@ def sample(logits: Tensor, rows: SamplingRows, first: Tensor | None = None, hist
     tokens join. `logits` is left as it is (the raw logits, for log probabilities)."""
     first = greedy(logits) if first is None else first
     tokens, ok = first[0, :len(rows)], first[1, :len(rows)].bool()
-    drawn = np.flatnonzero((rows.temperature != 0) & (rows.top_k != 1))
+    drawn = np.flatnonzero(~is_greedy(rows.temperature, rows.top_k))
     procs = rows.processors
     if not rows.masks and not len(drawn) and procs is None:   # greedy rows only: nothing here waits for the device
         return Sampled(tokens, ok, [], first)

@@ -27,16 +27,15 @@ from concurrent.futures import ThreadPoolExecutor
 import zmq.asyncio
 
 from orca_mq.admission.served_model import ServedModel
+from orca_mq.assembly import INTERNAL_TEXT, Assembler, Assembly
 from orca_mq.config import Config
-from orca_mq.detokenizer import IncrementalDetokenizer, ends_on_eos
 from orca_mq.logs import setup_logging
 from orca_mq.protocol import ProtocolError, decode, unpack
-from orca_mq.protocol.client_msgs import TO_SERVER, Abort, Final, Generate, Output, Stats, StatsReply
+from orca_mq.protocol.client_msgs import TO_SERVER, Abort, Generate, Output, Stats, StatsReply
 from orca_mq.protocol.common_msgs import ABORTED, INTERNAL, INVALID_REQUEST, OVERLOADED, UNAVAILABLE, Error
 from orca_mq.protocol.codec import channel, from_dict
 from orca_mq.protocol.control_msgs import AbortAll, ClientGone, Drain, Drained, Ready
 from orca_mq.protocol.engine_msgs import AbortRequest, AddRequest, StatsQuery, StatsResult, TokenBatch
-from orca_mq.protocol.logprobs import Logprobs, TokenLogprobs
 from orca_mq.protocol.pooling import PoolingParams
 from orca_mq.errors import InvalidRequest
 from orca_mq.fair_share import client_name
@@ -51,8 +50,6 @@ from orca_mq.structured.compiler import bounded
 FROM_PROCESSES = channel(TokenBatch, StatsResult, Drain, AbortAll, ClientGone, Error)
 TOKENIZE_THREADS = 2      # a long prompt's tokenization leaves a thread for short ones
 MAX_STATS_QUERIES = 256   # stats queries awaiting the scheduler; more are refused as overloaded
-FINAL_CODES = {"abort": ABORTED, "error": INTERNAL}
-INTERNAL_TEXT = "internal error: the server failed on this request"
 
 
 class _Unavailable(InvalidRequest):
@@ -66,7 +63,7 @@ class Frontend:
         self.model = ServedModel(cfg)   # admission's steps 1-3 here (orca_mq.admission); 4 in the scheduler process
         self.tokenizer, self.prompts = self.model.tokenizer, self.model.prompts
         self.model.prompt_logprob_bound   # noqa: B018 (read the vocabulary now, not on the event loop)
-        self.eos_token_ids = frozenset(self.model.info.eos_token_ids)   # the one that ends a request is not shown
+        self.assembler = Assembler(self.tokenizer, self.model.info.eos_token_ids)   # what the clients see of each step
         self.tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="tokenize")
         self.grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")   # constraints' shortest outputs
         self.ids = RequestIds()                          # (client, its id) <-> internal id
@@ -77,7 +74,6 @@ class Frontend:
         self.active: dict[str, ActiveRequest] = {}       # by internal id
         self.stats_waiting: dict[str, tuple[bytes, str, int]] = {}  # our query id -> (client, its query id, version)
         self.draining = False
-        self.token_texts: dict[int, str] = {}            # a token id decoded alone (log probabilities), at most the vocabulary
 
     async def run(self) -> int:
         await self.link.to_peer("launcher", Ready("frontend", os.getpid()))
@@ -197,10 +193,8 @@ class Frontend:
             raise _Unavailable("server is shutting down; not accepting new requests")
         params = self.model.fit(prompt_ids, adm.params, shortest) if adm.pooling is None else self.model.fit_embedding(prompt_ids)
         rid = adm.msg.request_id
-        detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
-        self.active[iid] = ActiveRequest(adm.client, rid, detok, len(prompt_ids), time.time(), adm.version, prompt_tail=tail)
-        if params.prompt_logprobs is not None:
-            self.active[iid].prompt_head = prompt_ids[0]
+        self.active[iid] = ActiveRequest(adm.client, rid, self.assembler.start(prompt_ids, params, time.time()), adm.version,
+                                         prompt_tail=tail)
         share = client_name(adm.client, adm.msg.api_key, adm.msg.on_behalf_of)   # the broker put the key's index there
         self.log.info("request admitted", request_id=iid, client_request_id=rid, prompt_tokens=len(prompt_ids),
                       max_tokens=params.max_tokens, client=share)
@@ -214,38 +208,22 @@ class Frontend:
         await self.link.to_client(client, Output(rid, [], "", True, "error", str(e), code=code, param=e.param), version)
 
     async def _on_tokens(self, batch: TokenBatch) -> None:
-        """One step's tokens: grouped by request, each request detokenized once, a frame per client."""
-        now = time.time()
-        new: dict[str, list[int]] = {}
-        for iid, token_id in zip(batch.request_ids, batch.token_ids):
-            if (ids := new.get(iid)) is None:
-                new[iid] = [token_id]
-            else:
-                ids.append(token_id)
-        for iid in batch.finals:
-            new.setdefault(iid, [])
-        logprobs = _per_request(batch) if batch.logprobs else {}
+        """One step's tokens: a row per request (orca_mq.assembly), a frame per client."""
         out = Outbox()
-        for iid, ids in new.items():
-            req = self.active.get(iid)
-            if req is None:
-                continue  # its client vanished: the abort is already on its way
-            reason = batch.finals.get(iid)
-            text = req.step(ids, now, ends_on_eos(ids, reason, self.eos_token_ids))
-            final = None
-            if reason is not None:
-                text += req.detok.finish()
-                metrics = req.metrics(now, batch.metrics.get(iid))
-                final = Final(reason, INTERNAL_TEXT if reason == "error" else None, metrics, FINAL_CODES.get(reason))
+        for iid, _, row in self.assembler.rows(batch, time.time(), self._output):
+            req = self.active[iid]
+            if row.final is not None:
                 self._forget(iid)
-                self.log.info("request finished", request_id=iid, finish_reason=reason,
-                              completion_tokens=len(req.detok.ids), iteration=batch.iteration)
+                self.log.info("request finished", request_id=iid, finish_reason=row.final.finish_reason,
+                              completion_tokens=len(req.out.detok.ids), iteration=batch.iteration)
             tail, req.prompt_tail = req.prompt_tail, None   # with the request's first row
-            lps = (self._logprobs(req, logprobs.get(iid), batch.prompt_logprobs.get(iid))
-                   if iid in logprobs or req.prompt_head is not None else (None, None))
-            out.add(req, ids, text, final, *lps, tail, batch.embeddings.get(iid))
+            out.add(req, row.token_ids, row.text, row.final, row.logprobs, row.prompt_logprobs, tail, row.embedding)
         await out.send(self.link)
         await self._maybe_drained()
+
+    def _output(self, iid: str) -> Assembly | None:
+        req = self.active.get(iid)
+        return None if req is None else req.out
 
     async def _stats_reply(self, msg: StatsResult) -> None:
         client, query_id, version = self.stats_waiting.pop(msg.query_id, (b"", "", 0))
@@ -267,22 +245,6 @@ class Frontend:
                 await self.link.to_peer("scheduler", AbortRequest(iid))
         await self._maybe_drained()
 
-    def _logprobs(self, req: ActiveRequest, sampled: TokenLogprobs | None,
-                  prompt: TokenLogprobs | None) -> tuple[Logprobs | None, Logprobs | None]:
-        """A row's log probabilities for its client, each token's text beside its id; the prompt's go
-        with its first token (or its final), its first position without a log probability."""
-        head = None
-        if req.prompt_head is not None and (sampled is not None or prompt is not None or req.detok.ids):
-            head = Logprobs.prompt(req.prompt_head, prompt, self._text)
-            req.prompt_head = None
-        return None if sampled is None else Logprobs.decoded(sampled, self._text), head
-
-    def _text(self, token_id: int) -> str:
-        """A token decoded alone, special tokens kept (as vLLM shows a log probability's token)."""
-        if (text := self.token_texts.get(token_id)) is None:
-            text = self.token_texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False) or ""
-        return text
-
     def _forget(self, iid: str) -> None:
         del self.active[iid]
         self.ids.release(iid)
@@ -290,19 +252,6 @@ class Frontend:
     async def _maybe_drained(self) -> None:
         if self.draining and not self.active and not self.admitting:
             await self.link.to_peer("launcher", Drained())
-
-
-def _per_request(batch: TokenBatch) -> dict[str, TokenLogprobs]:
-    """The batch's log-probability column gathered by request (a request may have several tokens)."""
-    out: dict[str, TokenLogprobs] = {}
-    for iid, lp in zip(batch.request_ids, batch.logprobs):
-        if lp is None:
-            continue
-        if (have := out.get(iid)) is None:
-            out[iid] = TokenLogprobs(list(lp.token_ids), list(lp.logprobs), list(lp.top_ids), list(lp.top_logprobs))
-        else:
-            have.extend(lp)
-    return out
 
 
 def main() -> None:
