@@ -1,8 +1,8 @@
 """The columnar planner (orca_mq/sched/columns.py) plans what the general path plans: every policy, on a
 random workload (shared prompt prefixes, EOS and stop tokens, seeds, requests that need rows of their own,
 aborts, engine failures, async scheduling), run twice in lockstep, with and without it. Every packed plan
-is equal field by field, and every event; the columnar path must have planned some of them (an iteration
-where a prompt joins takes the general path)."""
+is equal field by field, and every event; most plans must have gone through the columnar planner (whole,
+or its decode rows merged with the general path's other rows)."""
 from __future__ import annotations
 
 import random
@@ -23,9 +23,8 @@ from orca_mq.sched.request import Request
 INFO = ModelInfo(path="m", arch="llama", vocab_size=1000, hidden_size=8, n_layers=2, n_heads=2, n_kv_heads=1,
                  intermediate_size=16, norm_eps=1e-5, context_length=4096, eos_token_ids=[2, 5])
 PROFILE = IterationProfile([(1, 0.001), (1000, 1.0)], [(1, 0.010), (64, 0.020)])
-# (policy, async scheduling, pipeline stages); the request-level baseline keeps a batch's finished rows running,
-# so its batches decode in columns only while all its prompts are in and none has finished: there, every request
-# ignores EOS and makes 30 tokens
+# (policy, async scheduling, pipeline stages); the request-level baseline's requests all ignore EOS and make 30
+# tokens (its batches run until every member finished)
 CASES = [("orca", "off", 1), ("orca", "on", 1), ("orca", "off", 2), ("request", "off", 1), ("srpt", "off", 1),
          ("fastserve", "off", 1)]
 
@@ -100,7 +99,7 @@ def test_columnar_plans_equal_the_general_path(policy: str, ahead: str, workers:
                 rng.setstate(state)
                 results[i] = [result(flights[i].popleft(), rng, [])]
         now += 0.01
-    assert columnar >= 3, f"{columnar} of {total} iterations planned in columns"
+    assert columnar >= total // 2, f"{columnar} of {total} iterations planned in columns"
     for s in pair:
         bm = s.block_manager
         assert bm.n_rsrv == 0 and bm.num_used_slots == 0

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from orca_mq.protocol.iteration import NO_ROW, IterationPlan, IterationResult, SeqWork
+from orca_mq.protocol.iteration import NO_ROW, IterationPlan, IterationResult, SeqWork, pack
 from orca_mq.protocol.logprobs import TokenLogprobs
 from orca_mq.engine.dtype import resolve_dtype
 from orca_mq.kv.block_manager import BlockManager
@@ -23,7 +23,7 @@ from orca_mq.kv.pool import PoolSize
 from orca_mq.kv.prefix import chain_seed
 from orca_mq.sched.profiler import IterationProfile, Profiler, profile_max_len
 from orca_mq.sched import closings
-from orca_mq.sched.columns import DecodeColumns, apply_decode, decodes, plan_decode
+from orca_mq.sched.columns import DecodeColumns, DecodeRows, apply_decode, decodes, decoding, merge, plan_decode
 from orca_mq.sched.request import Phase, Request
 from orca_mq.sched.pooling import PooledRows, ask_pooling, max_pooled_rows, pools
 from orca_mq.sched.processors import add_extras
@@ -199,9 +199,14 @@ class Scheduler:
             return None
         self.admitted(batch, now)
         drafts = {} if self.speculator is None else self.speculator.propose(batch, sum(r.chunk or 1 for r in batch), self.max_len)
-        seqs = []
+        seqs, others = [], []   # the rows that are not plain decodes: the plain ones go in columns (`decoded`)
+        decoded = DecodeRows(self.columns, self.block_manager, self.iteration) if self.columns is not None else None
         follows = 0
-        for req in batch:
+        for row, req in enumerate(batch):
+            if decoded is not None and decoding(req):
+                decoded.add(row, req)
+                continue
+            others.append(req)
             prev = NO_ROW
             if req.running:   # planned before its last token came back: the engine puts that token here
                 tokens, start, prev, follows = [-1], req.num_tokens, req.sample_row, self.iteration
@@ -216,17 +221,22 @@ class Scheduler:
             seqs.append(SeqWork(req.request_id, tokens, start, self.block_manager.wire(table), p.temperature, p.top_k, p.top_p, p.seed,
                                 sample=not req.prompt_pending and req.pooling is None, prev_row=prev, draft=req.draft))
             req.in_flight += 1
-        fill_masks(seqs, [None if r.prompt_pending else r.grammar for r in batch])  # only rows that sample
+        fill_masks(seqs, [None if r.prompt_pending else r.grammar for r in others])  # only rows that sample
         if drafts:
-            Speculator.mask_drafts(seqs, batch, planning)
-        add_extras(seqs, batch, self.eos_token_ids)   # logits processors: penalties, min_p, logit_bias, min_tokens
-        ask_logprobs(seqs, batch)
-        ask_pooling(seqs, batch)
+            Speculator.mask_drafts(seqs, others, planning)
+        add_extras(seqs, others, self.eos_token_ids)   # logits processors: penalties, min_p, logit_bias, min_tokens
+        ask_logprobs(seqs, others)
+        ask_pooling(seqs, others)
+        general, plain = iter(seqs), set(() if decoded is None else decoded.rows)
         row = 0
-        for req, s in zip(batch, seqs):   # a row's place among the sampled positions (a verify row's: its first)
-            req.planned, req.sample_row = self.iteration + 1, row if s.sample else NO_ROW
-            row += s.sample * (1 + s.draft)
-        return self._planned(IterationPlan(self.iteration + 1, seqs, follows=follows), batch)
+        for i, req in enumerate(batch):   # a row's place among the sampled positions (a verify row's: its first)
+            sample, draft = (1, 0) if i in plain else ((s := next(general)).sample, s.draft)
+            req.planned, req.sample_row = self.iteration + 1, row if sample else NO_ROW
+            row += sample * (1 + draft)
+        plan = IterationPlan(self.iteration + 1, seqs, follows=follows)
+        if decoded is not None and decoded.rows:
+            plan = IterationPlan(plan.iteration, None, follows=max(follows, decoded.follows), packed=merge(pack(plan), decoded, len(batch)))
+        return self._planned(plan, batch)
 
     def _planned(self, plan: IterationPlan, batch: list[Request]) -> IterationPlan:
         """The plan of the next iteration goes in flight, with the token histories to release."""

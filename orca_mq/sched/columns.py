@@ -8,11 +8,12 @@ store by slot, and its result's tokens are checked for stops with array arithmet
 the policies read stays on the Request (its tokens, in_flight, planned, sample_row), written in one pass.
 
 A request decodes in columns when nothing of it needs a row of its own: no grammar, logits
-processors, log probabilities, pooling or speculation (the scheduler has no speculator), a seed the
-wire carries as given, and a model without sliding windows (whose tables have holes). An iteration
-is planned here only when every row of its batch is such a request in INCREMENT; anything else takes
-the general path (Scheduler.schedule / process_result), whose plans these equal byte for byte
-(tests/test_sched_columns.py).
+processors, log probabilities, pooling or speculation (the scheduler has no speculator), and a model
+without sliding windows (whose tables have holes). An iteration whose rows are all such requests in
+INCREMENT is planned here whole (`plan_decode`) and its result applied here (`apply_decode`); in any
+other iteration such rows are gathered here (`DecodeRows`) and merged in plan order with the general
+path's plan of the rest (`merge`), whose result the general path applies. The plans are what the general
+path alone gives, byte for byte (tests/test_sched_columns.py).
 """
 from __future__ import annotations
 
@@ -78,42 +79,117 @@ def decodes(batch: Sequence[Request]) -> bool:
     return all(r.slot >= 0 and r.phase is Phase.INCREMENT for r in batch)
 
 
-def plan_decode(store: DecodeColumns, bm: BlockManager, batch: list[Request], iteration: int) -> IterationPlan:
-    """The iteration `iteration` + 1 of an all-decode batch, in columns: what Scheduler.schedule's rows give
-    for it (a row planned ahead of its last token feeds the placeholder -1 at its prev_row), and the
-    requests' planning state set as it sets it."""
-    n, tables, block_size = len(batch), bm.device.tables, bm.block_size
-    ids, toks, starts, prevs, tabs, slots = [], [], [], [], [], []
-    follows, planned = 0, iteration + 1
-    for row, r in enumerate(batch):
+def decoding(r: Request) -> bool:
+    """The request's row this iteration is a plain decode."""
+    return r.slot >= 0 and r.phase is Phase.INCREMENT
+
+
+@dataclass(slots=True)
+class DecodeRows:
+    """An iteration's plain decode rows, gathered in plan order into columns: what Scheduler.schedule's rows
+    give for them (a row planned ahead of its last token feeds the placeholder -1 at its prev_row), their
+    requests' planning state set as it sets it (sample_row by the caller)."""
+
+    store: DecodeColumns
+    bm: BlockManager
+    iteration: int                      # the last planned: these rows are iteration + 1's
+    rows: list[int] = field(default_factory=list)   # their plan rows
+    ids: list[str] = field(default_factory=list)
+    toks: list[int] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)
+    prevs: list[int] = field(default_factory=list)
+    tabs: list[list[int]] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    follows: int = 0
+
+    def add(self, row: int, r: Request) -> None:
         rid, n_tok = r.request_id, len(r.prompt_token_ids) + len(r.output_token_ids)
         if r.in_flight:   # planned before its last token came back: the engine puts that token here
-            toks.append(-1)
-            starts.append(n_tok)
-            prevs.append(r.sample_row)
-            follows = iteration
+            self.toks.append(-1)
+            self.starts.append(n_tok)
+            self.prevs.append(r.sample_row)
+            self.follows = self.iteration
             n_tok += 1
         else:
-            toks.append(r.output_token_ids[-1])
-            starts.append(n_tok - 1)
-            prevs.append(NO_ROW)
-        table = tables.get(rid)
-        if table is None or len(table) * block_size < n_tok:
-            table = bm.ensure(rid, n_tok)
-        ids.append(rid)
-        tabs.append(table)
-        slots.append(r.slot)
+            self.toks.append(r.output_token_ids[-1])
+            self.starts.append(n_tok - 1)
+            self.prevs.append(NO_ROW)
+        table = self.bm.device.tables.get(rid)
+        if table is None or len(table) * self.bm.block_size < n_tok:
+            table = self.bm.ensure(rid, n_tok)
+        self.rows.append(row)
+        self.ids.append(rid)
+        self.tabs.append(table)
+        self.slots.append(r.slot)
         r.in_flight += 1
         r.chunk = r.draft = 0
-        r.planned, r.sample_row = planned, row
-    at = np.array(slots, np.intp)
-    packed = PackedPlan(
-        planned, ids, np.ones(n, I32).tobytes(), np.array(starts, I32).tobytes(), np.array(toks, I32).tobytes(),
-        np.array(prevs, I32).tobytes(), np.array([len(t) for t in tabs], I32).tobytes(),
-        np.fromiter(chain.from_iterable(tabs), I32, -1).tobytes(), np.ones(n, U8).tobytes(),
-        store.temperature[at].tobytes(), store.top_k[at].tobytes(), store.top_p[at].tobytes(), store.seed[at].tobytes(),
-        b"", [], follows=follows)
-    return IterationPlan(planned, None, follows=follows, packed=packed)
+
+    def packed(self) -> PackedPlan:
+        """These rows' columns, as a plan of them alone."""
+        n, at, s = len(self.rows), np.array(self.slots, np.intp), self.store
+        return PackedPlan(
+            self.iteration + 1, self.ids, np.ones(n, I32).tobytes(), np.array(self.starts, I32).tobytes(),
+            np.array(self.toks, I32).tobytes(), np.array(self.prevs, I32).tobytes(), np.array([len(t) for t in self.tabs], I32).tobytes(),
+            np.fromiter(chain.from_iterable(self.tabs), I32, -1).tobytes(), np.ones(n, U8).tobytes(),
+            s.temperature[at].tobytes(), s.top_k[at].tobytes(), s.top_p[at].tobytes(), s.seed[at].tobytes(), b"", [],
+            follows=self.follows)
+
+
+def plan_decode(store: DecodeColumns, bm: BlockManager, batch: list[Request], iteration: int) -> IterationPlan:
+    """The iteration `iteration` + 1 of an all-decode batch, in columns."""
+    d = DecodeRows(store, bm, iteration)
+    for row, r in enumerate(batch):
+        d.add(row, r)
+        r.planned, r.sample_row = iteration + 1, row
+    return IterationPlan(iteration + 1, None, follows=d.follows, packed=d.packed())
+
+
+def merge(sub: PackedPlan, d: DecodeRows, n: int) -> PackedPlan:
+    """The plan of n rows from the general path's plan of its other rows (`sub`) and its decode rows `d`: each
+    column in plan order, a row-indexed column's rows renumbered, what pack gives for all n rows."""
+    dec = np.array(d.rows, np.intp)
+    other = np.setdiff1d(np.arange(n), dec)
+    a, b = sub.arrays(), d.packed().arrays()
+
+    def rows(col_o: np.ndarray, col_d: np.ndarray | None, fill: int = 0) -> bytes:
+        out = np.empty(n, col_o.dtype)
+        out[other] = col_o
+        out[dec] = fill if col_d is None else col_d
+        return out.tobytes()
+
+    def flat(vals_o: np.ndarray, lens_o: np.ndarray, vals_d: np.ndarray, lens_d: np.ndarray) -> bytes:
+        lens = np.empty(n, np.int64)
+        lens[other], lens[dec] = lens_o, lens_d
+        first = np.cumsum(lens) - lens   # each row's place in the flat column
+        out = np.empty(int(lens.sum()), vals_o.dtype)
+        for at, ln, vals in ((other, lens_o, vals_o), (dec, lens_d, vals_d)):
+            ln = ln.astype(np.int64)
+            out[np.repeat(first[at] - (np.cumsum(ln) - ln), ln) + np.arange(len(vals))] = vals
+        return out.tobytes()
+
+    def renumber(col: bytes) -> bytes:
+        return other[np.frombuffer(col, I32)].astype(I32).tobytes() if col else b""
+
+    lp = {name: rows(getattr(a, name), None, -1) for name in ("logprobs", "prompt_logprobs", "next_tokens")} if sub.logprobs else {}
+    return PackedPlan(
+        sub.iteration, _ids(sub, d, n, other),
+        rows(a.q_lens, b.q_lens), rows(a.start_pos, b.start_pos), flat(a.token_ids, a.q_lens, b.token_ids, b.q_lens),
+        rows(a.prev_rows, b.prev_rows), rows(a.table_lens, b.table_lens), flat(a.tables, a.table_lens, b.tables, b.table_lens),
+        rows(a.sample, b.sample), rows(a.temperature, b.temperature), rows(a.top_k, b.top_k), rows(a.top_p, b.top_p),
+        rows(a.seeds, b.seeds), renumber(sub.mask_rows), sub.masks, follows=max(sub.follows, d.follows), **lp,
+        x_rows=renumber(sub.x_rows), x_params=sub.x_params, x_history=sub.x_history, x_bias_lens=sub.x_bias_lens,
+        bias_ids=sub.bias_ids, bias_vals=sub.bias_vals, x_seen_lens=sub.x_seen_lens, seen_ids=sub.seen_ids,
+        drafts=rows(a.drafts, None) if a.drafts is not None else b"",
+        pool_rows=renumber(sub.pool_rows), pool_counts=sub.pool_counts)
+
+
+def _ids(sub: PackedPlan, d: DecodeRows, n: int, other: np.ndarray) -> list[str]:
+    ids: list[str] = [""] * n
+    for i, rid in zip(other.tolist(), sub.request_ids):
+        ids[i] = rid
+    for i, rid in zip(d.rows, d.ids):
+        ids[i] = rid
+    return ids
 
 
 def apply_decode(sched: "Scheduler", batch: list[Request], result: IterationResult, now: float) -> "list[TokenEvent] | None":
@@ -123,7 +199,7 @@ def apply_decode(sched: "Scheduler", batch: list[Request], result: IterationResu
     from orca_mq.sched.base import TokenEvent   # base imports this module
 
     if (result.failed or result.verify_rows or result.logprob_rows or result.prompt_rows or result.pool_rows
-            or not all(r.phase is Phase.INCREMENT and not r.aborted for r in batch)):
+            or not all(r.slot >= 0 and r.phase is Phase.INCREMENT and not r.aborted for r in batch)):
         return None
     assert sched.columns is not None
     bm, tokens = sched.block_manager, result.token_ids
