@@ -92,6 +92,7 @@ class IterationPlan:
     follows: int = 0              # the iteration whose sampled tokens fill rows with a prev_row (0: none)
     released: list[str] = field(default_factory=list)   # requests that ended with a token history on the last stage
     packed: "PackedPlan | None" = None   # its columns, when the scheduler planned it in columns (what pack returns)
+    kept: list[tuple[int, SeqWork]] = field(default_factory=list)   # ...and its rows planned as objects, by plan row
 
     @property
     def seqs(self) -> list[SeqWork]:
@@ -99,6 +100,8 @@ class IterationPlan:
         if self.rows is None:
             assert self.packed is not None
             self.rows = unpack_rows(self.packed.arrays())
+            for row, seq in self.kept:
+                self.rows[row] = seq
         return self.rows
 
     @property
@@ -360,8 +363,8 @@ def pack(plan: IterationPlan) -> PackedPlan:
 
 
 def unpack_rows(a: PlanArrays) -> list[SeqWork]:
-    """A decode plan's rows as SeqWork, as the scheduler's general path makes them (columnar plans carry
-    no masks, log-probability asks, logits processors, drafts or pooling)."""
+    """A plan's plain decode rows as SeqWork, as the scheduler's general path makes them (its other rows, which
+    may carry masks, log-probability asks, logits processors or pooling, are IterationPlan.kept)."""
     q, tl = np.cumsum(a.q_lens).tolist(), np.cumsum(a.table_lens).tolist()
     toks, tabs = a.token_ids.tolist(), a.tables.tolist()
     return [SeqWork(rid, toks[q[i] - n:q[i]], start, tabs[tl[i] - m:tl[i]], temp, top_k, top_p, None if seed < 0 else seed,

@@ -235,7 +235,9 @@ class Scheduler:
             row += sample * (1 + draft)
         plan = IterationPlan(self.iteration + 1, seqs, follows=follows)
         if decoded is not None and decoded.rows:
-            plan = IterationPlan(plan.iteration, None, follows=max(follows, decoded.follows), packed=merge(pack(plan), decoded, len(batch)))
+            kept = list(zip([i for i in range(len(batch)) if i not in plain], seqs))   # plan.seqs gives them back
+            plan = IterationPlan(plan.iteration, None, follows=max(follows, decoded.follows), packed=merge(pack(plan), decoded, len(batch)),
+                                 kept=kept)
         return self._planned(plan, batch)
 
     def _planned(self, plan: IterationPlan, batch: list[Request]) -> IterationPlan:
