@@ -85,16 +85,34 @@ class SeqWork:
 @dataclass(slots=True)
 class IterationPlan:
     iteration: int
-    seqs: list[SeqWork]
+    rows: list[SeqWork] | None    # None: planned in columns (`packed`, orca_mq/sched/columns.py); `seqs` unpacks them
     # KV block copies every stage applies before computing this iteration (FastServe):
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device_block, host_block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)   # (host_block, device_block)
     follows: int = 0              # the iteration whose sampled tokens fill rows with a prev_row (0: none)
     released: list[str] = field(default_factory=list)   # requests that ended with a token history on the last stage
+    packed: "PackedPlan | None" = None   # its columns, when the scheduler planned it in columns (what pack returns)
+    kept: list[tuple[int, SeqWork]] = field(default_factory=list)   # ...and its rows planned as objects, by plan row
+
+    @property
+    def seqs(self) -> list[SeqWork]:
+        """Its rows as objects (a plan made in columns makes them when first asked: tests and tools ask, serving does not)."""
+        if self.rows is None:
+            assert self.packed is not None
+            self.rows = unpack_rows(self.packed.arrays())
+            for row, seq in self.kept:
+                self.rows[row] = seq
+        return self.rows
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.packed.request_ids) if self.rows is None else len(self.rows)   # type: ignore[union-attr]
 
     @property
     def num_tokens(self) -> int:
-        return sum(len(s.token_ids) for s in self.seqs)
+        if self.rows is None:
+            return self.packed.num_tokens   # type: ignore[union-attr]
+        return sum(len(s.token_ids) for s in self.rows)
 
 
 I32, I64, F32, U8 = np.dtype("<i4"), np.dtype("<i8"), np.dtype("<f4"), np.dtype("u1")
@@ -317,7 +335,12 @@ def _pack_extras(plan: IterationPlan) -> dict[str, bytes | list[str]]:
 
 
 def pack(plan: IterationPlan) -> PackedPlan:
-    """The plan in columns: one pass per column, no per-row objects on the other side."""
+    """The plan in columns: one pass per column, no per-row objects on the other side (a plan made in
+    columns has them: only what the policy set after planning, its swaps, joins)."""
+    if plan.packed is not None:
+        p = plan.packed
+        p.swap_out, p.swap_in, p.follows, p.released = list(plan.swap_out), list(plan.swap_in), plan.follows, list(plan.released)
+        return p
     seqs = plan.seqs
 
     def col(values: list[int] | list[float] | chain[int], dtype: np.dtype) -> bytes:
@@ -337,6 +360,18 @@ def pack(plan: IterationPlan) -> PackedPlan:
         drafts=col([s.draft for s in seqs], I32) if any(s.draft for s in seqs) else b"",
         **_pack_pool(seqs),
     )
+
+
+def unpack_rows(a: PlanArrays) -> list[SeqWork]:
+    """A plan's plain decode rows as SeqWork, as the scheduler's general path makes them (its other rows, which
+    may carry masks, log-probability asks, logits processors or pooling, are IterationPlan.kept)."""
+    q, tl = np.cumsum(a.q_lens).tolist(), np.cumsum(a.table_lens).tolist()
+    toks, tabs = a.token_ids.tolist(), a.tables.tolist()
+    return [SeqWork(rid, toks[q[i] - n:q[i]], start, tabs[tl[i] - m:tl[i]], temp, top_k, top_p, None if seed < 0 else seed,
+                    sample=bool(smp), prev_row=prev)
+            for i, (rid, n, start, m, temp, top_k, top_p, seed, smp, prev) in enumerate(zip(
+                a.plan.request_ids, a.q_lens.tolist(), a.start_pos.tolist(), a.table_lens.tolist(), a.temperature.tolist(),
+                a.top_k.tolist(), a.top_p.tolist(), a.seeds.tolist(), a.sample.tolist(), a.prev_rows.tolist()))]
 
 
 def _pack_pool(seqs: list[SeqWork]) -> dict[str, bytes]:

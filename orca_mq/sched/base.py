@@ -13,7 +13,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from orca_mq.protocol.iteration import NO_ROW, IterationPlan, IterationResult, SeqWork
+import numpy as np
+
+from orca_mq.protocol.iteration import NO_ROW, IterationPlan, IterationResult, SeqWork, pack
 from orca_mq.protocol.logprobs import TokenLogprobs
 from orca_mq.engine.dtype import resolve_dtype
 from orca_mq.kv.block_manager import BlockManager
@@ -21,6 +23,7 @@ from orca_mq.kv.pool import PoolSize
 from orca_mq.kv.prefix import chain_seed
 from orca_mq.sched.profiler import IterationProfile, Profiler, profile_max_len
 from orca_mq.sched import closings
+from orca_mq.sched.columns import DecodeColumns, DecodeRows, apply_decode, decodes, decoding, merge, plan_decode
 from orca_mq.sched.request import Phase, Request
 from orca_mq.sched.pooling import PooledRows, ask_pooling, max_pooled_rows, pools
 from orca_mq.sched.processors import add_extras
@@ -104,6 +107,9 @@ class Scheduler:
         self.speculator = Speculator(cfg.speculative, self.token_budget) if cfg.speculative.method != "off" else None
         self.plan_budget = cfg.structured.plan_budget or None   # matcher calls an iteration may spend planning closings
         self.max_pooled = max_pooled_rows(info.hidden_size)   # embedding rows an iteration may pool
+        # the columnar planner's store (sched/columns.py); None: every iteration takes the general path
+        self.columns = DecodeColumns(np.array(sorted(self.eos_token_ids), np.int64)) if self.speculator is None and not self.block_manager.window else None
+        self.columnar: set[int] = set()   # iterations in flight that it planned
 
     # ------------------------------------------------------------ the iteration loop
 
@@ -140,6 +146,8 @@ class Scheduler:
         self.pool[req.request_id] = req
         if self.speculator is not None and req.pooling is None:
             self.speculator.start(req)
+        if self.columns is not None:
+            self.columns.add(req)
         self.enter(req)
 
     def abort(self, request_id: str) -> list[TokenEvent]:
@@ -179,6 +187,9 @@ class Scheduler:
     def schedule(self, now: float) -> IterationPlan | None:
         """The next iteration, or None when nothing can run (`step` keeps the pipeline's cap)."""
         selected = self.select(now)
+        if self.columns is not None and selected and decodes(selected):   # every row a plain decode: in columns
+            self.admitted(selected, now)
+            return self._planned(plan_decode(self.columns, self.block_manager, selected, self.iteration), selected)
         for req in selected:   # blocks of its prompt that requests prefilling the same prefix published since it started
             if req.phase is Phase.INITIATION:
                 self.block_manager.reuse(req)
@@ -188,9 +199,14 @@ class Scheduler:
             return None
         self.admitted(batch, now)
         drafts = {} if self.speculator is None else self.speculator.propose(batch, sum(r.chunk or 1 for r in batch), self.max_len)
-        seqs = []
+        seqs, others = [], []   # the rows that are not plain decodes: the plain ones go in columns (`decoded`)
+        decoded = DecodeRows(self.columns, self.block_manager, self.iteration) if self.columns is not None else None
         follows = 0
-        for req in batch:
+        for row, req in enumerate(batch):
+            if decoded is not None and decoding(req):
+                decoded.add(row, req)
+                continue
+            others.append(req)
             prev = NO_ROW
             if req.running:   # planned before its last token came back: the engine puts that token here
                 tokens, start, prev, follows = [-1], req.num_tokens, req.sample_row, self.iteration
@@ -205,20 +221,32 @@ class Scheduler:
             seqs.append(SeqWork(req.request_id, tokens, start, self.block_manager.wire(table), p.temperature, p.top_k, p.top_p, p.seed,
                                 sample=not req.prompt_pending and req.pooling is None, prev_row=prev, draft=req.draft))
             req.in_flight += 1
-        fill_masks(seqs, [None if r.prompt_pending else r.grammar for r in batch])  # only rows that sample
+        fill_masks(seqs, [None if r.prompt_pending else r.grammar for r in others])  # only rows that sample
         if drafts:
-            Speculator.mask_drafts(seqs, batch, planning)
-        add_extras(seqs, batch, self.eos_token_ids)   # logits processors: penalties, min_p, logit_bias, min_tokens
-        ask_logprobs(seqs, batch)
-        ask_pooling(seqs, batch)
-        self.iteration += 1
+            Speculator.mask_drafts(seqs, others, planning)
+        add_extras(seqs, others, self.eos_token_ids)   # logits processors: penalties, min_p, logit_bias, min_tokens
+        ask_logprobs(seqs, others)
+        ask_pooling(seqs, others)
+        general, plain = iter(seqs), set(() if decoded is None else decoded.rows)
         row = 0
-        for req, s in zip(batch, seqs):   # a row's place among the sampled positions (a verify row's: its first)
-            req.planned, req.sample_row = self.iteration, row if s.sample else NO_ROW
-            row += s.sample * (1 + s.draft)
-        plan = IterationPlan(self.iteration, seqs, follows=follows, released=self.released)
-        self.released = []
+        for i, req in enumerate(batch):   # a row's place among the sampled positions (a verify row's: its first)
+            sample, draft = (1, 0) if i in plain else ((s := next(general)).sample, s.draft)
+            req.planned, req.sample_row = self.iteration + 1, row if sample else NO_ROW
+            row += sample * (1 + draft)
+        plan = IterationPlan(self.iteration + 1, seqs, follows=follows)
+        if decoded is not None and decoded.rows:
+            kept = list(zip([i for i in range(len(batch)) if i not in plain], seqs))   # plan.seqs gives them back
+            plan = IterationPlan(plan.iteration, None, follows=max(follows, decoded.follows), packed=merge(pack(plan), decoded, len(batch)),
+                                 kept=kept)
+        return self._planned(plan, batch)
+
+    def _planned(self, plan: IterationPlan, batch: list[Request]) -> IterationPlan:
+        """The plan of the next iteration goes in flight, with the token histories to release."""
+        self.iteration = plan.iteration
+        plan.released, self.released = self.released, []
         self.in_flight[plan.iteration] = batch
+        if plan.rows is None:
+            self.columnar.add(plan.iteration)
         self.record.append((plan.iteration, [r.request_id for r in batch]))
         return plan
 
@@ -250,6 +278,11 @@ class Scheduler:
         batch = self.in_flight.pop(result.iteration, None)
         if batch is None or [r.request_id for r in batch] != list(result.request_ids):
             raise ValueError(f"result of iteration {result.iteration} does not match any iteration in flight")
+        if self.columnar and result.iteration in self.columnar:
+            self.columnar.discard(result.iteration)
+            if (events := apply_decode(self, batch, result, now)) is not None:
+                self.after_iteration(batch, now)
+                return self.emit(events)
         events = []
         failed = set(result.failed)
         verified = dict(zip(result.verify_rows, result.verified))
@@ -315,6 +348,8 @@ class Scheduler:
         """A finished request leaves the pool and frees its KV (and its token history on the last stage)."""
         del self.pool[req.request_id]
         self.block_manager.release(req)
+        if self.columns is not None:
+            self.columns.remove(req)
         if req.history_fed >= 0:
             self.released.append(req.request_id)
         self.finished[req.request_id] = self.metrics(req)

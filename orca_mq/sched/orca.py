@@ -19,13 +19,15 @@ if TYPE_CHECKING:
 def interleaved(reqs: Iterable[Request]) -> list[Request]:
     """Round robin across clients, each client's requests in arrival order: A1 B1 A2 B2 A3 (one
     client: arrival order). A client's place in the batch does not depend on how many it sent."""
+    reqs = list(reqs)
+    if len({r.client for r in reqs}) < 2:
+        return reqs
     rank: Counter[str] = Counter()
     keyed = []
     for i, r in enumerate(reqs):
         keyed.append((rank[r.client], i, r))
         rank[r.client] += 1
-    if len(rank) > 1:
-        keyed.sort(key=lambda k: k[:2])
+    keyed.sort(key=lambda k: k[:2])
     return [r for *_, r in keyed]
 
 
@@ -52,20 +54,22 @@ class OrcaScheduler(Scheduler):
         pass it), else is passed over; one past its client's share is passed over, and with `strict`
         so are its client's later ones."""
         bm = self.block_manager
-        held: Counter[str] = Counter()   # blocks reserved, by client
-        for r in self.pool.values():
-            if r.reserved_blocks:
-                held[r.client] += r.reserved_blocks
+        held: Counter[str] | None = None   # blocks reserved, by client: counted when a request first needs them
         batch: list[Request] = []
         waiting: set[str] = set()   # clients whose earlier request waits for its share
         for req in order:
-            if not self.selectable(req):
+            if req.in_flight and not self.selectable(req):   # an idle request is selectable: spares the call
                 continue
             if len(batch) == self.max_bs:
                 break
             if req.phase is Phase.INITIATION and not req.reserved_blocks:
                 if req.client in waiting:
                     continue
+                if held is None:
+                    held = Counter()
+                    for r in self.pool.values():
+                        if r.reserved_blocks:
+                            held[r.client] += r.reserved_blocks
                 blocks, cached = bm.blocks_for(req.max_total_tokens), bm.match(req)
                 bm.hold(cached)
                 after = bm.n_rsrv_after(cached, blocks)

@@ -75,6 +75,7 @@ class Request:
     prompt_logprobs: "TokenLogprobs | None" = None   # its prompt's log probabilities so far, until its first token carries them
     spec: "SpecState | None" = None   # speculative decoding: its n-gram index and adaptive k (None: it does not speculate)
     draft: int = 0                 # draft tokens its iteration in flight verifies
+    slot: int = -1                 # its row in the columnar planner's store (orca_mq/sched/columns.py; -1: none)
     client: str = ""               # who it counts for in the pool's fair shares (orca_mq.fair_share.client_name)
     # an embedding request (orca_mq/sched/pooling.py): a prompt that samples nothing and leaves with its vector
     pooling: PoolingParams | None = None

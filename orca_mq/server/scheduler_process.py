@@ -205,7 +205,7 @@ class SchedulerProcess:
             await self.control.send(encode(ControlFrame(pack(plan), time.time())), copy=False)
             if plan.iteration > 0:
                 self.telemetry.plan_sent(plan, self.sched.pool, time.monotonic())
-            self.log.debug("iteration scheduled", iteration=plan.iteration, batch=len(plan.seqs), tokens=plan.num_tokens)
+            self.log.debug("iteration scheduled", iteration=plan.iteration, batch=plan.num_rows, tokens=plan.num_tokens)
         if results:
             await self._emit(results[0].iteration, out.events)
         if not self.ready and self.sched.profiled:

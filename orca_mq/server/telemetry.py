@@ -50,9 +50,9 @@ class Telemetry:
 
     def plan_sent(self, plan: IterationPlan, pool: Mapping[str, Request], now: float) -> None:
         self.sent[plan.iteration] = now
-        self.batch_size.observe(len(plan.seqs))
+        self.batch_size.observe(plan.num_rows)
         self.iteration_tokens.observe(plan.num_tokens)
-        for seq in plan.seqs:
+        for seq in plan.seqs if plan.rows is not None else ():   # a plan made in columns is all decode rows
             if seq.start_pos == 0 and (req := pool.get(seq.request_id)) is not None:
                 self.queue_time.observe(now - req.arrival)
 

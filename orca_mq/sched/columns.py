@@ -1,0 +1,230 @@
+"""The columnar planner (issue 42): the steady-state decode iteration planned and applied in columns.
+
+At a large batch nearly every iteration is all decode rows: each running request feeds its last token
+and samples one. Planning those through a SeqWork per row and packing them again costs the scheduler
+more CPU per token than the engine on a small model. Here such an iteration is built straight into the
+plan's columns (PackedPlan), the requests' sampling parameters gathered from a per-request column
+store by slot, and its result's tokens are checked for stops with array arithmetic. Only the state
+the policies read stays on the Request (its tokens, in_flight, planned, sample_row), written in one pass.
+
+A request decodes in columns when nothing of it needs a row of its own: no grammar, logits
+processors, log probabilities, pooling or speculation (the scheduler has no speculator), and a model
+without sliding windows (whose tables have holes). An iteration whose rows are all such requests in
+INCREMENT is planned here whole (`plan_decode`) and its result applied here (`apply_decode`); in any
+other iteration such rows are gathered here (`DecodeRows`) and merged in plan order with the general
+path's plan of the rest (`merge`), whose result the general path applies. The plans are what the general
+path alone gives, byte for byte (tests/test_sched_columns.py).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from itertools import chain
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from orca_mq.kv.block_manager import BlockManager
+from orca_mq.protocol.iteration import F32, I32, I64, NO_ROW, U8, IterationPlan, IterationResult, PackedPlan
+from orca_mq.sched.request import Phase, Request
+
+if TYPE_CHECKING:
+    from orca_mq.sched.base import Scheduler, TokenEvent
+
+GROW = 256   # slots added when the store is full
+
+
+@dataclass(slots=True)
+class DecodeColumns:
+    """The column store: each columnar request's sampling parameters and stop conditions, by its slot."""
+
+    eos: np.ndarray   # the model's EOS token ids
+    temperature: np.ndarray = field(default_factory=lambda: np.zeros(0, F32))
+    top_k: np.ndarray = field(default_factory=lambda: np.zeros(0, I32))
+    top_p: np.ndarray = field(default_factory=lambda: np.zeros(0, F32))
+    seed: np.ndarray = field(default_factory=lambda: np.zeros(0, I64))
+    max_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    eos_stops: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))   # EOS ends it (not ignore_eos)
+    own_stops: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))   # it has stop_token_ids of its own
+    free: list[int] = field(default_factory=list)
+
+    def add(self, req: Request) -> None:
+        """Give the request a slot when it can decode in columns (req.slot stays -1 otherwise)."""
+        p = req.params
+        if (req.grammar is not None or req.pooling is not None or p.processed or p.logprobs is not None
+                or p.prompt_logprobs is not None):
+            return
+        if not self.free:
+            self._grow()
+        s = req.slot = self.free.pop()
+        self.temperature[s], self.top_k[s], self.top_p[s] = p.temperature, p.top_k, p.top_p
+        self.seed[s] = -1 if p.seed is None else p.seed
+        self.max_tokens[s], self.eos_stops[s], self.own_stops[s] = p.max_tokens, not p.ignore_eos, bool(p.stop_token_ids)
+
+    def remove(self, req: Request) -> None:
+        if req.slot >= 0:
+            self.free.append(req.slot)
+            req.slot = -1
+
+    def _grow(self) -> None:
+        n = len(self.temperature)
+        for name in ("temperature", "top_k", "top_p", "seed", "max_tokens", "eos_stops", "own_stops"):
+            old = getattr(self, name)
+            setattr(self, name, np.concatenate([old, np.zeros(GROW, old.dtype)]))
+        self.free.extend(range(n + GROW - 1, n - 1, -1))   # popped lowest first
+
+
+def decodes(batch: Sequence[Request]) -> bool:
+    """Every row of the batch decodes in columns this iteration."""
+    return all(r.slot >= 0 and r.phase is Phase.INCREMENT for r in batch)
+
+
+def decoding(r: Request) -> bool:
+    """The request's row this iteration is a plain decode."""
+    return r.slot >= 0 and r.phase is Phase.INCREMENT
+
+
+@dataclass(slots=True)
+class DecodeRows:
+    """An iteration's plain decode rows, gathered in plan order into columns: what Scheduler.schedule's rows
+    give for them (a row planned ahead of its last token feeds the placeholder -1 at its prev_row), their
+    requests' planning state set as it sets it (sample_row by the caller)."""
+
+    store: DecodeColumns
+    bm: BlockManager
+    iteration: int                      # the last planned: these rows are iteration + 1's
+    rows: list[int] = field(default_factory=list)   # their plan rows
+    ids: list[str] = field(default_factory=list)
+    toks: list[int] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)
+    prevs: list[int] = field(default_factory=list)
+    tabs: list[list[int]] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    follows: int = 0
+
+    def add(self, row: int, r: Request) -> None:
+        rid, n_tok = r.request_id, len(r.prompt_token_ids) + len(r.output_token_ids)
+        if r.in_flight:   # planned before its last token came back: the engine puts that token here
+            self.toks.append(-1)
+            self.starts.append(n_tok)
+            self.prevs.append(r.sample_row)
+            self.follows = self.iteration
+            n_tok += 1
+        else:
+            self.toks.append(r.output_token_ids[-1])
+            self.starts.append(n_tok - 1)
+            self.prevs.append(NO_ROW)
+        table = self.bm.device.tables.get(rid)
+        if table is None or len(table) * self.bm.block_size < n_tok:
+            table = self.bm.ensure(rid, n_tok)
+        self.rows.append(row)
+        self.ids.append(rid)
+        self.tabs.append(table)
+        self.slots.append(r.slot)
+        r.in_flight += 1
+        r.chunk = r.draft = 0
+
+    def packed(self) -> PackedPlan:
+        """These rows' columns, as a plan of them alone."""
+        n, at, s = len(self.rows), np.array(self.slots, np.intp), self.store
+        return PackedPlan(
+            self.iteration + 1, self.ids, np.ones(n, I32).tobytes(), np.array(self.starts, I32).tobytes(),
+            np.array(self.toks, I32).tobytes(), np.array(self.prevs, I32).tobytes(), np.array([len(t) for t in self.tabs], I32).tobytes(),
+            np.fromiter(chain.from_iterable(self.tabs), I32, -1).tobytes(), np.ones(n, U8).tobytes(),
+            s.temperature[at].tobytes(), s.top_k[at].tobytes(), s.top_p[at].tobytes(), s.seed[at].tobytes(), b"", [],
+            follows=self.follows)
+
+
+def plan_decode(store: DecodeColumns, bm: BlockManager, batch: list[Request], iteration: int) -> IterationPlan:
+    """The iteration `iteration` + 1 of an all-decode batch, in columns."""
+    d = DecodeRows(store, bm, iteration)
+    for row, r in enumerate(batch):
+        d.add(row, r)
+        r.planned, r.sample_row = iteration + 1, row
+    return IterationPlan(iteration + 1, None, follows=d.follows, packed=d.packed())
+
+
+def merge(sub: PackedPlan, d: DecodeRows, n: int) -> PackedPlan:
+    """The plan of n rows from the general path's plan of its other rows (`sub`) and its decode rows `d`: each
+    column in plan order, a row-indexed column's rows renumbered, what pack gives for all n rows."""
+    dec = np.array(d.rows, np.intp)
+    other = np.setdiff1d(np.arange(n), dec)
+    a, b = sub.arrays(), d.packed().arrays()
+
+    def rows(col_o: np.ndarray, col_d: np.ndarray | None, fill: int = 0) -> bytes:
+        out = np.empty(n, col_o.dtype)
+        out[other] = col_o
+        out[dec] = fill if col_d is None else col_d
+        return out.tobytes()
+
+    def flat(vals_o: np.ndarray, lens_o: np.ndarray, vals_d: np.ndarray, lens_d: np.ndarray) -> bytes:
+        lens = np.empty(n, np.int64)
+        lens[other], lens[dec] = lens_o, lens_d
+        first = np.cumsum(lens) - lens   # each row's place in the flat column
+        out = np.empty(int(lens.sum()), vals_o.dtype)
+        for at, ln, vals in ((other, lens_o, vals_o), (dec, lens_d, vals_d)):
+            ln = ln.astype(np.int64)
+            out[np.repeat(first[at] - (np.cumsum(ln) - ln), ln) + np.arange(len(vals))] = vals
+        return out.tobytes()
+
+    def renumber(col: bytes) -> bytes:
+        return other[np.frombuffer(col, I32)].astype(I32).tobytes() if col else b""
+
+    lp = {name: rows(getattr(a, name), None, -1) for name in ("logprobs", "prompt_logprobs", "next_tokens")} if sub.logprobs else {}
+    return PackedPlan(
+        sub.iteration, _ids(sub, d, n, other),
+        rows(a.q_lens, b.q_lens), rows(a.start_pos, b.start_pos), flat(a.token_ids, a.q_lens, b.token_ids, b.q_lens),
+        rows(a.prev_rows, b.prev_rows), rows(a.table_lens, b.table_lens), flat(a.tables, a.table_lens, b.tables, b.table_lens),
+        rows(a.sample, b.sample), rows(a.temperature, b.temperature), rows(a.top_k, b.top_k), rows(a.top_p, b.top_p),
+        rows(a.seeds, b.seeds), renumber(sub.mask_rows), sub.masks, follows=max(sub.follows, d.follows), **lp,
+        x_rows=renumber(sub.x_rows), x_params=sub.x_params, x_history=sub.x_history, x_bias_lens=sub.x_bias_lens,
+        bias_ids=sub.bias_ids, bias_vals=sub.bias_vals, x_seen_lens=sub.x_seen_lens, seen_ids=sub.seen_ids,
+        drafts=rows(a.drafts, None) if a.drafts is not None else b"",
+        pool_rows=renumber(sub.pool_rows), pool_counts=sub.pool_counts)
+
+
+def _ids(sub: PackedPlan, d: DecodeRows, n: int, other: np.ndarray) -> list[str]:
+    ids: list[str] = [""] * n
+    for i, rid in zip(other.tolist(), sub.request_ids):
+        ids[i] = rid
+    for i, rid in zip(d.rows, d.ids):
+        ids[i] = rid
+    return ids
+
+
+def apply_decode(sched: "Scheduler", batch: list[Request], result: IterationResult, now: float) -> "list[TokenEvent] | None":
+    """A columnar iteration's tokens applied as Scheduler.process_result applies them, its events in row
+    order; None (nothing applied) when a row needs the general path: its work failed or it was aborted
+    or finished meanwhile, or the result carries more than tokens."""
+    from orca_mq.sched.base import TokenEvent   # base imports this module
+
+    if (result.failed or result.verify_rows or result.logprob_rows or result.prompt_rows or result.pool_rows
+            or not all(r.slot >= 0 and r.phase is Phase.INCREMENT and not r.aborted for r in batch)):
+        return None
+    assert sched.columns is not None
+    bm, tokens = sched.block_manager, result.token_ids
+    publish, block_size = bm.seed is not None, bm.block_size
+    for r, t in zip(batch, tokens):
+        r.in_flight -= 1
+        r.n_iterations += 1
+        # its K/V is written: a block it filled joins the prefix cache (no window: computed only publishes)
+        if publish and (n := len(r.prompt_token_ids) + len(r.output_token_ids)) // block_size > r.kv_published:
+            bm.computed(r, n)
+        r.output_token_ids.append(t)
+    events = [TokenEvent(rid, t) for rid, t in zip(result.request_ids, tokens)]
+    for row in _maybe_stops(sched.columns, batch, tokens):
+        req, token = batch[row], tokens[row]
+        if reason := sched._stop_reason(req, token):
+            sched._finish(req, reason, now)
+            events[row] = TokenEvent(req.request_id, token, reason)
+    return events
+
+
+def _maybe_stops(store: DecodeColumns, batch: list[Request], tokens: list[int]) -> list[int]:
+    """The rows whose token may end their request (EOS, a stop token id of its own, or its length),
+    ascending; the caller decides each with the general rule."""
+    at = np.fromiter((r.slot for r in batch), np.intp, len(batch))
+    n_out = np.fromiter((len(r.output_token_ids) for r in batch), np.int64, len(batch))
+    t = np.array(tokens, np.int64)
+    maybe = (n_out >= store.max_tokens[at]) | store.own_stops[at] | (store.eos_stops[at] & np.isin(t, store.eos))
+    return np.flatnonzero(maybe).tolist()
