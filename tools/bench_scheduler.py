@@ -1,0 +1,85 @@
+#!/usr/bin/env python
+"""The scheduler's CPU per generated token, alone (issue 42, item 5): a policy's `step` and `pack` over a
+batch of decoding requests, a fake engine returning one token per row, no processes or sockets: what the
+scheduler process pays per iteration before anything is sent. Every request decodes (`ignore_eos`,
+greedy) so the batch stays full; iterations are timed after a warm-up, in rounds, and the table gives
+each batch size's median. tools/bench_control_plane.py measures the same served, beside the broker's,
+frontend's and worker's shares.
+
+    python tools/bench_scheduler.py [--batch 256,512] [--policy orca] [--iterations 50] [--rounds 3] --out FILE.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from orca_mq.config import load_config
+from orca_mq.models.info import ModelInfo
+from orca_mq.protocol.iteration import IterationResult, pack
+from orca_mq.protocol.sampling import SamplingParams
+from orca_mq.sched import make_scheduler
+from orca_mq.sched.request import Request
+
+# a narrow Llama's metadata: only the vocabulary, the context and the EOS reach the scheduler
+INFO = ModelInfo(path="bench", arch="llama", vocab_size=49152, hidden_size=64, n_layers=2, n_heads=2, n_kv_heads=1,
+                 intermediate_size=16, norm_eps=1e-5, context_length=4096, eos_token_ids=[2])
+WARMUP = 5
+
+
+def per_token_us(batch: int, policy: str, iterations: int) -> float:
+    """Microseconds of step + pack per generated token, `iterations` all-decode iterations at `batch` rows."""
+    cfg = load_config(overrides={"scheduler.policy": policy, "scheduler.max_bs": batch,
+                                 "scheduler.max_num_batched_tokens": 4096, "engine.n_slots": batch * 400,
+                                 "engine.block_size": 16})
+    sched = make_scheduler(cfg, INFO)
+    for i in range(batch):
+        sched.add(Request(f"r{i}", [7] * 64, SamplingParams(max_tokens=WARMUP + iterations + 64, ignore_eos=True,
+                                                            temperature=0), arrival=0.0))
+    now, results, tokens = 0.0, [], 0
+
+    def run(n: int) -> int:
+        nonlocal now, results
+        made = 0
+        for _ in range(n):
+            out = sched.step(now, results)
+            results = []
+            for plan in out.plans:
+                ids = pack(plan).request_ids   # what the scheduler process sends: no row objects
+                results.append(IterationResult(plan.iteration, ids, [5] * len(ids)))
+                made += len(ids)
+            now += 0.01
+        return made
+
+    run(WARMUP + batch // 16)   # every prompt prefilled (the budget's chunks), then decoding only
+    t = time.perf_counter()
+    tokens = run(iterations)
+    return (time.perf_counter() - t) / max(tokens, 1) * 1e6
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch", default="256,512", help="batch sizes (scheduler.max_bs), comma-separated")
+    p.add_argument("--policy", default="orca", choices=["orca", "request", "srpt", "fastserve"])
+    p.add_argument("--iterations", type=int, default=50, help="timed iterations per round")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--out", required=True, metavar="FILE.json")
+    args = p.parse_args(argv)
+    rows = []
+    for batch in (int(b) for b in args.batch.split(",")):
+        runs = [per_token_us(batch, args.policy, args.iterations) for _ in range(args.rounds)]
+        rows.append({"batch": batch, "policy": args.policy, "us_per_token": runs, "median": statistics.median(runs)})
+    print(f"{'batch':>6} {'policy':>9} {'us/token (median)':>18}  runs")
+    for r in rows:
+        print(f"{r['batch']:>6} {r['policy']:>9} {r['median']:>18.2f}  {', '.join(f'{x:.2f}' for x in r['us_per_token'])}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"rows": rows, "iterations": args.iterations}, indent=1))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
