@@ -39,7 +39,7 @@ def per_token_us(batch: int, policy: str, iterations: int) -> float:
     for i in range(batch):
         sched.add(Request(f"r{i}", [7] * 64, SamplingParams(max_tokens=WARMUP + iterations + 64, ignore_eos=True,
                                                             temperature=0), arrival=0.0))
-    now, results, tokens = 0.0, [], 0
+    now, results = 0.0, []
 
     def run(n: int) -> int:
         nonlocal now, results
