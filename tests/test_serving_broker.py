@@ -17,7 +17,7 @@ from orca_mq.protocol import decode, encode, unpack
 from orca_mq.protocol.client_msgs import TO_CLIENT, Final, Generate, Output, Outputs, Ping, Pong, Stats, StatsReply
 from orca_mq.protocol.common_msgs import Error
 from orca_mq.protocol.codec import channel
-from orca_mq.protocol.control_msgs import ClientGone, Fatal
+from orca_mq.protocol.control_msgs import ClientGone, Fatal, Resume
 from orca_mq.server.zmq_queue import BROKER, CLIENT, CLIENTS, PEER
 from serving_harness import ROOT, free_port
 
@@ -47,17 +47,25 @@ def broker(tmp_path, request):
     launcher.setsockopt(zmq.ROUTING_ID, b"launcher")
     launcher.connect(cfg.server.backend_address)
     for sock in (frontend, launcher):  # until the broker knows both identities
-        for _ in range(100):
-            sock.send_multipart([BROKER, b"", encode(Ping(1))])
-            if sock.poll(200):
-                while sock.poll(300):  # pongs of earlier pings
-                    sock.recv_multipart()
-                break
+        _ping(sock)
+    launcher.send_multipart([BROKER, b"", encode(Resume(0))])   # every process ready: it serves
+    _ping(launcher)
     yield cfg, ctx, frontend, launcher
     proc.terminate()
     proc.wait(10)
     assert proc.returncode == 0
     ctx.destroy(linger=0)
+
+
+def _ping(sock):
+    """Ping the broker until it answers; drain the late pongs."""
+    for _ in range(100):
+        sock.send_multipart([BROKER, b"", encode(Ping(1))])
+        if sock.poll(200):
+            while sock.poll(300):
+                sock.recv_multipart()
+            return
+    raise AssertionError("the broker does not answer")
 
 
 def _client(ctx, cfg):
@@ -189,25 +197,35 @@ def test_one_message_carries_frames_for_many_clients(broker):
     assert _tracked(clients[0], frontend) == 0
 
 
-def test_without_a_frontend_the_broker_says_starting_until_one_was_there(tmp_path):
-    """A first start is not a failure: until the frontend has been heard from, requests are refused as
-    `starting`; once it was there and is gone, as a restart after a failure."""
+def test_until_resumed_the_broker_says_starting_then_restarting(tmp_path):
+    """A frontend can be up before its scheduler (CI once lost a request to that window after a restart:
+    the frontend's frame to the absent scheduler went nowhere and the client waited forever). Until the
+    launcher's `resume` the broker refuses requests and stats queries itself, as `starting`; once it
+    served and its frontend is gone, as a restart after a failure."""
     cfg, proc = _start_broker(tmp_path)
     ctx = zmq.Context()
     try:
         client = _client(ctx, cfg)
+        frontend, launcher = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+        for sock, name in ((frontend, b"frontend"), (launcher, b"launcher")):
+            sock.setsockopt(zmq.ROUTING_ID, name)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(cfg.server.backend_address)
+            _ping(sock)
         client.send(encode(Generate("r1", prompt="hi")))
         first = decode(_recv(client)[0], TO_CLIENT)
         assert (first.finish_reason, first.code) == ("error", "unavailable") and "starting" in first.error, first
-        frontend = ctx.socket(zmq.DEALER)
-        frontend.setsockopt(zmq.ROUTING_ID, b"frontend")
-        frontend.setsockopt(zmq.LINGER, 0)
-        frontend.connect(cfg.server.backend_address)
-        frontend.send_multipart([BROKER, b"", encode(Ping(1))])
-        _recv(frontend, 3)
+        client.send(encode(Stats("q")))
+        refused = decode(_recv(client)[0], TO_CLIENT)
+        assert isinstance(refused, Error) and refused.code == "unavailable" and "starting" in refused.error
+        assert not frontend.poll(100), "nothing reaches a frontend before the launcher says every process is ready"
+        launcher.send_multipart([BROKER, b"", encode(Resume(0))])
+        _ping(launcher)
+        client.send(encode(Generate("r2", prompt="hi")))
+        assert decode(_recv(frontend, 3)[2], channel(Generate)).request_id == "r2"
         frontend.close()
         time.sleep(0.3)  # the broker's ROUTER notices the close
-        client.send(encode(Generate("r2", prompt="hi")))
+        client.send(encode(Generate("r3", prompt="hi")))
         later = decode(_recv(client)[0], TO_CLIENT)
         assert later.code == "unavailable" and "restarting after a failure" in later.error, later
     finally:

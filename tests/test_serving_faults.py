@@ -215,18 +215,22 @@ async def _stream_until_killed(address: str, kill) -> list:
 
 
 def _serves_again(address: str, timeout: float) -> float:
-    """Seconds until a request succeeds; every failure meanwhile must be an immediate, clear error."""
-    start = time.monotonic()
-    with Client(address) as client:
-        while True:
-            t0 = time.monotonic()
-            out = client.generate("Hello", max_tokens=2, temperature=0.0)
-            if out.finish_reason == "length":
-                return time.monotonic() - start
-            assert out.finish_reason == "error" and out.code == "unavailable", out
-            assert time.monotonic() - t0 < 5, "a request during the restart waited instead of failing fast"
-            assert time.monotonic() - start < timeout, f"not serving {timeout} s after the kill"
-            time.sleep(0.5)
+    """Seconds until a request succeeds; every failure meanwhile must be an immediate, clear error, and
+    no request may be lost (the client hears pongs throughout: only a bound here ends a lost one's wait)."""
+    async def run() -> float:
+        start = time.monotonic()
+        async with AsyncClient(address) as client:
+            while True:
+                t0 = time.monotonic()
+                out = await asyncio.wait_for(client.generate("Hello", max_tokens=2, temperature=0.0), 60)
+                if out.finish_reason == "length":
+                    return time.monotonic() - start
+                assert out.finish_reason == "error" and out.code == "unavailable", out
+                assert time.monotonic() - t0 < 5, "a request during the restart waited instead of failing fast"
+                assert time.monotonic() - start < timeout, f"not serving {timeout} s after the kill"
+                await asyncio.sleep(0.5)
+
+    return asyncio.run(run())
 
 
 def test_killed_worker_is_restarted(tmp_path):

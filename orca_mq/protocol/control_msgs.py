@@ -51,7 +51,7 @@ class ClientGone:
 @message("resume")
 @dataclass(slots=True)
 class Resume:
-    """The engine side is back after a restart: the broker serves requests again."""
+    """Every process is ready, at the start or after a restart: the broker serves requests (again)."""
 
     restarts: int
 

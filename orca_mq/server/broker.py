@@ -88,8 +88,9 @@ class Broker:
         self.held: Counter[str] = Counter()        # fair-share client -> its requests without a final
         self.versions: dict[bytes, int] = {}       # client in `waiting` -> the protocol version it writes
         self.gone: dict[bytes, None] = {}
-        self.fatal: str | None = None              # why the engine side is down (logged, never sent to clients)
-        self.frontend_seen = False                 # once it has been heard from, its absence is a failure, not the start
+        self.fatal: str | None = "starting"        # why the engine side is down (logged, never sent to clients):
+        # until the launcher's `resume` says every process is ready (a frontend may be up before its scheduler)
+        self.served = False                        # resumed once: from then on, down means a failure, not the start
         self.server_id = uuid.uuid4().hex[:12]
         self.restarts = restarts
         self.capacity = cfg.server.max_waiting + cfg.scheduler.max_bs * cfg.engine.n_workers
@@ -143,10 +144,10 @@ class Broker:
                 key_id = f"#{self.keys.which(msg.api_key)}" if self.keys.required and isinstance(msg, Generate) else ""
                 if msg.api_key:  # no further (the backend may cross hosts): a request's key by its index
                     parts = [encode(dataclasses.replace(msg, api_key=key_id), version)]
+            if isinstance(msg, (Generate, Stats)) and self.fatal is not None:
+                await self._unavailable(client, msg, version)
+                continue
             if isinstance(msg, Generate):
-                if self.fatal is not None:
-                    await self._reply(client, _failed(msg.request_id, UNAVAILABLE, UNAVAILABLE_TEXT), version)
-                    continue
                 if msg.request_id in self.waiting.get(client, ()):
                     await self._reply(client, Error(f"request_id {msg.request_id!r} is already in flight", None,
                                                     INVALID_REQUEST), version)
@@ -162,13 +163,17 @@ class Broker:
                 self.counters.tracked_requests += 1
             try:
                 await self.backend.send_multipart([FRONTEND, CLIENT, client, parts[0]])
-            except zmq.ZMQError:  # the frontend is not connected (still starting, or gone)
-                text = STARTING_TEXT if self.restarts == 0 and not self.frontend_seen else UNAVAILABLE_TEXT
+            except zmq.ZMQError:  # the frontend is gone (dead, and the launcher's `fatal` not here yet)
                 if isinstance(msg, Generate):
                     self._settle(client, msg.request_id)
-                    await self._reply(client, _failed(msg.request_id, UNAVAILABLE, text), version)
-                else:
-                    await self._reply(client, Error(text, None, UNAVAILABLE), version)
+                await self._unavailable(client, msg, version)
+
+    async def _unavailable(self, client: bytes, msg: Any, version: int) -> None:
+        text = STARTING_TEXT if self.restarts == 0 and not self.served else UNAVAILABLE_TEXT
+        if isinstance(msg, Generate):
+            await self._reply(client, _failed(msg.request_id, UNAVAILABLE, text), version)
+        else:
+            await self._reply(client, Error(text, None, UNAVAILABLE), version)
 
     def _full(self, share: str) -> str | None:
         """Why a request of `share` cannot be tracked now (None: it can)."""
@@ -184,7 +189,6 @@ class Broker:
         while True:
             frames = await self.backend.recv_multipart()
             source = frames[0]
-            self.frontend_seen = self.frontend_seen or source == FRONTEND
             try:
                 envelopes = parse_to_broker(frames[1:])
             except ProtocolError as e:
@@ -247,8 +251,8 @@ class Broker:
             await self.backend.send_multipart([source, BROKER, b"", encode(Pong(msg.nonce, self.server_id, self.restarts))])
             return
         if isinstance(msg, Resume):
-            self.fatal, self.restarts = None, msg.restarts
-            self.log.info("serving again", restarts=msg.restarts)
+            self.fatal, self.restarts, self.served = None, msg.restarts, True
+            self.log.info("serving" if not msg.restarts else "serving again", restarts=msg.restarts)
             return
         self.fatal = msg.reason
         n = sum(len(r) for r in self.waiting.values())

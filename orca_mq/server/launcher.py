@@ -72,6 +72,7 @@ class Launcher:
         self.first_signal = 0
         self.restarts: deque[float] = deque()
         self.n_restarts = 0
+        self.pings = 0    # the last ping's nonce
         self.t0 = time.monotonic()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
@@ -98,6 +99,7 @@ class Launcher:
                                               "frontend_address": self.cfg.server.frontend_address,
                                               "http_address": self.cfg.server.http_address}))
             self._start("broker")
+            self._resume()
             print(self._ready_line(), flush=True)
             return self._supervise()
         except StartupError as e:
@@ -283,10 +285,16 @@ class Launcher:
                     return True   # stopping anyway: _supervise drains
                 dead = self._dead() or gone[:1]
                 continue
-            assert self.link is not None
-            self.link.to_broker(Resume(self.n_restarts))  # also how the broker counts restarts for the metrics
+            self._resume()
             self.say(f"serving again (restart {self.n_restarts})")
             return True
+
+    def _resume(self) -> None:
+        """Every process is ready: the broker serves (it refused requests until now, as a frontend may
+        be up before its scheduler). The pong means it did: a client that reads the ready line is served."""
+        assert self.link is not None
+        self.link.to_broker(Resume(self.n_restarts))  # also how the broker counts restarts for the metrics
+        self._ping(timeout=2.0)
 
     def _fail_in_flight(self, reason: str) -> None:
         """The broker answers every in-flight request with an error and new ones `unavailable`."""
@@ -315,11 +323,13 @@ class Launcher:
         return [c for c in self.children if c.proc.poll() is not None]
 
     def _ping(self, timeout: float) -> bool:
+        """The broker answered this ping (not an earlier one's late pong): it handled every frame before it."""
         assert self.link is not None
-        self.link.to_broker(Ping(0))
+        self.pings += 1
+        self.link.to_broker(Ping(self.pings))
         deadline = time.monotonic() + timeout
         while (left := deadline - time.monotonic()) > 0:
-            if isinstance(self._recv(left), Pong):
+            if isinstance(msg := self._recv(left), Pong) and msg.nonce == self.pings:
                 return True
         return False
 
