@@ -99,7 +99,6 @@ class Launcher:
                                               "frontend_address": self.cfg.server.frontend_address,
                                               "http_address": self.cfg.server.http_address}))
             self._start("broker")
-            self._resume()
             print(self._ready_line(), flush=True)
             return self._supervise()
         except StartupError as e:
@@ -184,6 +183,7 @@ class Launcher:
             self._spawn("frontend", "engine", "orca_mq.server.frontend")
             waiting |= {"frontend", "scheduler"}
         self._wait(waiting, workers, loading, deadline)
+        self._resume()
 
     def _wait(self, waiting: set[str], workers: set[str], loading: float, deadline: float,
               until: set[str] | None = None) -> dict[str, int]:
@@ -285,7 +285,6 @@ class Launcher:
                     return True   # stopping anyway: _supervise drains
                 dead = self._dead() or gone[:1]
                 continue
-            self._resume()
             self.say(f"serving again (restart {self.n_restarts})")
             return True
 
