@@ -51,22 +51,23 @@ def test_seed_gives_same_token_regardless_of_batch_row():
 
 
 def test_sampled_tokens_follow_the_distribution():
-    """Inverse-CDF draws over many seeds: each token's frequency is its probability, top-p and a
-    temperature included (a wrong CDF or an off-by-one in the search would fail this)."""
+    """Inverse-CDF draws over many seeds, one batch of rows (each its own seed): each token's frequency
+    is its probability, top-p and a temperature included (a wrong CDF or an off-by-one in the search
+    would fail this)."""
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 0.5, -3.0]])
     n = 20_000
+
+    def frequencies(**params) -> torch.Tensor:
+        tokens = sample(logits.expand(n, -1).contiguous(), [seq(seed=i, **params) for i in range(n)])
+        return torch.bincount(torch.tensor(tokens), minlength=6) / n
+
     for params, probs in (({"temperature": 1.0}, logits[0].softmax(-1)),
                           ({"temperature": 0.5}, (logits[0] / 0.5).softmax(-1))):
-        counts = torch.zeros(6)
-        for i in range(n):
-            counts[sample(logits, [seq(seed=i, **params)])[0]] += 1
-        assert (counts / n - probs).abs().max() < 0.015, (counts / n, probs)
+        freq = frequencies(**params)
+        assert (freq - probs).abs().max() < 0.015, (freq, probs)
     kept = logits[0].softmax(-1)
     kept = torch.where(torch.tensor([True, True, True, False, True, False]), kept, 0)   # top_p 0.9: .56+.21+.13 < .9 keeps .08
-    counts = torch.zeros(6)
-    for i in range(n):
-        counts[sample(logits, [seq(temperature=1.0, top_p=0.9, seed=i)])[0]] += 1
-    assert (counts / n - kept / kept.sum()).abs().max() < 0.015
+    assert (frequencies(temperature=1.0, top_p=0.9) - kept / kept.sum()).abs().max() < 0.015
 
 
 def bitmask(vocab: int, allowed: list[int]) -> bytes:
