@@ -32,7 +32,7 @@ from pydantic_core import PydanticCustomError
 from orca_mq.api.chat_format import PLAIN, ChatFormat
 from orca_mq.api.errors import ApiError
 from orca_mq.api.tool_grammar import constraint
-from orca_mq.api.tools import MAX_TOOLS, Tool, ToolCall, ToolCallDelta, ToolChoice, arguments_of, render, shown
+from orca_mq.api.tools import MAX_TOOLS, Tool, ToolCall, ToolCallDelta, ToolChoice, render, shown
 from orca_mq.api.logprobs import ChatLogprobs, CompletionLogprobs
 from orca_mq.admission.prompts import check_template_kwargs
 from orca_mq.errors import InvalidRequest
@@ -276,7 +276,7 @@ class ChatMessage(Strict):
         out: dict[str, Any] = {"role": self.role, "content": self.text}
         if self.tool_calls:
             out["tool_calls"] = [{"id": fmt.call_id(c.id), "type": "function", "function": {
-                "name": c.function.name, "arguments": arguments_of(c.function.arguments)}} for c in self.tool_calls]
+                "name": c.function.name, "arguments": c.function.value()}} for c in self.tool_calls]
         if self.tool_call_id is not None:
             out["tool_call_id"] = fmt.call_id(self.tool_call_id)
         if self.reasoning_content:
@@ -325,7 +325,7 @@ class ChatCompletionRequest(_Sampling):
         for i, m in enumerate(self.messages):
             for j, c in enumerate(m.tool_calls or ()):
                 try:
-                    arguments_of(c.function.arguments)
+                    c.function.value()
                 except RecursionError:
                     param = f"messages.{i}.tool_calls.{j}.function.arguments"
                     raise PydanticCustomError("value_error", "{param}: JSON nested too deeply to read",

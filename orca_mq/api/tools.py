@@ -15,7 +15,7 @@ import json
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, PrivateAttr
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 MAX_TOOLS = 128
@@ -53,6 +53,15 @@ ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 class CalledFunction(BaseModel):
     name: str
     arguments: str          # JSON text, as OpenAI returns it
+    _value: Any = PrivateAttr(default=None)
+    _read: bool = PrivateAttr(default=False)
+
+    def value(self) -> Any:
+        """The arguments as a template renders them (arguments_of), read once: the request's validation reads
+        them first (a RecursionError there is a 400), the prompt's rendering takes what it read."""
+        if not self._read:
+            self._value, self._read = arguments_of(self.arguments), True
+        return self._value
 
 
 class ToolCall(BaseModel):

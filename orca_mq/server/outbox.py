@@ -38,18 +38,9 @@ class Outbox:
             self.versions[req.client] = req.version
         elif req.version < self.versions[req.client]:
             self.versions[req.client] = req.version
-        if logprobs is not None or prompt_logprobs is not None:
-            _logprob_row(batch, logprobs, prompt_logprobs)
-        elif batch.logprobs:
-            batch.logprobs.append(None)
-            batch.prompt_logprobs.append(None)
-        for column, value in (("prompt_tails", prompt_tail), ("embeddings", embedding)):
-            values = getattr(batch, column)
-            if value is not None and not values:   # an optional column starts at its first value
-                values = [None] * len(batch.request_ids)
-                setattr(batch, column, values)
-            if value is not None or values:
-                values.append(value)
+        for names, values in ((("logprobs", "prompt_logprobs"), (logprobs, prompt_logprobs)),
+                              (("prompt_tails",), (prompt_tail,)), (("embeddings",), (embedding,))):
+            _optional_row(batch, names, values)
         batch.request_ids.append(req.request_id)
         batch.token_ids.append(token_ids)
         batch.texts.append(text)
@@ -69,10 +60,13 @@ def rows(batch: Outputs, lo: int, hi: int) -> Outputs:
     return Outputs(*(getattr(batch, f.name)[lo:hi] for f in dataclasses.fields(Outputs)))   # every column, empty ones too
 
 
-def _logprob_row(batch: Outputs, logprobs: Logprobs | None, prompt_logprobs: Logprobs | None) -> None:
-    """A row's log probabilities (the row is appended next): the columns start at the first such row."""
-    if not batch.logprobs:
-        batch.logprobs = [None] * len(batch.request_ids)
-        batch.prompt_logprobs = [None] * len(batch.request_ids)
-    batch.logprobs.append(logprobs)
-    batch.prompt_logprobs.append(prompt_logprobs)
+def _optional_row(batch: Outputs, names: tuple[str, ...], values: tuple[object, ...]) -> None:
+    """A row's values of optional columns (the row is appended next): columns that exist once a row has a
+    value start together at the first such row, None before it (the log probability pair travels as one)."""
+    started = bool(getattr(batch, names[0]))
+    if not started and all(v is None for v in values):
+        return
+    for name, value in zip(names, values):
+        if not started:
+            setattr(batch, name, [None] * len(batch.request_ids))
+        getattr(batch, name).append(value)
