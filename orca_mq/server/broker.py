@@ -8,7 +8,9 @@ Both ROUTERs set ZMQ_ROUTER_MANDATORY: a send to a vanished client raises EHOSTU
 broker tells the frontend (`client_gone`), which aborts that client's requests. The broker also
 remembers which requests each client still waits on (settled by a final `output`, a final row of an
 `outputs` frame, or an `error` naming it), so that when a process dies (`fatal` from the launcher)
-it can give each of them an `error` final message itself. It answers a client frame that decodes in
+it can give each of them an `error` final message itself; and until the launcher's `resume` (every
+process ready, at the start and after each restart) it refuses requests and stats queries itself, as
+`unavailable`. It answers a client frame that decodes in
 that frame's protocol version, so an older client reads its replies (one that does not decode is
 answered in the current version).
 

@@ -18,6 +18,8 @@ from orca_mq.server.active_request import ActiveRequest
 from orca_mq.server.zmq_queue import BrokerLink
 
 BATCHED_VERSION = 4   # the protocol version that added `outputs`
+OPTIONAL = (("logprobs", "prompt_logprobs"), ("prompt_tails",), ("embeddings",))   # column groups a row may fill
+NO_EXTRAS = (None, None, None, None)
 
 
 class Outbox:
@@ -38,9 +40,9 @@ class Outbox:
             self.versions[req.client] = req.version
         elif req.version < self.versions[req.client]:
             self.versions[req.client] = req.version
-        for names, values in ((("logprobs", "prompt_logprobs"), (logprobs, prompt_logprobs)),
-                              (("prompt_tails",), (prompt_tail,)), (("embeddings",), (embedding,))):
-            _optional_row(batch, names, values)
+        extras = (logprobs, prompt_logprobs, prompt_tail, embedding)
+        if extras != NO_EXTRAS or batch.logprobs or batch.prompt_tails or batch.embeddings:   # most rows have none
+            _optional_row(batch, extras)
         batch.request_ids.append(req.request_id)
         batch.token_ids.append(token_ids)
         batch.texts.append(text)
@@ -60,13 +62,16 @@ def rows(batch: Outputs, lo: int, hi: int) -> Outputs:
     return Outputs(*(getattr(batch, f.name)[lo:hi] for f in dataclasses.fields(Outputs)))   # every column, empty ones too
 
 
-def _optional_row(batch: Outputs, names: tuple[str, ...], values: tuple[object, ...]) -> None:
-    """A row's values of optional columns (the row is appended next): columns that exist once a row has a
-    value start together at the first such row, None before it (the log probability pair travels as one)."""
-    started = bool(getattr(batch, names[0]))
-    if not started and all(v is None for v in values):
-        return
-    for name, value in zip(names, values):
-        if not started:
-            setattr(batch, name, [None] * len(batch.request_ids))
-        getattr(batch, name).append(value)
+def _optional_row(batch: Outputs, extras: tuple[object, ...]) -> None:
+    """A row's values of the optional columns, in OPTIONAL's order (the row is appended next): a group of
+    columns starts, together, at the first row with a value in it, None before it."""
+    at = 0
+    for names in OPTIONAL:
+        values, at = extras[at:at + len(names)], at + len(names)
+        started = bool(getattr(batch, names[0]))
+        if not started and values.count(None) == len(values):
+            continue
+        for name, value in zip(names, values):
+            if not started:
+                setattr(batch, name, [None] * len(batch.request_ids))
+            getattr(batch, name).append(value)
