@@ -19,7 +19,7 @@ from orca_mq.server.zmq_queue import BrokerLink
 
 BATCHED_VERSION = 4   # the protocol version that added `outputs`
 OPTIONAL = (("logprobs", "prompt_logprobs"), ("prompt_tails",), ("embeddings",))   # column groups a row may fill
-NO_EXTRAS = (None, None, None, None)
+NO_EXTRAS = (None,) * sum(map(len, OPTIONAL))   # a row without any
 
 
 class Outbox:
