@@ -35,15 +35,16 @@ class Section:
 
 
 # the run's order: cheap and model-free first (beside the models build), the headline figures before
-# the re-confirmations; budgets sum past the deadline, which cuts whatever comes last. Issue 42's
+# the re-confirmations, the costliest last; budgets sum past the deadline, which cuts whatever comes last. Issue 42's
 # sections (memory, long contexts, FP8) run when named: `--sections decode,splitkv,kvsize,fp8`, one call;
 # so does issue 40's fused MoE kernel: `--sections moe`
 SECTIONS = (Section("env", 15, 60, False), Section("refusal", 25, 60, False), Section("kernels", 40, 90, False),
+            Section("decode", 70, 300, False, False), Section("tune", 120, 300, False, False),
+            Section("moe", 60, 60, False, False),
             Section("exactness", 60, 120), Section("iteration", 80, 150), Section("offline", 50, 120),
             Section("served", 90, 240), Section("determinism", 45, 120), Section("fastserve", 45, 120),
-            Section("decode", 70, 300, False, False), Section("splitkv", 40, 240, default=False),
-            Section("kvsize", 120, 180, default=False),
-            Section("fp8", 90, 240, default=False), Section("moe", 60, 60, False, False))
+            Section("splitkv", 40, 240, default=False), Section("fp8", 90, 240, default=False),
+            Section("kvsize", 120, 180, default=False))
 MODELS = Section("models", 75, 120, False)
 # issue 42's published shapes, run by `--shape NAME` (one call per shape: orca_mq/bench/gpu_shapes.py)
 SHAPE_SECTIONS = (Section("shape_iteration", 130, 240, False, False), Section("shape_burst", 300, 300, False, False))

@@ -10,6 +10,7 @@
 """
 from __future__ import annotations
 
+import gc
 import os
 import random
 import signal
@@ -53,9 +54,20 @@ def kvsize(ctx: Ctx) -> None:
                      target=f"<= {util:g} + 0.02", met=used <= util + 0.02,
                      shown=f"{used:.3f} of {total / 2**30:.1f} GiB", how="1 - torch.cuda.mem_get_info free / total")
             del r
-            torch.cuda.empty_cache()
+            release()
     with ctx.attempt("served start, n_slots = 0", on_cpu_unavailable=True):
         served_terms(ctx)
+
+
+def release() -> None:
+    """The runner's pool back to the card before the next one is sized (or the server started): on the
+    first device run `del` alone left it held (a reference cycle), and the second sizing counted the
+    first pool as this process's weights and found 0 slots."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    if free < 0.5 * total:
+        raise RuntimeError(f"the last runner's memory was not freed: {(total - free) / 2**30:.1f} GiB still in use")
 
 
 def served_terms(ctx: Ctx) -> None:
@@ -92,13 +104,22 @@ def fp8(ctx: Ctx) -> None:
     with ctx.attempt("fp8 GEMMs"):
         weights = {k: (torch.randn(o, i, generator=gen) * i ** -0.5).to(dtype).to(ctx.device) for k, (i, o) in gemms.items()}
         quantized = {k: f8.quantize_weight(w) for k, w in weights.items()}
+        x = (torch.randn(64, 4096, generator=gen) * torch.logspace(-4, 4, 64)[:, None]).to(dtype).to(ctx.device)
+        (q, sq), (qr, sr) = f8.quantize_activations(x), f8.quantize_rows(x)
+        same = torch.equal(q.view(torch.uint8), qr.view(torch.uint8)) and torch.equal(sq, sr)
+        ctx.emit("fp8 activation rows: bytes equal torch's quantize_rows", same, target="True" if ctx.cuda else None,
+                 met=same if ctx.cuda else None, how="engine/fp8.py quantize_activations (kernels/fp8_quant_kernel.py on "
+                 "CUDA) vs quantize_rows, 64 rows of 4096 over 8 decades")
         for m in rows:
             xs = {k: torch.randn(m, w.shape[1], generator=gen).to(dtype).to(ctx.device) for k, w in weights.items()}
             plain = sum(kernel_ms(ctx, lambda k=k: torch.nn.functional.linear(xs[k], weights[k])) for k in gemms)
             eight = sum(kernel_ms(ctx, lambda k=k: f8.linear(xs[k], quantized[k])) for k in gemms)  # type: ignore[arg-type]
+            scaling = sum(kernel_ms(ctx, lambda k=k: f8.quantize_activations(xs[k])) for k in gemms)
             ctx.emit(f"fp8 / bf16 GEMM time, {m} rows, an 8B layer's 4 GEMMs", eight / plain, unit="x",
-                     shown=f"{eight / plain:.2f}x ({eight:.3f} / {plain:.3f} ms)", fp8_ms=eight, bf16_ms=plain,
-                     how="engine/fp8.py linear (per-token scaling + torch._scaled_mm) vs F.linear, do_bench medians")
+                     shown=f"{eight / plain:.2f}x ({eight:.3f} / {plain:.3f} ms; scaling {scaling:.3f} ms)", fp8_ms=eight,
+                     bf16_ms=plain, scaling_ms=scaling,
+                     how="engine/fp8.py linear (per-token scaling + torch._scaled_mm) vs F.linear, do_bench medians; "
+                         "scaling: quantize_activations alone")
     with ctx.attempt("fp8 model accuracy", on_cpu_unavailable=True):
         accuracy(ctx)
 
