@@ -1,5 +1,5 @@
-"""The split-KV decode kernel (kernels/split_kv_kernel.py), the e4m3 KV write (kv_fp8_kernel.py) and
-the ragged kernel at head_dim 128 for prompts, against plain torch (issue 42, item 3).
+"""The split-KV decode kernel (kernels/split_kv_kernel.py), the e4m3 KV write (kv_fp8_kernel.py), FP8
+GEMMs' activation rows (fp8_quant_kernel.py) and the ragged kernel at head_dim 128 for prompts, against plain torch (issue 42, item 3).
 
 The kernels run under TRITON_INTERPRET=1 on CPU tensors, in one child process (the variable only
 works before triton is first imported: tests/test_triton_kernels.py says why), which prints a
@@ -164,6 +164,25 @@ def _check_fp8(gen: torch.Generator) -> tuple[bool, float, str]:
     return exact and err <= FP32_TOL, err, f"write bytes equal the reference: {exact}"
 
 
+def _check_fp8_rows(gen: torch.Generator) -> tuple[bool, float, str]:
+    """FP8 GEMMs' activation rows (kernels/fp8_quant_kernel.py): rows longer than one of the kernel's
+    steps and not a multiple of it, strided, of many magnitudes, one all zero; the bytes are the
+    reference's quotient cast as the interpreter casts, the scales engine/fp8.py's own."""
+    from kernels.fp8_quant_kernel import BLOCK, quantize_rows_fp8
+    from orca_mq.engine.fp8 import dequantize, quantize_rows
+
+    n = 2 * BLOCK + 300
+    wide = torch.randn(9, n + 64, generator=gen) * torch.logspace(-4, 4, 9)[:, None]
+    wide[4] = 0.0
+    x = wide[:, 32: 32 + n]   # a strided view
+    q, scale = quantize_rows_fp8(x.to(torch.bfloat16))
+    _, s = quantize_rows(x.to(torch.bfloat16))
+    quotient = (x.to(torch.bfloat16).float() / s).clamp(-448, 448)
+    exact = torch.equal(scale, s) and torch.equal(q.view(torch.uint8), _interpreter_e4m3(quotient).view(torch.uint8))
+    err = rel_err(dequantize(q, scale), x.to(torch.bfloat16).float())   # shown only: the dropped carries dominate it
+    return exact and q.shape == x.shape and scale.shape == (9, 1), err, f"bytes and scales equal: {exact}"
+
+
 def _check_ragged_d128(gen: torch.Generator) -> tuple[bool, float, str]:
     """The ragged kernel at head_dim 128 (Llama 3, Qwen3) for prompts: whole, chunked on cached
     context, several tiles long, beside decodes."""
@@ -207,7 +226,7 @@ def _check_backend(gen: torch.Generator) -> tuple[bool, float, str]:
 def _child(seed: int) -> None:
     os.environ["TRITON_INTERPRET"] = "1"
     checks = {name: (lambda g, a=args: _check_split(g, *a)) for name, *args in CASES}
-    checks |= {"fp8_write_and_read": _check_fp8, "ragged_d128_fp32": _check_ragged_d128,
+    checks |= {"fp8_write_and_read": _check_fp8, "fp8_activation_rows": _check_fp8_rows, "ragged_d128_fp32": _check_ragged_d128,
                "backend_dispatch": _check_backend}
     for name, check in checks.items():
         gen = torch.Generator().manual_seed(seed + sum(map(ord, name)))
@@ -231,7 +250,8 @@ def verdicts() -> dict[str, dict[str, object]]:
     return out
 
 
-@pytest.mark.parametrize("name", [c[0] for c in CASES] + ["fp8_write_and_read", "ragged_d128_fp32", "backend_dispatch"])
+@pytest.mark.parametrize("name", [c[0] for c in CASES] + ["fp8_write_and_read", "fp8_activation_rows", "ragged_d128_fp32",
+                                                          "backend_dispatch"])
 def test_kernel_against_plain_torch(verdicts: dict[str, dict[str, object]], name: str) -> None:
     v = verdicts[name]
     assert v["ok"], f"{name}: rel err {v['err']} ({v['info']}, seed {SEED})"
