@@ -31,19 +31,39 @@ so the bf16 path is the one the tests check too.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-__all__ = ["choose_splits", "split_kv_decode"]
+__all__ = ["Tiles", "choose_splits", "split_kv_decode"]
 
 _LOG2E = 1.4426950408889634
 WAVES = 2              # programs per SM the splits aim for
 MIN_SPLIT_KEYS = 128   # keys a split covers at least (of the longest context the tables hold)
 MAX_SPLITS = 64
 INTERPRETER_SMS = 132  # no GPU (TRITON_INTERPRET=1): an H100's count stands in
+
+
+@dataclass(frozen=True, slots=True)
+class Tiles:
+    """The split kernel's launch shape; tools/gpu_check.py's `tune` section sweeps it on a GPU. The
+    default is the sweep's on an H100 (Llama 3 8B's heads, 32k keys, bf16): 64 keys a step in two
+    stages read KV at 60 % / 79 % of the copy bandwidth at batch 1 / 4 where 32 keys in Triton's
+    default three read 49 % / 58 % (BENCHMARKS.md)."""
+
+    block_n: int = 0      # keys a program loads per step (0: 64 up to head_dim 128, 32 above: registers)
+    num_warps: int = 4
+    num_stages: int = 2   # software-pipelined loads in flight (0: Triton's default)
+
+    def launch(self, block_d: int) -> dict[str, int]:
+        shape = {"BLOCK_N": self.block_n or (64 if block_d <= 128 else 32), "num_warps": self.num_warps}
+        return shape | ({"num_stages": self.num_stages} if self.num_stages else {})
+
+
+TILES = Tiles()
 
 
 @triton.jit(do_not_specialize=["stride_bt", "num_splits", "window"])
@@ -162,7 +182,7 @@ def choose_splits(rows: int, n_kv_heads: int, max_keys: int, sms: int) -> int:
 
 def split_kv_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor, scale: float,
                     num_splits: int, *, window: int = 0, softcap: float = 0.0, sinks: Tensor | None = None,
-                    k_scale: Tensor | None = None, v_scale: Tensor | None = None) -> Tensor:
+                    k_scale: Tensor | None = None, v_scale: Tensor | None = None, tiles: Tiles = TILES) -> Tensor:
     """One query per row ``q [B, n_heads, d]`` over its paged KV (``k_cache, v_cache [num_blocks,
     block_size, n_kv_heads, d]``, this iteration's key already written; e4m3 with ``k_scale, v_scale``),
     ``block_tables [B, width]`` int32, ``seq_lens [B]`` int32 (its KV length, its own key included)
@@ -190,8 +210,8 @@ def split_kv_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
         float(scale), float(softcap), int(window),
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *(k_scale.stride() if fp8 else (0, 0, 0)),
         block_tables.stride(0), block_size, d, num_splits,
-        G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), BLOCK_N=64 if block_d <= 64 else 32, BLOCK_D=block_d,
-        FP8=fp8, SOFTCAP=softcap > 0, PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4,
+        G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), BLOCK_D=block_d,
+        FP8=fp8, SOFTCAP=softcap > 0, PREC="ieee" if q.dtype == torch.float32 else "tf32", **tiles.launch(block_d),
     )
     _merge_kernel[(rows, n_heads)](
         m, lse, acc, m if sinks is None else sinks, out, *out.stride(), d, num_splits,

@@ -1,4 +1,4 @@
-"""tools/gpu_check.py's `decode` and `splitkv` sections (issue 42, item 3): attention at long contexts.
+"""tools/gpu_check.py's `decode`, `tune` and `splitkv` sections (issue 42, item 3): attention at long contexts.
 
 Llama 3 8B's attention (32 query heads over 8 KV heads of 128, blocks of 16, bf16), random KV on
 shuffled blocks. Decode rows: the split-KV kernel beside the ragged one at contexts of 1k-32k, each
@@ -6,8 +6,9 @@ kernel's KV bytes over its time against the card's copy bandwidth, measured in t
 device-to-device copy: bytes read + written over its time); e4m3 KV at the longest context (its
 bytes and its error against bf16), the e4m3 write's bytes against torch's. Prompts: the ragged
 kernel at head_dim 128 beside SDPA's causal attention over the same keys (its FLOPs over its time).
-Kernel times are triton.testing.do_bench's medians (L2 flushed between runs) on a GPU. `splitkv`:
-the engine's decode iteration with engine.split_kv auto against off (the random model).
+Kernel times are triton.testing.do_bench's medians (L2 flushed between runs) on a GPU. `tune`:
+the split kernel's launch shapes swept at the longest context. `splitkv`: the engine's decode
+iteration with engine.split_kv auto against off (the random model).
 """
 from __future__ import annotations
 
@@ -161,6 +162,51 @@ def prefill(ctx: Ctx, n: int, dtype: torch.dtype, gen: torch.Generator) -> None:
              unit="TFLOP/s", shown=f"{flops / ragged / 1e9:.0f} ({flops / ref / 1e9:.0f}), {ragged:.3f} / {ref:.3f} ms, "
                                    f"rel err {err:.1g}", ragged_ms=ragged, sdpa_ms=ref, rel_err_vs_sdpa=err,
              how="kernels.attention_kernel.ragged_paged_attention vs F.scaled_dot_product_attention(is_causal, enable_gqa)")
+
+
+def tune(ctx: Ctx) -> None:
+    """The split kernel's launch shapes at the longest context: splits (the chosen count x 1, 2, 4),
+    keys per step, warps and pipelined stages; per batch the best few (KV read / copy bandwidth) and
+    the default's, every timing in the row's JSON."""
+    if not ctx.cuda:
+        os.environ["TRITON_INTERPRET"] = "1"
+    from kernels.split_kv_kernel import TILES, Tiles, choose_splits, sm_count, split_kv_decode
+
+    torch.manual_seed(43)
+    bw = copy_bandwidth(ctx)
+    context = CONTEXTS[-1] if ctx.cuda else SMALL_CONTEXTS[-1]
+    dtype = torch.bfloat16 if ctx.cuda else torch.float32
+    gen = torch.Generator().manual_seed(43)
+    shapes = [Tiles(n, w, st) for n in (32, 64, 128) for w in (4, 8) for st in (2, 3, 4)] if ctx.cuda else \
+        [Tiles(n, 4, 0) for n in (32, 64)]
+    for rows in BATCHES if ctx.cuda else SMALL_BATCHES:
+        with ctx.attempt(f"tune b={rows}"):
+            c = paged(ctx, rows, context, dtype, gen)
+            args = (c["q"], c["k_cache"], c["v_cache"], c["tables"], c["seq_lens"], HEAD_DIM ** -0.5)
+            chosen = max(2, choose_splits(rows, KV_HEADS, c["tables"].shape[1] * BLOCK, sm_count(torch.device(ctx.device))))
+            ref = split_kv_decode(*args, chosen)
+            kv_bytes = 2 * rows * context * KV_HEADS * HEAD_DIM * c["k_cache"].element_size()
+            runs = []
+            for splits in (chosen, 2 * chosen, 4 * chosen):
+                for t in [TILES] + shapes:
+                    try:
+                        err = rel_err(split_kv_decode(*args, splits, tiles=t), ref)
+                        ms = kernel_ms(ctx, lambda t=t, n=splits: split_kv_decode(*args, n, tiles=t))
+                    except Exception as e:   # noqa: BLE001 - a shape the card cannot take (registers, shared memory)
+                        runs.append({"splits": splits, "tiles": str(t), "error": str(e)[:100]})
+                        continue
+                    runs.append({"splits": splits, "tiles": str(t), "ms": ms, "frac": kv_bytes / (ms / 1e3) / bw, "err": err})
+            ok = sorted((r for r in runs if "ms" in r), key=lambda r: r["ms"])
+            default = next(r for r in runs if r["splits"] == chosen and r["tiles"] == str(TILES))
+            best = ok[0]
+            ctx.emit(f"split-KV launch shapes, b={rows} ctx={context}: best / default (KV read / copy bandwidth)",
+                     best["frac"], unit="x", target=f">= {TARGET:.0%}" if ctx.cuda else None,
+                     met=best["frac"] >= TARGET if ctx.cuda else None,
+                     shown=f"{best['frac']:.0%} ({best['ms']:.3f} ms, {best['splits']} splits, {best['tiles']}) / "
+                           f"{default['frac']:.0%}", runs=runs,
+                     top=[f"{r['frac']:.0%} {r['ms']:.3f} ms {r['splits']} {r['tiles']}" for r in ok[:6]],
+                     how="kernels.split_kv_kernel.split_kv_decode(tiles=...), do_bench medians; err vs the default's output")
+            del c
 
 
 def splitkv(ctx: Ctx) -> None:

@@ -22,7 +22,7 @@ import torch
 
 from orca_mq.bench.gpu_carry import FOLDER, ROOT
 from orca_mq.bench.gpu_context import CLEANUP, Ctx, one_line, random_prompts
-from orca_mq.bench.gpu_attention import decode, splitkv
+from orca_mq.bench.gpu_attention import decode, splitkv, tune
 from orca_mq.bench.gpu_moe import moe
 from orca_mq.bench.gpu_scale import fp8, kvsize
 from orca_mq.bench.gpu_shapes import shape_burst, shape_iteration
@@ -231,8 +231,8 @@ def fastserve(ctx: Ctx) -> None:
 
 
 SECTIONS: dict[str, Callable[[Ctx], None]] = {f.__name__: f for f in (
-    models, env, kernels, refusal, exactness, iteration, offline, served, determinism, fastserve, decode, splitkv, kvsize, fp8,
-    moe)}
+    models, env, kernels, refusal, exactness, iteration, offline, served, determinism, fastserve, decode, tune, splitkv, kvsize,
+    fp8, moe)}
 
 SECTIONS |= {f.__name__: f for f in (shape_iteration, shape_burst)}   # --shape NAME's (orca_mq/bench/gpu_shapes.py)
 
