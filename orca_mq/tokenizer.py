@@ -2,24 +2,32 @@
 
 Converting a GGUF vocabulary takes seconds, so the converted tokenizer is cached under
 `model.cache_dir`, keyed by the GGUF file's identity.
+
+A saved tokenizer is loaded through the class its tokenizer_config.json names, imported alone:
+AutoTokenizer's import pulls in torch (transformers' configuration module), 2-3 s of CPU at the start
+of each process that only tokenizes (the frontend, the scheduler), and the memory torch holds.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from orca_mq.models.files import cache_key, resolve_model_path
 
-from orca_mq.models.files import resolve_model_path
-from orca_mq.models.files import cache_key
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
-def load_tokenizer(model_path: str = "", cache_dir: str = "") -> PreTrainedTokenizerBase:
+def load_tokenizer(model_path: str = "", cache_dir: str = "") -> "PreTrainedTokenizerBase":
     path = resolve_model_path(model_path)
     if path.is_dir():
-        return AutoTokenizer.from_pretrained(path)
+        return load_saved(path)
     cache = Path(cache_dir).expanduser() / "tokenizers" / cache_key(path) if cache_dir else None
     if cache is not None and (cache / "tokenizer_config.json").exists():
-        return AutoTokenizer.from_pretrained(cache)
+        return load_saved(cache)
+    from transformers import AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     if cache is not None:
         try:
@@ -27,3 +35,18 @@ def load_tokenizer(model_path: str = "", cache_dir: str = "") -> PreTrainedToken
         except OSError:
             pass  # a read-only cache only costs the conversion time again
     return tok
+
+
+def load_saved(folder: Path) -> "PreTrainedTokenizerBase":
+    """A saved tokenizer: the class its tokenizer_config.json names (the one AutoTokenizer would pick);
+    AutoTokenizer itself where the file names none or one this transformers lacks."""
+    import transformers
+
+    try:
+        named = json.loads((folder / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        named = None
+    cls = getattr(transformers, named, None) if isinstance(named, str) and named.isidentifier() else None
+    if cls is None or not hasattr(cls, "from_pretrained"):
+        cls = transformers.AutoTokenizer
+    return cls.from_pretrained(folder)

@@ -242,3 +242,36 @@ def test_served_through_a_two_stage_pipeline(checkpoints, tmp_path):
             assert out.finish_reason == "length" and out.token_ids == _greedy(ref, prompt, 10)[0]
     finally:
         server.stop()
+
+
+def test_a_checkpoints_info_is_cached_by_its_files_and_read_back_without_torch(checkpoints, tmp_path):
+    """read_model_info's cache (what spares the frontend and the scheduler transformers' config reading,
+    which imports torch): every family's info reads back equal; an edited config.json misses it."""
+    import json
+    import subprocess
+    import sys
+
+    from orca_mq.models.registry import read_model_info
+    from orca_mq.server.process import ROOT
+
+    cache = tmp_path / "cache"
+    for name, path in checkpoints.items():
+        first = read_model_info(str(path), str(cache))
+        assert read_model_info(str(path), str(cache)) == first == read_model_info(str(path)), name
+    assert len(list(cache.glob("info3-*.json"))) == len(checkpoints)
+    path = checkpoints[FAMILIES[0]]
+    code = ("import sys; from orca_mq.models.registry import read_model_info; "
+            f"i = read_model_info({str(path)!r}, {str(cache)!r}); print(i.n_layers, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.stdout.split() == [str(read_model_info(str(path)).n_layers), "False"], out.stderr[-2000:]
+    edited = tmp_path / "edited"
+    edited.mkdir()
+    for f in path.iterdir():
+        if f.name == "config.json":
+            (edited / f.name).write_bytes(f.read_bytes())
+        else:
+            (edited / f.name).symlink_to(f)
+    assert read_model_info(str(edited), str(cache)).n_layers == read_model_info(str(path)).n_layers > 1
+    raw = json.loads((edited / "config.json").read_text())
+    (edited / "config.json").write_text(json.dumps(raw | {"num_hidden_layers": 1}, indent=3))   # cached: read again
+    assert read_model_info(str(edited), str(cache)).n_layers == 1

@@ -76,22 +76,34 @@ def supported() -> str:
 # ---------------------------------------------------------------- reading a checkpoint
 
 def read_model_info(model_path: str = "", cache_dir: str = "") -> ModelInfo:
-    """The model's ModelInfo; a ValueError naming the file and what is wrong when it cannot be served."""
+    """The model's ModelInfo; a ValueError naming the file and what is wrong when it cannot be served.
+    Cached under `cache_dir` by the checkpoint's files and this package's code: a GGUF's metadata takes
+    seconds to parse, and transformers' config reading imports torch (seconds of start-up in the
+    processes that need none: the frontend, the scheduler)."""
     path = resolve_model_path(model_path)
-    if path.is_dir():
-        return _hf_info(path)
-    cached = Path(cache_dir).expanduser() / f"info2-{cache_key(path)}.json" if cache_dir else None
+    cached = Path(cache_dir).expanduser() / f"info3-{_identity(path)}.json" if cache_dir else None
     if cached is not None and cached.exists():
         try:
             return ModelInfo.from_json(json.loads(cached.read_text()))
         except (ValueError, TypeError, KeyError):
             pass  # a stale or torn entry: parse again
-    from orca_mq.models.gguf_meta import gguf_info
+    if path.is_dir():
+        info = _hf_info(path)
+    else:
+        from orca_mq.models.gguf_meta import gguf_info
 
-    info = gguf_info(path)
+        info = gguf_info(path)
     if cached is not None:
         write_atomic(cached, json.dumps(info.to_json()).encode())
     return info
+
+
+def _identity(path: Path) -> str:
+    """What a ModelInfo is read from (the GGUF file, or config.json and generation_config.json) and
+    the code that reads it (this package's files): a change to either misses the cache."""
+    files = [path / "config.json", path / "generation_config.json"] if path.is_dir() else [path]
+    code = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in Path(__file__).parent.rglob("*.py"))
+    return cache_key(files[0], *(cache_key(f) for f in files[1:] if f.exists()), code)
 
 
 def _hf_info(path: Path) -> ModelInfo:

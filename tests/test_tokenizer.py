@@ -1,0 +1,66 @@
+"""orca_mq/tokenizer.py: a saved tokenizer loads through the class its tokenizer_config.json names, the
+one AutoTokenizer picks, with the same ids and chat template, and without importing torch: the
+frontend, the scheduler and the HTTP process start without it (a tiny server's start on 2 cores:
+23-24 s -> 8.5-11 s; only the workers compute)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from orca_mq.config import load_config
+from orca_mq.server.process import ROOT
+from orca_mq.tokenizer import load_saved, load_tokenizer
+
+TEXTS = ["hello world", "  two spaces\n\nand lines", "<|im_start|>user\nhi<|im_end|>", "ünïcödé 東京 🙂"]
+
+
+def _same(a: object, b: object) -> None:
+    assert type(a) is type(b)
+    for t in TEXTS:
+        assert a(t)["input_ids"] == b(t)["input_ids"], t   # type: ignore[operator]
+    chat = [{"role": "user", "content": "hi"}]
+    assert a.apply_chat_template(chat, tokenize=False) == b.apply_chat_template(chat, tokenize=False)   # type: ignore[attr-defined]
+    assert a.all_special_ids == b.all_special_ids and len(a) == len(b)   # type: ignore[attr-defined,arg-type]
+
+
+def test_the_embedded_models_tokenizer_is_the_one_autotokenizer_loads(tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    cfg = load_config()
+    ours = load_tokenizer(cfg.model.path, cfg.model.cache_dir)
+    ours.save_pretrained(tmp_path)
+    _same(load_saved(tmp_path), AutoTokenizer.from_pretrained(tmp_path))
+
+
+@pytest.mark.parametrize("named", ["TokenizersBackend", "PreTrainedTokenizerFast", "GPT2TokenizerFast", None])
+def test_the_named_class_is_used_and_without_one_autotokenizers(tmp_path: Path, named: str | None) -> None:
+    from transformers import AutoTokenizer
+
+    load_tokenizer().save_pretrained(tmp_path)
+    conf = tmp_path / "tokenizer_config.json"
+    entries = json.loads(conf.read_text())
+    entries.pop("tokenizer_class", None)
+    conf.write_text(json.dumps(entries | ({"tokenizer_class": named} if named else {})))
+    ours = load_saved(tmp_path)
+    if named:   # transformers 5: a Fast name is an alias
+        import transformers
+
+        assert type(ours) is getattr(transformers, named)
+    _same(ours, AutoTokenizer.from_pretrained(tmp_path))
+
+
+def test_tokenizing_processes_do_not_import_torch() -> None:
+    """The frontend's and scheduler's modules, the embedded model's tokenizer and info, and a scheduler as
+    a served one is made (the launcher resolves engine.device auto for its children), in a fresh process."""
+    code = ("import sys; from orca_mq.config import load_config; c = load_config(overrides={'engine.device': 'cpu'}); "
+            "import orca_mq.server.frontend, orca_mq.server.scheduler_process; "
+            "from orca_mq.admission.served_model import ServedModel; from orca_mq.sched import make_scheduler; "
+            "m = ServedModel(c); m.tokenizer; make_scheduler(c, m.info); "
+            "print(sorted(m for m in ('torch', 'transformers.configuration_utils') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"
