@@ -4,6 +4,7 @@ HTTP API's default max_tokens), so none of them can disagree on it. Where the wo
 their device's memory (kv/sizing.py) the launcher puts their figure in the others' config first."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -11,6 +12,21 @@ if TYPE_CHECKING:
     from orca_mq.config import Config
 
 AUTO_CPU_SLOTS = 16384   # engine.n_slots = 0 where the pool is not sized from a device's memory (the CPU)
+FAKE_ENV = "ORCA_MQ_FAKE_DEVICE_MEMORY"   # kv/sizing.py: a device of a fixed size, for tests on the CPU
+
+
+def sized_at_start(cfg: "Config") -> bool:
+    """Whether the workers size the KV pool from their device's memory (the others learn it from them).
+    torch is asked only where engine.device is auto (a served process's is resolved by the launcher)."""
+    if cfg.engine.n_slots:
+        return False
+    if FAKE_ENV in os.environ or cfg.engine.device == "cuda":
+        return True
+    if cfg.engine.device == "cpu":
+        return False
+    from orca_mq.runtime.device import uses_cuda
+
+    return uses_cuda(cfg.engine.device)
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,8 +47,6 @@ class PoolSize:
             raise ValueError(f"engine.block_size must be >= 1, got {eng.block_size}")
         slots = eng.n_slots
         if not slots:
-            from orca_mq.kv.sizing import sized_at_start
-
             if sized_at_start(cfg):
                 raise ValueError("engine.n_slots = 0: the workers size the KV pool from their device's memory, and this "
                                  "process was started without their figure")

@@ -21,11 +21,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from orca_mq.kv.pool import FAKE_ENV
+
 if TYPE_CHECKING:
     from orca_mq.config import Config
 
 # "TOTAL:USED0,USED1,...": each stage's device holds TOTAL bytes, USEDi of them by others (tests only)
-FAKE_ENV = "ORCA_MQ_FAKE_DEVICE_MEMORY"
 GiB = float(1 << 30)
 
 
@@ -111,13 +112,6 @@ def fake_memory(stage: int) -> FixedMemory | None:
     total, _, used = spec.partition(":")
     per_stage = [int(u) for u in used.split(",")]
     return FixedMemory(int(total), per_stage[min(stage, len(per_stage) - 1)])
-
-
-def sized_at_start(cfg: "Config") -> bool:
-    """Whether the workers size the KV pool from their device's memory (the others learn it from them)."""
-    from orca_mq.runtime.device import uses_cuda
-
-    return cfg.engine.n_slots == 0 and (FAKE_ENV in os.environ or uses_cuda(cfg.engine.device))
 
 
 def memory_source(cfg: "Config", device: torch.device, stage: int) -> DeviceMemory | None:

@@ -67,7 +67,9 @@ def async_scheduling(cfg: "Config", policy: type["Scheduler"]) -> bool:
         return False
     if mode == "on":
         return True
-    from orca_mq.runtime.device import uses_cuda   # here: the scheduler imports torch only when it must ask
+    if cfg.engine.device != "auto":   # as a served scheduler's is (the launcher decides auto): no torch to ask
+        return cfg.engine.device == "cuda"
+    from orca_mq.runtime.device import uses_cuda
 
     return uses_cuda(cfg.engine.device)
 

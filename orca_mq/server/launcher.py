@@ -35,12 +35,13 @@ import zmq
 
 from orca_mq.config import Config
 from orca_mq.models.files import EMBEDDED_FILE
-from orca_mq.kv.sizing import sized_at_start
+from orca_mq.kv.pool import sized_at_start
 from orca_mq.logs import process_started, server_marker, setup_logging, tell
 from orca_mq.protocol import ProtocolError, decode
 from orca_mq.protocol.client_msgs import Error, Ping, Pong
 from orca_mq.protocol.codec import channel
 from orca_mq.protocol.control_msgs import AbortAll, Drain, Drained, Fatal, Progress, Ready, Resume
+from orca_mq.runtime.device import uses_cuda
 from orca_mq.runtime.placement import placement
 from orca_mq.server.nodes import STOPPED, NodeError, NodeGroup, resolve_addresses, uses_store, worker_name
 from orca_mq.server.process import READY_LINE, Child, free_port, start_child, stop_children
@@ -151,6 +152,8 @@ class Launcher:
         """Start `group` and wait for it: "broker", everything; "engine", the frontend, the scheduler and
         the workers; "http", the HTTP API process (a client of the broker like any other)."""
         self.child_cfg = copy.deepcopy(self.cfg)
+        # `auto` decided once, here: the processes that do not compute (the scheduler) would import torch to ask
+        self.child_cfg.engine.device = "cuda" if uses_cuda(self.cfg.engine.device) else "cpu"
         if not self.cfg.server.worker_base_port:  # a fresh rendezvous port: the last one may linger
             self.child_cfg.server.worker_base_port = free_port()
         if group != "http" and uses_store(self.child_cfg):  # host the rendezvous before anything looks for it
