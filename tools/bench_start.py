@@ -1,0 +1,99 @@
+#!/usr/bin/env python3
+"""A server's start: `orca-mq serve` to its ready line, and which of its processes map torch, for one
+or two revisions alternated round by round (each a git worktree, as tools/bench_ab.py makes them).
+
+    python tools/bench_start.py --rounds 3 --out results/bench_start.json                 # this checkout
+    python tools/bench_start.py --base c2dbde6 --model tiny --rounds 3 --out results/start_ab.json
+
+--model: the embedded model (default), `tiny` (a 2-layer random Llama with the embedded tokenizer, what
+the tests serve) or a path. Prints a table (median ready seconds per side) and writes JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from orca_mq.server.process import READY_LINE, ROOT, free_port  # noqa: E402
+
+
+
+def start_once(tree: Path, model: str) -> dict[str, object]:
+    args = [sys.executable, "-u", "-m", "orca_mq.cli", "serve", "--set", f"server.frontend_address=tcp://127.0.0.1:{free_port()}",
+            "--set", f"server.http_address=127.0.0.1:{free_port()}", "--set", "engine.n_slots=4096"]
+    args += ["--set", f"model.path={model}"] if model else []
+    t = time.monotonic()
+    p = subprocess.Popen(args, cwd=tree, env=os.environ | {"PYTHONPATH": str(tree)}, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    assert p.stdout is not None
+    ready = None
+    for line in p.stdout:
+        if line.startswith(READY_LINE):
+            ready = time.monotonic() - t
+            break
+    torch: dict[str, bool] = {}
+    for pid in subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split():
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_text().split("\0")
+            maps = Path(f"/proc/{pid}/maps").read_text()
+        except OSError:
+            continue
+        role = next((c.rsplit(".", 1)[-1] for c in cmd if c.startswith(("orca_mq.", "workers."))), "?")
+        torch[{"main": "worker", "server": "http", "scheduler_process": "scheduler"}.get(role, role)] = "libtorch_cpu" in maps
+    os.killpg(p.pid, signal.SIGINT)
+    try:
+        p.wait(60)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+    return {"ready_s": ready, "torch": torch}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--base", help="a revision to alternate with this checkout")
+    ap.add_argument("--model", default="", help="'' (embedded), 'tiny' or a path")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", type=Path, required=True)
+    a = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="bench_start-"))
+    model = a.model
+    if model == "tiny":
+        from orca_mq.bench.random_models import random_llama
+
+        model = str(random_llama(work / "tiny", layers=2, max_positions=256, near_ties=False))
+    sides = {"this checkout": ROOT}
+    if a.base:
+        from tools.bench_ab import checkout
+
+        sides = {a.base: checkout(a.base, work)} | sides
+    runs: dict[str, list[dict[str, object]]] = {k: [] for k in sides}
+    for r in range(a.rounds):
+        for name, tree in sides.items():
+            runs[name].append(one := start_once(tree, model))
+            print(f"round {r} {name}: ready {one['ready_s']:.2f} s, torch in "
+                  f"{', '.join(k for k, v in one['torch'].items() if v) or 'none'}", flush=True)   # type: ignore[union-attr]
+        time.sleep(1)
+    print("\n| side | median ready s | rounds | processes that map torch |\n|---|---:|---:|---|")
+    summary = {}
+    for name, rs in runs.items():
+        med = statistics.median(r["ready_s"] for r in rs if r["ready_s"] is not None)   # type: ignore[misc]
+        with_torch = sorted({k for r in rs for k, v in r["torch"].items() if v})   # type: ignore[union-attr]
+        summary[name] = {"median_ready_s": med, "torch": with_torch}
+        each = ", ".join(f"{r['ready_s']:.1f}" for r in rs)
+        print(f"| {name} | {med:.2f} | {each} | {', '.join(with_torch)} |")
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps({"model": a.model or "embedded", "summary": summary, "runs": runs}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
