@@ -1,5 +1,6 @@
 """The split-KV decode kernel (kernels/split_kv_kernel.py), the e4m3 KV write (kv_fp8_kernel.py), FP8
-GEMMs' activation rows (fp8_quant_kernel.py) and the ragged kernel at head_dim 128 for prompts, against plain torch (issue 42, item 3).
+GEMMs' activation rows (fp8_quant_kernel.py) and the ragged kernel at head_dim 128 for prompts,
+against plain torch (issue 42, items 3 and 4).
 
 The kernels run under TRITON_INTERPRET=1 on CPU tensors, in one child process (the variable only
 works before triton is first imported: tests/test_triton_kernels.py says why), which prints a

@@ -35,9 +35,9 @@ class Section:
 
 
 # the run's order: cheap and model-free first (beside the models build), the headline figures before
-# the re-confirmations, the costliest last; budgets sum past the deadline, which cuts whatever comes last. Issue 42's
-# sections (memory, long contexts, FP8) run when named: `--sections decode,splitkv,kvsize,fp8`, one call;
-# so does issue 40's fused MoE kernel: `--sections moe`
+# the re-confirmations, the costliest last; budgets sum past the deadline, which cuts whatever comes
+# last. Issue 42's sections (memory, long contexts, FP8) run when named: `--sections
+# decode,tune,splitkv,fp8,kvsize`, one call; so does issue 40's fused MoE kernel: `--sections moe`
 SECTIONS = (Section("env", 15, 60, False), Section("refusal", 25, 60, False), Section("kernels", 40, 90, False),
             Section("decode", 70, 300, False, False), Section("tune", 120, 300, False, False),
             Section("moe", 60, 60, False, False),
