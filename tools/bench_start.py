@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -92,6 +93,10 @@ def main() -> int:
         print(f"| {name} | {med:.2f} | {each} | {', '.join(with_torch)} |")
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps({"model": a.model or "embedded", "summary": summary, "runs": runs}, indent=1))
+    for tree in sides.values():   # the base's worktree and the tiny model: nothing left behind
+        if tree != ROOT:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], capture_output=True)
+    shutil.rmtree(work, ignore_errors=True)
     return 0
 
 
