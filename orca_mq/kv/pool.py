@@ -8,6 +8,8 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from orca_mq.runtime.device import uses_cuda
+
 if TYPE_CHECKING:
     from orca_mq.config import Config
 
@@ -16,17 +18,8 @@ FAKE_ENV = "ORCA_MQ_FAKE_DEVICE_MEMORY"   # kv/sizing.py: a device of a fixed si
 
 
 def sized_at_start(cfg: "Config") -> bool:
-    """Whether the workers size the KV pool from their device's memory (the others learn it from them).
-    torch is asked only where engine.device is auto (a served process's is resolved by the launcher)."""
-    if cfg.engine.n_slots:
-        return False
-    if FAKE_ENV in os.environ or cfg.engine.device == "cuda":
-        return True
-    if cfg.engine.device == "cpu":
-        return False
-    from orca_mq.runtime.device import uses_cuda
-
-    return uses_cuda(cfg.engine.device)
+    """Whether the workers size the KV pool from their device's memory (the others learn it from them)."""
+    return cfg.engine.n_slots == 0 and (FAKE_ENV in os.environ or uses_cuda(cfg.engine.device))
 
 
 @dataclass(frozen=True, slots=True)

@@ -102,7 +102,7 @@ def _identity(path: Path) -> str:
     """What a ModelInfo is read from (the GGUF file, or config.json and generation_config.json) and
     the code that reads it (this package's files): a change to either misses the cache."""
     files = [path / "config.json", path / "generation_config.json"] if path.is_dir() else [path]
-    code = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in Path(__file__).parent.rglob("*.py"))
+    code = sorted((f.name, (st := f.stat()).st_size, st.st_mtime_ns) for f in Path(__file__).parent.rglob("*.py"))
     return cache_key(files[0], *(cache_key(f) for f in files[1:] if f.exists()), code)
 
 

@@ -10,19 +10,21 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import torch
-
 from orca_mq.runtime.placement import placement
 
 if TYPE_CHECKING:
+    import torch
+
     from orca_mq.config import Config
 
 
 def resolve_device(name: str, local_index: int = 0) -> torch.device:
     """`engine.device` (auto | cpu | cuda) -> a device; on CUDA the `local_index`-th GPU of this node
     (modulo the GPUs there are)."""
+    import torch
+
     if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
+        name = "cuda" if uses_cuda(name) else "cpu"
     if name == "cuda":
         if not torch.cuda.is_available():
             raise RuntimeError("engine.device = cuda but no CUDA device is available")
@@ -31,8 +33,13 @@ def resolve_device(name: str, local_index: int = 0) -> torch.device:
 
 
 def uses_cuda(name: str) -> bool:
-    """Whether `engine.device` (auto | cpu | cuda) computes on CUDA here."""
-    return name == "cuda" or (name == "auto" and torch.cuda.is_available())
+    """Whether `engine.device` (auto | cpu | cuda) computes on CUDA here. torch is imported only to decide
+    auto, which the launcher decides for its children: the processes that do not compute never import it."""
+    if name != "auto":
+        return name == "cuda"
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def worker_device(cfg: "Config", stage: int, tp_rank: int) -> torch.device:
@@ -45,4 +52,6 @@ def worker_device(cfg: "Config", stage: int, tp_rank: int) -> torch.device:
 def use_device(device: torch.device) -> None:
     """Make `device` the calling thread's current CUDA device (nothing to do on the CPU)."""
     if device.type == "cuda":
+        import torch
+
         torch.cuda.set_device(device)

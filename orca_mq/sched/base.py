@@ -67,8 +67,6 @@ def async_scheduling(cfg: "Config", policy: type["Scheduler"]) -> bool:
         return False
     if mode == "on":
         return True
-    if cfg.engine.device != "auto":   # as a served scheduler's is (the launcher decides auto): no torch to ask
-        return cfg.engine.device == "cuda"
     from orca_mq.runtime.device import uses_cuda
 
     return uses_cuda(cfg.engine.device)
