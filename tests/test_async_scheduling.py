@@ -5,6 +5,7 @@ served, giving the tokens it gives without it."""
 from __future__ import annotations
 
 import random
+import zlib
 from collections import deque
 
 import pytest
@@ -38,7 +39,8 @@ class Engine:
                 tokens[0] = self.last[1][s.prev_row]
             assert s.start_pos == self.kv.get(s.request_id, 0), f"{s.request_id} fed at {s.start_pos}, KV holds {self.kv.get(s.request_id)}"
             self.kv[s.request_id] = s.seq_len
-            token = 3 + hash((s.request_id, s.seq_len, tokens[-1])) % 997
+            # crc32, not hash(): str hashes change per process (PYTHONHASHSEED), and so would whether any request stops
+            token = 3 + zlib.crc32(f"{s.request_id}/{s.seq_len}/{tokens[-1]}".encode()) % 997
             if token % 13 == 0:
                 token = 2   # EOS now and then: requests that do not ignore it stop early
             out.append(token if s.sample else -1)
