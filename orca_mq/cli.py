@@ -171,12 +171,11 @@ def _preflight(cfg: Config) -> None:
             _check_free(*host_port(front[len("tcp://"):], "server.frontend_address"), front, "--port")
         if cfg.server.http_address:
             _check_free(*host_port(cfg.server.http_address, "server.http_address"), cfg.server.http_address, "--http-port")
+    from orca_mq.models.checked import check_checkpoint
+    from orca_mq.runtime.device import check_fp8
     from orca_mq.server.nodes import check_gpus
 
-    from orca_mq.engine.fp8 import check_config
-    from orca_mq.models.weights import check_checkpoint
-
-    steps = [("workers", lambda: check_gpus(cfg)), ("fp8", lambda: check_config(cfg)),
+    steps = [("workers", lambda: check_gpus(cfg)), ("fp8", lambda: check_fp8(cfg)),
              ("model", lambda: check_checkpoint(read_model_info(cfg.model.path, cfg.model.cache_dir), cfg.model.cache_dir))]
     if cfg.server.curve_secret_key:
         steps.append(("server.curve_secret_key", lambda: server_keys(cfg.server.curve_secret_key)))

@@ -176,7 +176,7 @@ def test_a_checkpoint_that_cannot_be_served_is_one_line(checkpoints, tmp_path):
     import sys
 
     from orca_mq.models.registry import read_model_info
-    from orca_mq.models.weights import check_checkpoint
+    from orca_mq.models.checked import check_checkpoint
     from orca_mq.server.process import free_port
 
     def variant(name: str, edit) -> Path:  # type: ignore[no-untyped-def]
@@ -202,6 +202,30 @@ def test_a_checkpoint_that_cannot_be_served_is_one_line(checkpoints, tmp_path):
                          timeout=120, cwd=Path(__file__).resolve().parent.parent)
     assert out.returncode == 1 and len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr
     assert "orca-mq: model:" in out.stderr and "but the config implies gate_up" in out.stderr
+
+
+def test_a_sound_checkpoint_is_checked_once_and_again_when_a_file_changes(checkpoints, tmp_path):
+    """The launcher's check is remembered under model.cache_dir (a start skips torch and the files), keyed
+    by every file of the directory: a weights file rewritten without a tensor is checked, and refused."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from orca_mq.models.checked import check_checkpoint
+    from orca_mq.models.registry import read_model_info
+
+    d, cache = shutil.copytree(checkpoints["qwen3"], tmp_path / "qwen3"), tmp_path / "cache"
+    info = read_model_info(str(d))
+    check_checkpoint(info, str(cache))
+    assert len(list(cache.glob("checked-*"))) == 1
+    check_checkpoint(info, str(cache))   # remembered: no second marker
+    assert len(list(cache.glob("checked-*"))) == 1
+    (weights,) = d.glob("*.safetensors")
+    tensors = load_file(weights)
+    dropped = next(k for k in tensors if k.endswith("mlp.down_proj.weight"))
+    save_file({k: v for k, v in tensors.items() if k != dropped}, weights, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=f"tensor {dropped} missing"):
+        check_checkpoint(info, str(cache))
 
 
 def test_the_checkpoints_own_chat_template_and_every_end_of_turn_id(checkpoints, tmp_path):

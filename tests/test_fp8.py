@@ -13,6 +13,7 @@ import torch
 
 from orca_mq.config import load_config
 from orca_mq.engine import fp8, gemm
+from orca_mq.runtime.device import check_fp8
 from orca_mq.server.process import ROOT, free_port
 
 U = 2.0 ** -4   # e4m3: half of the 2^-3 relative spacing of its normal values
@@ -80,7 +81,7 @@ def test_fp8_is_refused_at_start_where_the_device_has_none(tiny_llama_dir: Path,
         ModelRunner(cfg)
     assert f"{key} = fp8 needs a GPU with FP8" in str(e.value) and "cpu has no FP8 tensor cores" in str(e.value)
     with pytest.raises(ValueError, match="the engine runs on the CPU here"):
-        fp8.check_config(cfg)
+        check_fp8(cfg)
 
 
 def test_the_server_refuses_fp8_on_the_cpu_in_one_line_before_any_process_starts(tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ from orca_mq.bench.random_models import family_config, save_random_model
 from orca_mq.config import load_config
 from orca_mq.engine.model_runner import ModelRunner
 from orca_mq.models.registry import read_model_info
-from orca_mq.models.weights import check_checkpoint
+from orca_mq.models.checked import check_checkpoint
 from tests.gguf_writer import write_gguf
 
 TOL = 1e-4

@@ -13,7 +13,8 @@ import torch
 from orca_mq.bench.random_models import FAMILIES, family_config, save_random_model
 from orca_mq.models.random_weights import MARKER, RandomWeights
 from orca_mq.models.registry import read_model_info
-from orca_mq.models.weights import StageWeights, check_checkpoint, load_stage_weights
+from orca_mq.models.checked import check_checkpoint
+from orca_mq.models.weights import StageWeights, load_stage_weights
 
 DTYPE = torch.bfloat16
 

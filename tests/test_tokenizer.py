@@ -55,7 +55,13 @@ def test_the_named_class_is_used_and_without_one_autotokenizers(tmp_path: Path, 
 
 def test_tokenizing_processes_do_not_import_torch() -> None:
     """The frontend's and scheduler's modules, the embedded model's tokenizer and info, and a scheduler as
-    a served one is made (the launcher resolves engine.device auto for its children), in a fresh process."""
+    a served one is made (the launcher resolves engine.device auto for its children), in a fresh process.
+    The model's info is read first, as the launcher's start-up check reads it (and caches it) before any
+    child starts: a cache miss imports the families' code, and torch with it."""
+    from orca_mq.models.registry import read_model_info
+
+    cfg = load_config()
+    read_model_info(cfg.model.path, cfg.model.cache_dir)
     code = ("import sys; from orca_mq.config import load_config; c = load_config(overrides={'engine.device': 'cpu'}); "
             "import orca_mq.server.frontend, orca_mq.server.scheduler_process; "
             "from orca_mq.admission.served_model import ServedModel; from orca_mq.sched import make_scheduler; "

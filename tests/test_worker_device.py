@@ -14,6 +14,7 @@ import structlog
 import torch
 
 from orca_mq.config import load_config
+from orca_mq.runtime import device
 from orca_mq.runtime.device import resolve_device, worker_device
 from workers.data_plane import DataPlane
 from orca_mq.kv.swapper import KVSwapper
@@ -24,6 +25,7 @@ from workers.stage_executor import StageExecutor
 def bound(monkeypatch: pytest.MonkeyPatch) -> dict[str, torch.device]:
     """A node with 4 GPUs; thread name -> the device that thread made current."""
     seen: dict[str, torch.device] = {}
+    monkeypatch.setattr(device, "GPU_DRIVER_PATHS", ("/",))   # a driver's path that exists
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: seen.__setitem__(threading.current_thread().name, torch.device(d)))
@@ -104,3 +106,13 @@ def test_the_launcher_refuses_in_one_line_before_starting_anything(tmp_path) -> 
     assert len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr, out.stderr
     assert "orca-mq: workers: 2 workers on this node" in out.stderr and "0 CUDA device(s)" in out.stderr
     assert out.stdout == "" and time.monotonic() - t < 30   # refused at once: no ready line, no model loaded
+
+
+def test_auto_is_the_cpu_without_asking_torch_where_no_gpu_driver_is(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launcher decides engine.device = auto for its children; on a host without a GPU driver it does
+    so without importing torch (2 s of every start); with one, torch decides."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(device, "GPU_DRIVER_PATHS", ("/nonexistent/nvidia",))
+    assert not device.uses_cuda("auto") and device.uses_cuda("cuda")
+    monkeypatch.setattr(device, "GPU_DRIVER_PATHS", ("/",))
+    assert device.uses_cuda("auto")

@@ -17,9 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from functools import cached_property
-from typing import Any
-
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING, Any
 
 from orca_mq.admission.limits import fit, fit_embedding
 from orca_mq.admission.prompts import Prompts
@@ -34,6 +32,9 @@ from orca_mq.sched.request import Request
 from orca_mq.structured.compiler import Compiler
 from orca_mq.structured.grammar import Grammar, Vocabulary
 from orca_mq.tokenizer import load_tokenizer
+
+if TYPE_CHECKING:   # transformers costs a process 1.5 s to import: the scheduler's needs it only for a grammar
+    from transformers import PreTrainedTokenizerBase
 
 Prompt = str | list[int]
 log = logging.getLogger(__name__)

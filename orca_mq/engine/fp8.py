@@ -1,4 +1,5 @@
-"""FP8 (e4m3) on GPUs with FP8 tensor cores (Hopper, Ada): the arithmetic and the check at start.
+"""FP8 (e4m3) on GPUs with FP8 tensor cores (Hopper, Ada): the arithmetic (the check at start:
+runtime/device.py check_fp8).
 
 Weights (`model.quantization = "fp8"`): each output channel (a row of the [out, in] weight) in e4m3
 with its own float32 scale, made once at load (engine/gemm.py prepare); at every GEMM the activations
@@ -17,12 +18,8 @@ and a dot product of n pairs errs by at most sum(e_x |w| + |x| e_w + e_x e_w) pl
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
-
-if TYPE_CHECKING:
-    from orca_mq.config import Config
 
 Tensor = torch.Tensor
 E4M3 = torch.float8_e4m3fn
@@ -108,17 +105,6 @@ def unsupported(device: torch.device) -> str | None:
     except RuntimeError as e:
         return f"torch._scaled_mm with per-row scales fails on {torch.cuda.get_device_name(device)}: {str(e)[:120]}"
     return None
-
-
-def check_config(cfg: "Config") -> None:
-    """Before any process starts: FP8 asked of an engine that runs on the CPU (on CUDA each worker
-    checks its GPU: `require`)."""
-    from orca_mq.runtime.device import uses_cuda
-
-    for what, asked in (("model.quantization = fp8", cfg.model.quantization == "fp8"),
-                        ("engine.kv_cache_dtype = fp8", cfg.engine.kv_cache_dtype == "fp8")):
-        if asked and not uses_cuda(cfg.engine.device):
-            raise ValueError(f"{what} needs a GPU with FP8 (Hopper or Ada): the engine runs on the CPU here")
 
 
 def require(what: str, device: torch.device) -> None:

@@ -7,6 +7,7 @@ the canonical layout the layer code reads (`convert`). `read_model_info` is the 
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 from collections.abc import Callable
@@ -102,8 +103,13 @@ def _identity(path: Path) -> str:
     """What a ModelInfo is read from (the GGUF file, or config.json and generation_config.json) and
     the code that reads it (this package's files): a change to either misses the cache."""
     files = [path / "config.json", path / "generation_config.json"] if path.is_dir() else [path]
-    code = sorted((f.name, (st := f.stat()).st_size, st.st_mtime_ns) for f in Path(__file__).parent.rglob("*.py"))
-    return cache_key(files[0], *(cache_key(f) for f in files[1:] if f.exists()), code)
+    return cache_key(files[0], *(cache_key(f) for f in files[1:] if f.exists()), code_identity())
+
+
+@functools.cache
+def code_identity() -> tuple[tuple[str, int, int], ...]:
+    """This package's files (name, size, time): what is cached from a checkpoint misses when the code changes."""
+    return tuple(sorted((f.name, (st := f.stat()).st_size, st.st_mtime_ns) for f in Path(__file__).parent.rglob("*.py")))
 
 
 def _hf_info(path: Path) -> ModelInfo:

@@ -158,21 +158,10 @@ def check_shapes(info: ModelInfo, t: dict[str, Tensor]) -> None:
             raise ValueError(f"{info.path}: {k} has shape {tuple(v.shape)}, but the config implies {want[k]}")
 
 
-def check_checkpoint(info: ModelInfo, cache_dir: str = "") -> None:
+def check_tensors(info: ModelInfo) -> None:
     """Every tensor the config implies is in the checkpoint, of a type that can be read, with as many
     elements as it implies: one ValueError naming the file and the tensor otherwise (shapes only: nothing
-    is read). A GGUF found sound is remembered under `cache_dir` (opening one walks its vocabulary)."""
-    path = Path(info.path)
-    done = Path(cache_dir).expanduser() / f"checked-{cache_key(path)}" if cache_dir and path.is_file() else None
-    if done is not None and done.exists():
-        return
-    _check(info)
-    if done is not None:
-        done.parent.mkdir(parents=True, exist_ok=True)
-        done.touch()
-
-
-def _check(info: ModelInfo) -> None:
+    is read). models/checked.py remembers a checkpoint found sound."""
     if random_weights(Path(info.path)) is not None:   # drawn from the config's own shapes: nothing to check
         return
     src, names = open_source(Path(info.path)), names_of(info)

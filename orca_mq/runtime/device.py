@@ -8,6 +8,7 @@ So every tensor gets a device with an index (`cuda:i`), and every thread that to
 """
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 from orca_mq.runtime.placement import placement
@@ -32,14 +33,31 @@ def resolve_device(name: str, local_index: int = 0) -> torch.device:
     return torch.device(name)
 
 
+# A GPU's kernel driver shows here (NVIDIA's, or ROCm's for torch's HIP build); without one torch sees no
+# CUDA device, so a host without any is answered without importing torch (2 s of a launcher's start).
+GPU_DRIVER_PATHS = ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/kfd")
+
+
 def uses_cuda(name: str) -> bool:
     """Whether `engine.device` (auto | cpu | cuda) computes on CUDA here. torch is imported only to decide
-    auto, which the launcher decides for its children: the processes that do not compute never import it."""
+    auto on a host with a GPU driver, which the launcher decides for its children: the processes that do
+    not compute never import it."""
     if name != "auto":
         return name == "cuda"
+    if not any(os.path.exists(p) for p in GPU_DRIVER_PATHS):
+        return False
     import torch
 
     return torch.cuda.is_available()
+
+
+def check_fp8(cfg: "Config") -> None:
+    """Before any process starts: FP8 asked of an engine that runs on the CPU (on CUDA each worker checks
+    its GPU: engine/fp8.py `require`)."""
+    for what, asked in (("model.quantization = fp8", cfg.model.quantization == "fp8"),
+                        ("engine.kv_cache_dtype = fp8", cfg.engine.kv_cache_dtype == "fp8")):
+        if asked and not uses_cuda(cfg.engine.device):
+            raise ValueError(f"{what} needs a GPU with FP8 (Hopper or Ada): the engine runs on the CPU here")
 
 
 def worker_device(cfg: "Config", stage: int, tp_rank: int) -> torch.device:

@@ -12,7 +12,6 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import llguidance
-import llguidance.hf
 import numpy as np
 from llguidance import LLExecutor, LLMatcher, LLTokenizer
 
@@ -33,6 +32,8 @@ class Vocabulary:
 
     @classmethod
     def of(cls, hf_tokenizer: Any, size: int, eos_token_ids: list[int], threads: int) -> "Vocabulary":
+        import llguidance.hf   # imports transformers (1.5 s): only a process that builds a vocabulary pays
+
         tok = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=size, eos_token=list(eos_token_ids))
         return cls(tok, size, LLExecutor(threads or None), Tables.of(tok, size))
 
