@@ -10,6 +10,8 @@ of each process that only tokenizes (the frontend, the scheduler), and the memor
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -19,10 +21,16 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 
-def load_tokenizer(model_path: str = "", cache_dir: str = "") -> "PreTrainedTokenizerBase":
+def load_tokenizer(model_path: str = "", cache_dir: str | None = None) -> "PreTrainedTokenizerBase":
+    """The model's tokenizer; a GGUF's converted once (12 s for the embedded model's) and kept under
+    `cache_dir`: config.toml's model.cache_dir when not given, "" for none."""
     path = resolve_model_path(model_path)
     if path.is_dir():
         return load_saved(path)
+    if cache_dir is None:
+        from orca_mq.config import load_config
+
+        cache_dir = load_config().model.cache_dir
     cache = Path(cache_dir).expanduser() / "tokenizers" / cache_key(path) if cache_dir else None
     if cache is not None and (cache / "tokenizer_config.json").exists():
         return load_saved(cache)
@@ -30,11 +38,20 @@ def load_tokenizer(model_path: str = "", cache_dir: str = "") -> "PreTrainedToke
 
     tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     if cache is not None:
-        try:
-            tok.save_pretrained(cache)
-        except OSError:
-            pass  # a read-only cache only costs the conversion time again
+        _save_atomic(tok, cache)
     return tok
+
+
+def _save_atomic(tok: "PreTrainedTokenizerBase", cache: Path) -> None:
+    """Saved beside, then renamed into place: processes that start together never read a half-written one."""
+    tmp = cache.with_name(f".{cache.name}.{os.getpid()}.tmp")
+    try:
+        tok.save_pretrained(tmp)
+        os.rename(tmp, cache)
+    except OSError:
+        pass  # another process's copy is there, or the cache is read-only: only the conversion time again
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def load_saved(folder: Path) -> "PreTrainedTokenizerBase":
