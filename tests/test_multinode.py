@@ -119,13 +119,13 @@ def test_a_missing_node_is_a_clear_error(rank, tmp_path):
     """Node 0 alone waits ready_timeout for node 1; node 1 alone cannot reach node 0's rendezvous."""
     sets = {"server.worker_base_port": free_port(), "server.backend_address": f"tcp://127.0.0.1:{free_port()}",
             "server.frontend_address": f"tcp://127.0.0.1:{free_port()}", "server.nnodes": 2,
-            "server.node_rank": rank, "server.ready_timeout": 12.0, "log.dir": str(tmp_path / "logs")}
+            "server.node_rank": rank, "server.ready_timeout": 4.0, "log.dir": str(tmp_path / "logs")}
     proc = _launch(sets, tmp_path / "stderr")
     try:
         assert proc.wait(90) == 1
     finally:
         proc.kill()
-    expected = "node(s) [1] did not join within server.ready_timeout=12s" if rank == 0 else "cannot reach node 0's rendezvous"
+    expected = "node(s) [1] did not join within server.ready_timeout=4s" if rank == 0 else "cannot reach node 0's rendezvous"
     assert expected in (tmp_path / "stderr").read_text()
 
 
