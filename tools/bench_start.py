@@ -42,13 +42,13 @@ def start_once(tree: Path, model: str) -> dict[str, object]:
             ready = time.monotonic() - t
             break
     torch: dict[str, bool] = {}
-    for pid in subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split():
+    for pid in [str(p.pid), *subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split()]:
         try:
             cmd = Path(f"/proc/{pid}/cmdline").read_text().split("\0")
             maps = Path(f"/proc/{pid}/maps").read_text()
         except OSError:
             continue
-        role = next((c.rsplit(".", 1)[-1] for c in cmd if c.startswith(("orca_mq.", "workers."))), "?")
+        role = "launcher" if pid == str(p.pid) else next((c.rsplit(".", 1)[-1] for c in cmd if c.startswith(("orca_mq.", "workers."))), "?")
         torch[{"main": "worker", "server": "http", "scheduler_process": "scheduler"}.get(role, role)] = "libtorch_cpu" in maps
     os.killpg(p.pid, signal.SIGINT)
     try:
