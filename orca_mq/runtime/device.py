@@ -33,9 +33,10 @@ def resolve_device(name: str, local_index: int = 0) -> torch.device:
     return torch.device(name)
 
 
-# A GPU's kernel driver shows here (NVIDIA's, or ROCm's for torch's HIP build); without one torch sees no
-# CUDA device, so a host without any is answered without importing torch (2 s of a launcher's start).
-GPU_DRIVER_PATHS = ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/kfd")
+# A GPU's kernel driver shows here (NVIDIA's; WSL2's GPU bridge; Jetson's; ROCm's for torch's HIP build):
+# without one torch sees no CUDA device, so such a host is answered without importing torch (2 s of a
+# launcher's start); `engine.device = cuda` never asks.
+GPU_DRIVER_PATHS = ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/dxg", "/dev/nvhost-ctrl-gpu", "/dev/kfd")
 
 
 def uses_cuda(name: str) -> bool:
