@@ -6,9 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from orca_mq.models.files import cache_key
 from orca_mq.models.info import ModelInfo
-from orca_mq.models.registry import code_identity
+from orca_mq.models.registry import files_identity
 
 
 def check_checkpoint(info: ModelInfo, cache_dir: str = "") -> None:
@@ -28,4 +27,4 @@ def _marker(path: Path, cache_dir: str) -> Path | None:
     files = sorted(f for f in path.iterdir() if f.is_file()) if path.is_dir() else [path]
     if not cache_dir or not files:
         return None
-    return Path(cache_dir).expanduser() / f"checked-{cache_key(files[0], *map(cache_key, files[1:]), code_identity())}"
+    return Path(cache_dir).expanduser() / f"checked-{files_identity(files)}"

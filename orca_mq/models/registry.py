@@ -103,7 +103,12 @@ def _identity(path: Path) -> str:
     """What a ModelInfo is read from (the GGUF file, or config.json and generation_config.json) and
     the code that reads it (this package's files): a change to either misses the cache."""
     files = [path / "config.json", path / "generation_config.json"] if path.is_dir() else [path]
-    return cache_key(files[0], *(cache_key(f) for f in files[1:] if f.exists()), code_identity())
+    return files_identity([files[0], *(f for f in files[1:] if f.exists())])
+
+
+def files_identity(files: list[Path]) -> str:
+    """A key of these files (path, size, time) and of this package's code, for what is cached from them."""
+    return cache_key(files[0], *map(cache_key, files[1:]), code_identity())
 
 
 @functools.cache

@@ -21,6 +21,7 @@ from orca_mq.engine.dtype import resolve_dtype
 from orca_mq.kv.block_manager import BlockManager
 from orca_mq.kv.pool import PoolSize
 from orca_mq.kv.prefix import chain_seed
+from orca_mq.runtime.device import uses_cuda
 from orca_mq.sched.profiler import IterationProfile, Profiler, profile_max_len
 from orca_mq.sched import closings
 from orca_mq.sched.columns import DecodeColumns, DecodeRows, apply_decode, decodes, decoding, merge, plan_decode
@@ -67,8 +68,6 @@ def async_scheduling(cfg: "Config", policy: type["Scheduler"]) -> bool:
         return False
     if mode == "on":
         return True
-    from orca_mq.runtime.device import uses_cuda
-
     return uses_cuda(cfg.engine.device)
 
 
