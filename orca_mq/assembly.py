@@ -9,8 +9,6 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 
-from transformers import PreTrainedTokenizerBase
-
 from orca_mq.detokenizer import IncrementalDetokenizer, ends_on_eos
 from orca_mq.outputs import output_metrics
 from orca_mq.protocol.client_msgs import Final
@@ -18,6 +16,7 @@ from orca_mq.protocol.common_msgs import ABORTED, INTERNAL
 from orca_mq.protocol.engine_msgs import TokenBatch
 from orca_mq.protocol.logprobs import Logprobs, TokenLogprobs
 from orca_mq.protocol.sampling import SamplingParams
+from orca_mq.tokenizer import Tokenizer
 
 FINAL_CODES = {"abort": ABORTED, "error": INTERNAL}
 INTERNAL_TEXT = "internal error: the server failed on this request"
@@ -47,7 +46,7 @@ class Row:
 
 
 class Assembler:
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, eos_token_ids: Collection[int]) -> None:
+    def __init__(self, tokenizer: Tokenizer, eos_token_ids: Collection[int]) -> None:
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)   # the one that ends a request is not shown
         self.token_texts: dict[int, str] = {}            # a token id decoded alone (log probabilities), at most the vocabulary
@@ -102,7 +101,7 @@ class Assembler:
     def text(self, token_id: int) -> str:
         """A token decoded alone, special tokens kept (as vLLM shows a log probability's token)."""
         if (text := self.token_texts.get(token_id)) is None:
-            text = self.token_texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False) or ""
+            text = self.token_texts[token_id] = self.tokenizer.decode([token_id]) or ""
         return text
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Collection
 
 from tokenizers.decoders import DecodeStream
-from transformers import PreTrainedTokenizerBase
+from orca_mq.tokenizer import Tokenizer
 
 
 def ends_on_eos(ids: list[int], finish_reason: str | None, eos_token_ids: Collection[int]) -> bool:
@@ -26,9 +26,9 @@ def ends_on_eos(ids: list[int], finish_reason: str | None, eos_token_ids: Collec
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
-        self.backend = tokenizer.backend_tokenizer   # the Rust tokenizer the stream decodes with
+        self.backend = tokenizer.backend   # the Rust tokenizer the stream decodes with
         self.skip_special_tokens = skip_special_tokens
         self.stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         self.ids: list[int] = []
@@ -54,8 +54,7 @@ class IncrementalDetokenizer:
 
     def finish(self) -> str:
         """The remaining text, so that everything emitted equals the full decode."""
-        full = self.tokenizer.decode(self.ids[:len(self.ids) - self.hidden], skip_special_tokens=self.skip_special_tokens,
-                                     clean_up_tokenization_spaces=False)
+        full = self.tokenizer.decode(self.ids[:len(self.ids) - self.hidden], self.skip_special_tokens)
         done = "".join(self.emitted)
         delta = full[len(done):] if full.startswith(done) else ""
         self.emitted.append(delta)

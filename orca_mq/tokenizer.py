@@ -1,36 +1,140 @@
-"""Tokenizer and chat template from the model file, through transformers (no hand-written BPE).
+"""The model's tokenizer as the serving processes use it: the Rust `tokenizers` tokenizer exactly as
+transformers configures it from the checkpoint, its chat template(s) and the named special tokens the
+template reads, with no transformers in the process.
 
-Converting a GGUF vocabulary takes seconds, so the converted tokenizer is cached under
-`model.cache_dir`, keyed by the GGUF file's identity.
-
-A saved tokenizer is loaded through the class its tokenizer_config.json names, imported alone:
-AutoTokenizer's import pulls in torch (transformers' configuration module), 2-3 s of CPU at the start
-of each process that only tokenizes (the frontend, the scheduler), and the memory torch holds.
+transformers is the reference (no hand-written BPE): it loads the checkpoint's tokenizer once (a
+GGUF's vocabulary converted, 12 s for the embedded model's; a directory's through the class its
+tokenizer_config.json names), and what it made is kept under `model.cache_dir`: its Rust tokenizer as
+JSON (the post-processor that adds BOS, the added tokens) and the template beside. Every later process
+loads that in ~0.1 s, where importing transformers alone costs 1.5-2 s of CPU: the frontend, the HTTP
+API and the scheduler (grammars' vocabulary) start without it. A directory's entry is keyed by the
+contents of its tokenizer files (checkpoints that share a tokenizer share it), a GGUF's by the file's
+identity; both by transformers' version. Templates render through orca_mq.chat_template.
 """
 from __future__ import annotations
 
+import copy
+import hashlib
+import importlib.metadata
 import json
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from tokenizers import AddedToken
+from tokenizers import Tokenizer as RustTokenizer
+
+from orca_mq.chat_template import render
 from orca_mq.models.files import cache_key, resolve_model_path
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+FORMAT = 1   # what a cached entry holds: bump when it changes
+# what transformers reads to make a checkpoint's tokenizer (and additional_chat_templates/*), besides config.json's
+# model_type: an entry's key; the weights and the rest of config.json are not in it
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model",
+                   "spiece.model", "sentencepiece.bpe.model", "tekken.json")
 
-def load_tokenizer(model_path: str = "", cache_dir: str | None = None) -> "PreTrainedTokenizerBase":
-    """The model's tokenizer; a GGUF's converted once (12 s for the embedded model's) and kept under
-    `cache_dir`: config.toml's model.cache_dir when not given, "" for none."""
+
+@dataclass(slots=True)
+class Tokenizer:
+    backend: RustTokenizer                        # transformers' configured Rust tokenizer, without padding or truncation
+    chat_template: str | dict[str, str] | None    # one template, or named ones ("default", "tool_use")
+    special_tokens: dict[str, str]                # bos_token, eos_token, unk_token, pad_token: what the template reads
+
+    @classmethod
+    def of(cls, hf: PreTrainedTokenizerBase) -> "Tokenizer":
+        backend = copy.copy(hf.backend_tokenizer)
+        backend.no_padding()
+        backend.no_truncation()
+        return cls(RustTokenizer.from_str(backend.to_str()), hf.chat_template, dict(hf.special_tokens_map))
+
+    @classmethod
+    def load(cls, folder: Path) -> "Tokenizer":
+        meta = json.loads((folder / "meta.json").read_text())
+        return cls(RustTokenizer.from_file(str(folder / "tokenizer.json")), meta["chat_template"], meta["special_tokens"])
+
+    def save(self, folder: Path) -> None:
+        folder.mkdir(parents=True)
+        self.backend.save(str(folder / "tokenizer.json"))
+        (folder / "meta.json").write_text(json.dumps({"chat_template": self.chat_template,
+                                                      "special_tokens": self.special_tokens}))
+
+    def __repr__(self) -> str:   # not the vocabulary's JSON
+        return f"Tokenizer({len(self)} tokens, specials {self.special_tokens})"
+
+    def __len__(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def eos_token(self) -> str | None:
+        return self.special_tokens.get("eos_token")
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return None if self.eos_token is None else self.backend.token_to_id(self.eos_token)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        bos = self.special_tokens.get("bos_token")
+        return None if bos is None else self.backend.token_to_id(bos)
+
+    @property
+    def added_tokens_decoder(self) -> dict[int, AddedToken]:
+        return self.backend.get_added_tokens_decoder()
+
+    def json(self) -> str:
+        """The Rust tokenizer as JSON (llguidance builds its vocabulary from it)."""
+        return self.backend.to_str()
+
+    def get_vocab(self) -> dict[str, int]:
+        return self.backend.get_vocab(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Through encode_batch, which releases the GIL (encode holds it for the whole call): a long prompt on
+        a thread leaves the event loop running."""
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        """The text of `ids` as the decoder makes it, without transformers' clean-up of spaces (which it skips for BPE)."""
+        return self.backend.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
+
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                    add_generation_prompt: bool = False, **kwargs: Any) -> str:
+        """The conversation in the model's chat template (= transformers' apply_chat_template(tokenize=False))."""
+        if self.chat_template is None:
+            raise ValueError("the model's tokenizer has no chat template")
+        return render(self.chat_template, messages, tools, add_generation_prompt, self.special_tokens, **kwargs)
+
+
+def load_tokenizer(model_path: str = "", cache_dir: str | None = None) -> Tokenizer:
+    """The model's tokenizer, from the entry under `cache_dir` (config.toml's model.cache_dir when not given,
+    "" for none), made through transformers where there is none."""
+    path = resolve_model_path(model_path)
+    cache_dir = _cache_dir(cache_dir)
+    entry = Path(cache_dir).expanduser() / "tokenizers" / f"served-{_key(path)}" if cache_dir else None
+    if entry is not None and (entry / "meta.json").exists():
+        try:
+            return Tokenizer.load(entry)
+        except Exception:   # a damaged entry: made again below
+            pass
+    tok = Tokenizer.of(hf_tokenizer(str(path), cache_dir))
+    if entry is not None:
+        _save_atomic(entry, tok.save)
+    return tok
+
+
+def hf_tokenizer(model_path: str = "", cache_dir: str | None = None) -> PreTrainedTokenizerBase:
+    """transformers' tokenizer of the model (to save beside a checkpoint, or as the reference); a GGUF's
+    converted once and kept under `cache_dir`."""
     path = resolve_model_path(model_path)
     if path.is_dir():
         return load_saved(path)
-    if cache_dir is None:
-        from orca_mq.config import load_config
-
-        cache_dir = load_config().model.cache_dir
+    cache_dir = _cache_dir(cache_dir)
     cache = Path(cache_dir).expanduser() / "tokenizers" / cache_key(path) if cache_dir else None
     if cache is not None and (cache / "tokenizer_config.json").exists():
         return load_saved(cache)
@@ -38,23 +142,11 @@ def load_tokenizer(model_path: str = "", cache_dir: str | None = None) -> "PreTr
 
     tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     if cache is not None:
-        _save_atomic(tok, cache)
+        _save_atomic(cache, tok.save_pretrained)
     return tok
 
 
-def _save_atomic(tok: "PreTrainedTokenizerBase", cache: Path) -> None:
-    """Saved beside, then renamed into place: processes that start together never read a half-written one."""
-    tmp = cache.with_name(f".{cache.name}.{os.getpid()}.tmp")
-    try:
-        tok.save_pretrained(tmp)
-        os.rename(tmp, cache)
-    except OSError:
-        pass  # another process's copy is there, or the cache is read-only: only the conversion time again
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def load_saved(folder: Path) -> "PreTrainedTokenizerBase":
+def load_saved(folder: Path) -> PreTrainedTokenizerBase:
     """A saved tokenizer: the class its tokenizer_config.json names (the one AutoTokenizer would pick);
     AutoTokenizer itself where the file names none or one this transformers lacks."""
     import transformers
@@ -67,3 +159,41 @@ def load_saved(folder: Path) -> "PreTrainedTokenizerBase":
     if cls is None or not hasattr(cls, "from_pretrained"):
         cls = transformers.AutoTokenizer
     return cls.from_pretrained(folder)
+
+
+def _cache_dir(cache_dir: str | None) -> str:
+    if cache_dir is not None:
+        return cache_dir
+    from orca_mq.config import load_config
+
+    return load_config().model.cache_dir
+
+
+def _key(path: Path) -> str:
+    """A GGUF's identity; a directory's tokenizer files by content, and config.json's model_type."""
+    made_by = (FORMAT, importlib.metadata.version("transformers"))
+    if path.is_file():
+        return cache_key(path, *made_by)
+    try:
+        kind = json.loads((path / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        kind = None
+    h = hashlib.sha256(repr((made_by, kind)).encode())
+    files = [path / n for n in TOKENIZER_FILES] + sorted((path / "additional_chat_templates").glob("*"))
+    for f in files:
+        if f.is_file():
+            h.update(f"{f.relative_to(path)}\0{f.stat().st_size}\0".encode())
+            h.update(f.read_bytes())
+    return h.hexdigest()[:20]
+
+
+def _save_atomic(dest: Path, save: Any) -> None:
+    """Written beside, then renamed into place: processes that start together never read a half-written one."""
+    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
+    try:
+        save(tmp)
+        os.rename(tmp, dest)
+    except OSError:
+        pass  # another process's copy is there, or the cache is read-only: only the time to make it again
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

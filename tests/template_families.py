@@ -19,6 +19,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from orca_mq.detokenizer import IncrementalDetokenizer
+from orca_mq.tokenizer import Tokenizer as ServedTokenizer
 
 TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
 WEATHER = {"type": "object", "required": ["city"], "properties": {
@@ -75,7 +76,13 @@ FAMILIES = {f.template: f for f in [
 
 
 @functools.cache
-def tokenizer(name: str) -> PreTrainedTokenizerFast:
+def tokenizer(name: str) -> ServedTokenizer:
+    """The family's tokenizer as the server holds it (transformers' made into orca_mq.tokenizer's)."""
+    return ServedTokenizer.of(hf_tokenizer(name))
+
+
+@functools.cache
+def hf_tokenizer(name: str) -> PreTrainedTokenizerFast:
     fam = FAMILIES[name]
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -88,8 +95,7 @@ def tokenizer(name: str) -> PreTrainedTokenizerFast:
 
 
 def render(name: str, messages: list[dict[str, Any]], generation: bool, **kwargs: Any) -> str:
-    return tokenizer(name).apply_chat_template(messages, tools=TOOLS, tokenize=False, add_generation_prompt=generation,
-                                               **kwargs)
+    return tokenizer(name).render_chat(messages, TOOLS, generation, **kwargs)
 
 
 def assistant(calls: list[tuple[str, dict[str, Any]]], content: str = "", thinking: str | None = None,

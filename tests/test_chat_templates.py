@@ -50,7 +50,7 @@ def test_template_renders_with_tools_and_detect_names_its_parsers(name):
         assert ("get_weather" in prompt) == (fam.tool_parser is not None)   # the template shows the tools itself
     found = detect(fam.text)
     assert (found.tool_parser, found.reasoning_parser) == (fam.tool_parser, fam.reasoning_parser)
-    assert tokenizer(name).convert_tokens_to_ids(fam.specials[-1]) is not None
+    assert tokenizer(name).backend.token_to_id(fam.specials[-1]) is not None
 
 
 @pytest.mark.parametrize("name", TOOLED)

@@ -22,7 +22,7 @@ from orca_mq.errors import InvalidRequest
 from orca_mq.protocol import decode, encode
 from orca_mq.protocol.client_msgs import TO_SERVER, Generate
 from orca_mq.protocol.sampling import SamplingParams
-from orca_mq.tokenizer import load_tokenizer
+from orca_mq.tokenizer import hf_tokenizer, load_tokenizer
 from serving_harness import free_port, openai_client, start_server
 
 TEMPLATE = ("{% if greeting is defined %}{{ greeting }}\n{% endif %}"
@@ -59,11 +59,11 @@ def test_protocol_6_carries_template_kwargs_and_older_frames_go_without():
 
 def test_detokenizer_leaves_out_the_eos_that_ends_a_request():
     tok = load_tokenizer()
-    ids = tok("Hi there", add_special_tokens=False).input_ids + [START, EOS]
+    ids = tok.encode("Hi there", False) + [START, EOS]
     for skip in (True, False):
         detok = IncrementalDetokenizer(tok, skip_special_tokens=skip)
         text = detok.step(ids, hide_last=ends_on_eos(ids, "stop", {EOS})) + detok.finish()
-        assert text == tok.decode(ids[:-1], skip_special_tokens=skip) and detok.ids == ids
+        assert text == hf_tokenizer().decode(ids[:-1], skip_special_tokens=skip) and detok.ids == ids
     assert not ends_on_eos(ids, "length", {EOS}) and not ends_on_eos(ids[:-1], "stop", {EOS})
 
 
@@ -71,7 +71,7 @@ def test_detokenizer_leaves_out_the_eos_that_ends_a_request():
 def model_dir(tmp_path_factory):
     """A tiny random Llama with the embedded tokenizer, and a chat template that reads `greeting` and `enable_thinking`."""
     path = random_llama(tmp_path_factory.mktemp("template_model"), layers=2, max_positions=256)
-    tok = load_tokenizer(str(path))
+    tok = hf_tokenizer(str(path))
     tok.chat_template = TEMPLATE
     tok.save_pretrained(path)
     assert load_tokenizer(str(path)).chat_template == TEMPLATE
@@ -84,7 +84,7 @@ def served(tmp_path_factory, model_dir):
     srv = start_server(tmp_path_factory.mktemp("http_template"), **{
         "model.path": str(model_dir), "server.http_address": f"127.0.0.1:{port}", "model.max_model_len": 256})
     client = openai_client(f"http://127.0.0.1:{port}")
-    yield srv, client, client.models.list().data[0].id, load_tokenizer(str(model_dir)), f"http://127.0.0.1:{port}"
+    yield srv, client, client.models.list().data[0].id, hf_tokenizer(str(model_dir)), f"http://127.0.0.1:{port}"
     client.close()
     assert srv.stop() == 0, srv.stderr()[-3000:]
 
@@ -154,7 +154,7 @@ def test_llm_offline_start_lines_special_tokens_and_template_kwargs(model_dir, c
     ended = llm.generate("Hello", SamplingParams(max_tokens=3, temperature=0, logit_bias={EOS: 100}, skip_special_tokens=False))
     assert (ended[0].text, ended[0].token_ids, ended[0].finish_reason) == ("", [EOS], "stop")
     chat = llm.chat(CHAT, SamplingParams(max_tokens=1), chat_template_kwargs=KWARGS[1])
-    assert chat[0].prompt_token_ids == expected_ids(llm.tokenizer, **KWARGS[1])
+    assert chat[0].prompt_token_ids == expected_ids(hf_tokenizer(str(model_dir)), **KWARGS[1])
     with pytest.raises(InvalidRequest, match="'tools'"):
         llm.chat(CHAT, chat_template_kwargs={"tools": []})
     LLM(model=str(model_dir), dtype="float32", max_bs=2, n_slots=1024, progress=False)

@@ -76,8 +76,8 @@ def main() -> None:
     dtypes = args.dtypes.split(",")
     cfgs = {d: load_config(None, [*args.set, f"model.dtype={d}", "engine.n_slots=4096"]) for d in dtypes}
     tok = load_tokenizer(cfgs[dtypes[0]].model.path)
-    prompts = [tok(p)["input_ids"] for p in PROMPTS]
-    text = tok(TEXT)["input_ids"]
+    prompts = [tok.encode(p) for p in PROMPTS]
+    text = tok.encode(TEXT)
     base, rows = None, []
     for d in dtypes:
         runner = ModelRunner(cfgs[d])

@@ -14,9 +14,7 @@ families' templates read (an assistant's `tool_calls` and thinking, a tool resul
 A chat prompt's end (PROMPT_TAIL_CHARS) goes back with its first tokens: a reasoning parser reads from
 it whether the output begins inside a thinking block the template opened.
 
-Encoding goes through the Rust tokenizer's `encode_batch`, which releases the GIL (its `encode`
-and transformers' wrapper hold it for the whole call): a long prompt on a thread then leaves the
-event loop running.
+Encoding releases the GIL (orca_mq.tokenizer): a long prompt on a thread leaves the event loop running.
 """
 from __future__ import annotations
 
@@ -27,8 +25,8 @@ from typing import TYPE_CHECKING, Any
 from orca_mq.errors import InvalidRequest
 from orca_mq.protocol.client_msgs import Generate
 
-if TYPE_CHECKING:   # transformers is not imported by this module: the HTTP API's schemas check template kwargs here
-    from transformers import PreTrainedTokenizerBase
+if TYPE_CHECKING:   # the HTTP API's schemas check template kwargs here, before any tokenizer is loaded
+    from orca_mq.tokenizer import Tokenizer
 
 ROLES = ("system", "user", "assistant", "tool", "developer")   # OpenAI's chat roles; the template renders them
 # a message's fields: text, but an assistant's earlier calls ({id, type, function: {name, arguments}})
@@ -116,18 +114,18 @@ def _calls_ok(calls: Any) -> bool:
         and isinstance(f.get("arguments", {}), (dict, str)) for c in calls)
 
 
-def longest_token_chars(tokenizer: PreTrainedTokenizerBase) -> int:
+def longest_token_chars(tokenizer: Tokenizer) -> int:
     return max(1, max(map(len, tokenizer.get_vocab())))
 
 
 @dataclass(slots=True)
 class Prompts:
-    tokenizer: PreTrainedTokenizerBase
+    tokenizer: Tokenizer
     max_model_len: int
     max_chars: int          # max_model_len x the longest token's characters
 
     @classmethod
-    def for_model(cls, tokenizer: PreTrainedTokenizerBase, max_model_len: int) -> "Prompts":
+    def for_model(cls, tokenizer: Tokenizer, max_model_len: int) -> "Prompts":
         return cls(tokenizer, max_model_len, max_model_len * longest_token_chars(tokenizer))
 
     def check(self, msg: Generate) -> None:
@@ -160,11 +158,11 @@ class Prompts:
             return self.encode_text(msg.prompt or "", special is not False), None
         text = self.render(msg.messages if msg.messages is not None else [{"role": "user", "content": msg.prompt}],
                            msg.chat_template_kwargs, msg.tools)
-        return self._encode(text, special is True), text[-PROMPT_TAIL_CHARS:]  # by default not: the template holds any BOS
+        return self.tokenizer.encode(text, special is True), text[-PROMPT_TAIL_CHARS:]  # by default not: the template holds any BOS
 
     def encode_chat(self, messages: list[dict[str, Any]], special: bool = False,
                     template_kwargs: dict[str, Any] | None = None) -> list[int]:
-        return self._encode(self.render(messages, template_kwargs), special)
+        return self.tokenizer.encode(self.render(messages, template_kwargs), special)
 
     def render(self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None,
                tools: list[dict[str, Any]] | None = None) -> str:
@@ -174,19 +172,14 @@ class Prompts:
         if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
             raise InvalidRequest("tools must be a list of objects (OpenAI's function tools)", "tools")
         try:
-            return self.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
-                                                      add_generation_prompt=True, **(template_kwargs or {}))
+            return self.tokenizer.render_chat(messages, tools or None, True, **(template_kwargs or {}))
         except Exception as e:  # jinja raises for roles or orders the template forbids
             raise InvalidRequest(f"chat template: {e}", "prompt") from None
 
     def encode_text(self, text: str, special: bool = True) -> list[int]:
         """Raw completion text: the model's special tokens (BOS) only where its tokenizer adds them."""
-        return self._encode(text, special)
+        return self.tokenizer.encode(text, special)
 
     def decode(self, token_ids: list[int]) -> str:
-        """Token ids -> text, special tokens kept (vLLM's /detokenize), without holding the GIL."""
-        return self.tokenizer.backend_tokenizer.decode_batch([token_ids], skip_special_tokens=False)[0]
-
-    def _encode(self, text: str, special: bool) -> list[int]:
-        """= tokenizer.encode(text, add_special_tokens=special), without holding the GIL."""
-        return self.tokenizer.backend_tokenizer.encode_batch([text], add_special_tokens=special)[0].ids
+        """Token ids -> text, special tokens kept (vLLM's /detokenize)."""
+        return self.tokenizer.decode(token_ids)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from functools import cached_property
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from orca_mq.admission.limits import fit, fit_embedding
 from orca_mq.admission.prompts import Prompts
@@ -31,10 +31,7 @@ from orca_mq.protocol.sampling import SamplingParams
 from orca_mq.sched.request import Request
 from orca_mq.structured.compiler import Compiler
 from orca_mq.structured.grammar import Grammar, Vocabulary
-from orca_mq.tokenizer import load_tokenizer
-
-if TYPE_CHECKING:   # transformers costs a process 1.5 s to import: the scheduler's needs it only for a grammar
-    from transformers import PreTrainedTokenizerBase
+from orca_mq.tokenizer import Tokenizer, load_tokenizer
 
 Prompt = str | list[int]
 log = logging.getLogger(__name__)
@@ -53,7 +50,7 @@ class ServedModel:
         self.grammars = Compiler(cfg.structured, self._vocabulary)
 
     @cached_property
-    def tokenizer(self) -> PreTrainedTokenizerBase:
+    def tokenizer(self) -> Tokenizer:
         return load_tokenizer(self.cfg.model.path, self.cfg.model.cache_dir)
 
     @cached_property

@@ -26,9 +26,8 @@ from orca_mq.api.parsers import harmony, hermes, llama3, mistral, reasoning
 from orca_mq.api.parsers.reasoning import starts_inside
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
-
     from orca_mq.config import Config
+    from orca_mq.tokenizer import Tokenizer
 
 # each parser's markers: where one is a special token of the vocabulary, the parser needs special tokens kept
 MARKERS: dict[str, tuple[str, ...]] = {
@@ -78,7 +77,7 @@ class ChatFormat:
 PLAIN = ChatFormat("hermes", None, False)   # orca-mq's own system message: what any template can show
 
 
-def resolve(config: Config, tokenizer: PreTrainedTokenizerBase) -> ChatFormat:
+def resolve(config: Config, tokenizer: Tokenizer) -> ChatFormat:
     """The format of the model whose tokenizer this is (renders a probe once: call it off the event loop)."""
     cfg = config.server
     template = tokenizer.chat_template
@@ -98,22 +97,20 @@ def resolve(config: Config, tokenizer: PreTrainedTokenizerBase) -> ChatFormat:
     added = tokenizer.added_tokens_decoder
     specials = frozenset(t.content for t in added.values() if t.special)
     pattern = re.compile("|".join(map(re.escape, sorted(specials, key=len, reverse=True)))) if specials else None
-    backend = tokenizer.backend_tokenizer
     return ChatFormat(tool, reasoning, renders, text, bool(text) and starts_inside(_probe(tokenizer, None)),
                       config.structured.json_whitespace == "compact", {t.content: i for i, t in added.items()}, specials,
-                      lambda s: len(backend.encode_batch([s], add_special_tokens=False)[0].ids) if s else 0, pattern)
+                      lambda s: len(tokenizer.encode(s, False)) if s else 0, pattern)
 
 
-def _renders_tools(tokenizer: Any) -> bool:
+def _renders_tools(tokenizer: Tokenizer) -> bool:
     tool = {"type": "function", "function": {"name": PROBE_TOOL, "description": "", "parameters": {"type": "object",
                                                                                                    "properties": {}}}}
     return PROBE_TOOL in _probe(tokenizer, [tool])
 
 
-def _probe(tokenizer: Any, tools: list[dict[str, Any]] | None) -> str:
+def _probe(tokenizer: Tokenizer, tools: list[dict[str, Any]] | None) -> str:
     """A one-message conversation rendered with its generation prompt ("" where the template refuses it)."""
     try:
-        return tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tools=tools, tokenize=False,
-                                             add_generation_prompt=True)
+        return tokenizer.render_chat([{"role": "user", "content": "Hi"}], tools, True)
     except Exception:
         return ""

@@ -60,11 +60,11 @@ def save_model_source(dest: Path) -> None:
     from transformers import AutoConfig
 
     from orca_mq.models.files import embedded_model_path
-    from orca_mq.tokenizer import load_tokenizer
+    from orca_mq.tokenizer import hf_tokenizer
 
     gguf = embedded_model_path()
     dest.mkdir(parents=True, exist_ok=True)
-    load_tokenizer().save_pretrained(dest)
+    hf_tokenizer().save_pretrained(dest)
     AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(dest)
 
 

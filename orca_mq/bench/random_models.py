@@ -33,9 +33,9 @@ def random_llama(path: Path, *, layers: int, max_positions: int, hidden: int = 6
     """A random Llama with the embedded model's tokenizer and chat template, so that it serves real text."""
     from transformers import LlamaConfig
 
-    from orca_mq.tokenizer import load_tokenizer
+    from orca_mq.tokenizer import hf_tokenizer
 
-    tok = load_tokenizer()
+    tok = hf_tokenizer()
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
                       num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_positions,
                       rms_norm_eps=1e-5, tie_word_embeddings=not near_ties, bos_token_id=tok.bos_token_id,

@@ -188,7 +188,7 @@ def run(setup: Setup, log: Callable[[str], None] = partial(print, flush=True)) -
     tok = load_tokenizer(cfg.model.path, cfg.model.cache_dir)
 
     def n_tokens(text: str) -> int:
-        return len(tok(text, add_special_tokens=False)["input_ids"])
+        return len(tok.encode(text, add_special_tokens=False))
 
     budget = cfg.scheduler.max_num_batched_tokens
     result = Result({**asdict(setup), "dtype_resolved": resolve_dtype(cfg.model.dtype, cfg.engine.device),

@@ -9,7 +9,7 @@ a JSON number's digits.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import llguidance
 import numpy as np
@@ -17,6 +17,9 @@ from llguidance import LLExecutor, LLMatcher, LLTokenizer
 
 from orca_mq.structured.budget import Budget, Closing
 from orca_mq.structured.tokens import JsonLex, Tables
+
+if TYPE_CHECKING:
+    from orca_mq.tokenizer import Tokenizer
 
 LIMITS = llguidance.LLParserLimits(verbose_errors=False)   # llguidance's default work bounds; errors without the grammar dump
 
@@ -31,10 +34,8 @@ class Vocabulary:
     tables: Tables                      # the tokens as bytes: plans to close, the digit bound
 
     @classmethod
-    def of(cls, hf_tokenizer: Any, size: int, eos_token_ids: list[int], threads: int) -> "Vocabulary":
-        import llguidance.hf   # imports transformers (1.5 s): only a process that builds a vocabulary pays
-
-        tok = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=size, eos_token=list(eos_token_ids))
+    def of(cls, tokenizer: Tokenizer, size: int, eos_token_ids: list[int], threads: int) -> "Vocabulary":
+        tok = LLTokenizer(tokenizer.json(), n_vocab=size, eos_token=list(eos_token_ids))   # = llguidance.hf's, without transformers
         return cls(tok, size, LLExecutor(threads or None), Tables.of(tok, size))
 
 
