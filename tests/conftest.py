@@ -4,7 +4,10 @@ left logs/5555/launcher.log there, which `orca-mq logs` then showed as the last 
 writes under a temporary directory only, or the session fails naming what it wrote."""
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -72,7 +75,24 @@ def hf_reference():
     from orca_mq.models.files import embedded_model_path
 
     path = embedded_model_path()
-    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    with _gguf_parsed_once():
+        return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+
+
+@contextlib.contextmanager
+def _gguf_parsed_once() -> Iterator[None]:
+    """transformers reads a GGUF with gguf's reader twice (its config, then its tensors) and builds gguf's
+    tensor-name map once per tensor: half of the 28 s the embedded model's reference takes here. Both made
+    once while it loads (the same reader and map; its weights are the same tensors either way)."""
+    import gguf
+
+    reader, names = gguf.GGUFReader, gguf.get_tensor_name_map
+    gguf.GGUFReader = functools.cache(reader)   # transformers imports both from gguf at each call
+    gguf.get_tensor_name_map = functools.cache(names)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader, names
 
 
 @pytest.fixture(scope="session")

@@ -8,8 +8,8 @@ frontend's own path (orca_mq.admission.prompts.Prompts: `check`, then `token_ids
 template, the same special tokens, so `count` is the `usage.prompt_tokens` a completion of that
 prompt reports. A prompt that cannot fit the context is refused by its length in characters before
 anything reads it; the tokenizer runs on a thread (the Rust tokenizer without the GIL), so a long
-prompt leaves the event loop serving. The tokenizer is loaded on the first call (transformers'
-import, and a GGUF's converted tokenizer from `model.cache_dir`: seconds), not at start.
+prompt leaves the event loop serving. The tokenizer is loaded on the first call (from its entry under
+`model.cache_dir`, a fraction of a second; the first process to need it makes it: seconds), not at start.
 """
 from __future__ import annotations
 
@@ -91,7 +91,7 @@ class Tokenization:
         return self._prompts
 
     def _load(self) -> Prompts:
-        from orca_mq.admission.prompts import Prompts   # transformers: imported by the first call, not at start
+        from orca_mq.admission.prompts import Prompts
         from orca_mq.tokenizer import load_tokenizer
 
         return Prompts.for_model(load_tokenizer(self.cfg.model.path, self.cfg.model.cache_dir), self.max_model_len)
