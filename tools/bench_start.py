@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
-"""A server's start: `orca-mq serve` to its ready line, and which of its processes map torch, for one
-or two revisions alternated round by round (each a git worktree, as tools/bench_ab.py makes them).
+"""A server's start: `orca-mq serve` to its ready line, then its first chat completion (the HTTP process
+loads the tokenizer and chat template on it), and which of its processes map torch, for one or two revisions alternated round by round (each a git worktree, as tools/bench_ab.py makes them).
 
     python tools/bench_start.py --rounds 3 --out results/bench_start.json                 # this checkout
     python tools/bench_start.py --base c2dbde6 --model tiny --rounds 3 --out results/start_ab.json
 
 --model: the embedded model (default), `tiny` (a 2-layer random Llama with the embedded tokenizer, what
-the tests serve) or a path. Prints a table (median ready seconds per side) and writes JSON.
+the tests serve) or a path. Prints a table (median seconds per side) and writes JSON.
 """
 from __future__ import annotations
 
@@ -22,6 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import httpx
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from orca_mq.server.process import READY_LINE, ROOT, free_port  # noqa: E402
@@ -29,8 +31,9 @@ from orca_mq.server.process import READY_LINE, ROOT, free_port  # noqa: E402
 
 
 def start_once(tree: Path, model: str) -> dict[str, object]:
+    http = f"127.0.0.1:{free_port()}"
     args = [sys.executable, "-u", "-m", "orca_mq.cli", "serve", "--set", f"server.frontend_address=tcp://127.0.0.1:{free_port()}",
-            "--set", f"server.http_address=127.0.0.1:{free_port()}", "--set", "engine.n_slots=4096"]
+            "--set", f"server.http_address={http}", "--set", "engine.n_slots=4096"]
     args += ["--set", f"model.path={model}"] if model else []
     t = time.monotonic()
     p = subprocess.Popen(args, cwd=tree, env=os.environ | {"PYTHONPATH": str(tree)}, stdout=subprocess.PIPE,
@@ -41,6 +44,12 @@ def start_once(tree: Path, model: str) -> dict[str, object]:
         if line.startswith(READY_LINE):
             ready = time.monotonic() - t
             break
+    chat = None
+    if ready is not None:
+        t = time.monotonic()
+        r = httpx.post(f"http://{http}/v1/chat/completions", timeout=120, json={
+            "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1})
+        chat = time.monotonic() - t if r.status_code == 200 else None
     torch: dict[str, bool] = {}
     for pid in [str(p.pid), *subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split()]:
         try:
@@ -55,7 +64,7 @@ def start_once(tree: Path, model: str) -> dict[str, object]:
         p.wait(60)
     except subprocess.TimeoutExpired:
         os.killpg(p.pid, signal.SIGKILL)
-    return {"ready_s": ready, "torch": torch}
+    return {"ready_s": ready, "first_chat_s": chat, "torch": torch}
 
 
 def main() -> int:
@@ -80,17 +89,19 @@ def main() -> int:
     for r in range(a.rounds):
         for name, tree in sides.items():
             runs[name].append(one := start_once(tree, model))
-            print(f"round {r} {name}: ready {one['ready_s']:.2f} s, torch in "
+            print(f"round {r} {name}: ready {one['ready_s']:.2f} s, first chat {one['first_chat_s']:.2f} s, torch in "
                   f"{', '.join(k for k, v in one['torch'].items() if v) or 'none'}", flush=True)   # type: ignore[union-attr]
         time.sleep(1)
-    print("\n| side | median ready s | rounds | processes that map torch |\n|---|---:|---:|---|")
+    print("\n| side | median ready s | median first chat s | ready, each round | processes that map torch |\n"
+          "|---|---:|---:|---|---|")
     summary = {}
     for name, rs in runs.items():
         med = statistics.median(r["ready_s"] for r in rs if r["ready_s"] is not None)   # type: ignore[misc]
+        chat = statistics.median(r["first_chat_s"] for r in rs if r["first_chat_s"] is not None)   # type: ignore[misc]
         with_torch = sorted({k for r in rs for k, v in r["torch"].items() if v})   # type: ignore[union-attr]
-        summary[name] = {"median_ready_s": med, "torch": with_torch}
+        summary[name] = {"median_ready_s": med, "median_first_chat_s": chat, "torch": with_torch}
         each = ", ".join(f"{r['ready_s']:.1f}" for r in rs)
-        print(f"| {name} | {med:.2f} | {each} | {', '.join(with_torch)} |")
+        print(f"| {name} | {med:.2f} | {chat:.2f} | {each} | {', '.join(with_torch)} |")
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps({"model": a.model or "embedded", "summary": summary, "runs": runs}, indent=1))
     for tree in sides.values():   # the base's worktree and the tiny model: nothing left behind
