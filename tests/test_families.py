@@ -205,18 +205,26 @@ def test_a_checkpoint_that_cannot_be_served_is_one_line(checkpoints, tmp_path):
 
 
 def test_a_sound_checkpoint_is_checked_once_and_again_when_a_file_changes(checkpoints, tmp_path):
-    """The launcher's check is remembered under model.cache_dir (a start skips torch and the files), keyed
-    by every file of the directory: a weights file rewritten without a tensor is checked, and refused."""
+    """The launcher's check reads the files' headers without importing torch, and is remembered under
+    model.cache_dir, keyed by every file of the directory: a weights file rewritten without a tensor is
+    checked, and refused (as is a file that is not safetensors)."""
     import shutil
+    import subprocess
+    import sys
 
     from safetensors.torch import load_file, save_file
 
     from orca_mq.models.checked import check_checkpoint
     from orca_mq.models.registry import read_model_info
+    from orca_mq.server.process import ROOT
 
     d, cache = shutil.copytree(checkpoints["qwen3"], tmp_path / "qwen3"), tmp_path / "cache"
-    info = read_model_info(str(d))
-    check_checkpoint(info, str(cache))
+    info = read_model_info(str(d), str(cache))
+    code = ("import sys; from orca_mq.models.registry import read_model_info; from orca_mq.models.checked import "
+            f"check_checkpoint; check_checkpoint(read_model_info({str(d)!r}, {str(cache)!r}), {str(cache)!r}); "
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0 and out.stdout.split("\n")[-2] == "[]", out.stdout[-500:] + out.stderr[-2000:]
     assert len(list(cache.glob("checked-*"))) == 1
     check_checkpoint(info, str(cache))   # remembered: no second marker
     assert len(list(cache.glob("checked-*"))) == 1
@@ -225,6 +233,9 @@ def test_a_sound_checkpoint_is_checked_once_and_again_when_a_file_changes(checkp
     dropped = next(k for k in tensors if k.endswith("mlp.down_proj.weight"))
     save_file({k: v for k, v in tensors.items() if k != dropped}, weights, metadata={"format": "pt"})
     with pytest.raises(ValueError, match=f"tensor {dropped} missing"):
+        check_checkpoint(info, str(cache))
+    weights.write_bytes(b"\x10" + bytes(7) + b"{not json")
+    with pytest.raises(ValueError, match="not a safetensors file"):
         check_checkpoint(info, str(cache))
 
 
@@ -269,8 +280,9 @@ def test_served_through_a_two_stage_pipeline(checkpoints, tmp_path):
 
 
 def test_a_checkpoints_info_is_cached_by_its_files_and_read_back_without_torch(checkpoints, tmp_path):
-    """read_model_info's cache (what spares the frontend and the scheduler transformers' config reading,
-    which imports torch): every family's info reads back equal; an edited config.json misses it."""
+    """read_model_info's cache (what spares the launcher, the frontend and the scheduler transformers'
+    config reading, which imports torch): every family's info reads back equal; another directory with
+    the same config.json shares the entry, with its own path; an edited config.json misses it."""
     import json
     import subprocess
     import sys
@@ -295,7 +307,9 @@ def test_a_checkpoints_info_is_cached_by_its_files_and_read_back_without_torch(c
             (edited / f.name).write_bytes(f.read_bytes())
         else:
             (edited / f.name).symlink_to(f)
-    assert read_model_info(str(edited), str(cache)).n_layers == read_model_info(str(path)).n_layers > 1
+    shared = read_model_info(str(edited), str(cache))
+    assert shared.n_layers == read_model_info(str(path)).n_layers > 1 and shared.path == str(edited)
+    assert len(list(cache.glob("info3-*.json"))) == len(checkpoints)
     raw = json.loads((edited / "config.json").read_text())
     (edited / "config.json").write_text(json.dumps(raw | {"num_hidden_layers": 1}, indent=3))   # cached: read again
     assert read_model_info(str(edited), str(cache)).n_layers == 1

@@ -16,7 +16,7 @@ import pytest
 from orca_mq.bench.gpu_carry import check_wheels
 from orca_mq.bench.shapes import SHAPES, ShapeRun, add_shape_args
 from orca_mq.models.registry import read_model_info
-from orca_mq.models.weights import expected_shapes, names_of
+from orca_mq.models.names import expected_shapes, names_of
 from orca_mq.server.process import ROOT
 
 QUICK = ("env", "refusal", "kernels", "exactness")

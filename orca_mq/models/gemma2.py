@@ -4,9 +4,7 @@ embeddings scaled by sqrt(hidden). The norms' 1 + w is folded into w at load (ll
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from orca_mq.models.gguf_meta import GGUFMeta
 from orca_mq.models.hf import LLAMA_KEYS, hf_info
@@ -14,7 +12,9 @@ from orca_mq.models.info import ModelInfo
 from orca_mq.models.names import GEMMA_NORMS, gguf_names, hf_names
 from orca_mq.models.registry import Family, register
 
-Tensor = torch.Tensor
+if TYPE_CHECKING:   # torch only where tensors are converted (workers): the launcher's check reads names
+    from torch import Tensor
+
 NORMS = ("attn_norm", "post_attn_norm", "ffn_norm", "post_ffn_norm", "q_norm", "k_norm", "final_norm")
 
 

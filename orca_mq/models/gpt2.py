@@ -3,15 +3,15 @@ Conv1D weights stored [in, out]."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from orca_mq.models.info import ModelInfo, RopeSpec
 from orca_mq.models.names import Names
 from orca_mq.models.registry import Family, register
 
-Tensor = torch.Tensor
+if TYPE_CHECKING:   # torch only where tensors are converted (workers): the launcher's check reads names
+    from torch import Tensor
+
 CONV1D = ("qkv", "o", "up", "down")
 
 

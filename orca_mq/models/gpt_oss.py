@@ -4,17 +4,15 @@ SwiGLU; the experts' MXFP4 weights are dequantized at load (models/sources.py)."
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from orca_mq.models.hf import LLAMA_KEYS, hf_info
 from orca_mq.models.info import ModelInfo, MoESpec
 from orca_mq.models.names import Names, hf_layer
 from orca_mq.models.registry import Family, register
 
-Tensor = torch.Tensor
-
+if TYPE_CHECKING:   # torch only where tensors are converted (workers): the launcher's check reads names
+    from torch import Tensor
 
 def from_hf(cfg: Any, path: Path) -> ModelInfo:
     moe = MoESpec(cfg.num_local_experts, cfg.num_experts_per_tok, cfg.intermediate_size, scoring="topk_softmax",
@@ -36,6 +34,8 @@ def names(info: ModelInfo, gguf: bool) -> Names:
 
 def deinterleave(info: ModelInfo, t: dict[str, Tensor], gguf: bool) -> dict[str, Tensor]:
     """Its experts hold [in, out] with gate and up interleaved by column: [out, in] with gate's rows first."""
+    import torch
+
     if "experts_gate_up" not in t:
         return t
     gu, b = t["experts_gate_up"].transpose(1, 2), t["experts_gate_up_b"]

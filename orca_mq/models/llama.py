@@ -3,9 +3,7 @@ explicit head_dim, attention and MLP bias flags, tied or untied head."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from orca_mq.models.gguf_meta import GGUFMeta
 from orca_mq.models.gguf_rope import gguf_rope
@@ -14,8 +12,8 @@ from orca_mq.models.info import ModelInfo, MoESpec
 from orca_mq.models.names import gguf_names, hf_names
 from orca_mq.models.registry import Family, register
 
-Tensor = torch.Tensor
-
+if TYPE_CHECKING:   # torch only where tensors are converted (workers): the launcher's check reads names
+    from torch import Tensor
 
 def from_hf(cfg: Any, path: Path) -> ModelInfo:
     bias = bool(getattr(cfg, "attention_bias", False))
@@ -34,6 +32,8 @@ def from_gguf(m: GGUFMeta) -> ModelInfo:
 
 def unpermute(info: ModelInfo, t: dict[str, Tensor], gguf: bool) -> dict[str, Tensor]:
     """llama.cpp permutes Q/K rows (and biases) for its interleaved rotary; back to the rotate-half form used here."""
+    import torch
+
     if not gguf or "qkv" not in t:
         return t
     q, k = info.n_heads * info.head_dim, info.n_kv_heads * info.head_dim

@@ -6,12 +6,13 @@ Canonical layout ([out, in] matrices; projections that read the same input fused
              router (+_b), experts_gate_up [E, 2I, H] (+_b), experts_down [E, H, I] (+_b)
   stage      embed, pos_embed (GPT-2), final_norm {w, b}, lm_head
 A source is one tensor name or several whose rows are concatenated (q, k and v into qkv); a name with
-`{e}` is read for every expert and stacked.
+`{e}` is read for every expert and stacked. `expected_shapes`: each canonical tensor's shape for a config.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from orca_mq.models.info import ModelInfo
 
@@ -101,3 +102,29 @@ def gguf_layer(info: ModelInfo, i: int, *, fused: bool = False) -> dict[str, Sou
 def gguf_names(info: ModelInfo, **layer_options: object) -> Names:
     return Names(lambda i: gguf_layer(info, i, **layer_options),  # type: ignore[arg-type]
                  "token_embd.weight", {"w": "output_norm.weight"}, "output.weight")
+
+
+def names_of(info: ModelInfo) -> Names:
+    """The checkpoint's names of the canonical tensors (its family's, for a GGUF or a directory)."""
+    from orca_mq.models.registry import family
+
+    return family(info.arch).names(info, Path(info.path).is_file())
+
+
+def expected_shapes(info: ModelInfo) -> dict[str, tuple[int, ...]]:
+    """Every canonical tensor's shape for this config (the ones a layer or stage holds are a subset)."""
+    h, d, inter = info.hidden_size, info.head_dim, info.intermediate_size
+    qkv = (info.n_heads + 2 * info.n_kv_heads) * d
+    s: dict[str, tuple[int, ...]] = {
+        "qkv": (qkv, h), "qkv_b": (qkv,), "o": (h, info.n_heads * d), "o_b": (h,), "q_norm": (d,), "k_norm": (d,),
+        "sinks": (info.n_heads,), "gate_up": (2 * inter, h), "gate_up_b": (2 * inter,), "up": (inter, h),
+        "up_b": (inter,), "down": (h, inter), "down_b": (h,), "embed": (info.vocab_size, h),
+        "lm_head": (info.vocab_size, h), "pos_embed": (info.context_length, h),
+    }
+    for k in ("attn_norm", "ffn_norm", "post_attn_norm", "post_ffn_norm", "final_norm"):
+        s[k] = s[k + "_b"] = (h,)
+    if info.moe is not None:
+        e, i = info.moe.n_experts, info.moe.intermediate_size
+        s |= {"router": (e, h), "router_b": (e,), "experts_gate_up": (e, 2 * i, h), "experts_gate_up_b": (e, 2 * i),
+              "experts_down": (e, h, i), "experts_down_b": (e, h)}
+    return s

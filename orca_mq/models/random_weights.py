@@ -14,9 +14,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
-
 if TYPE_CHECKING:
+    import torch
+
     from orca_mq.models.info import ModelInfo
     from orca_mq.models.weights import StageWeights
 
@@ -44,9 +44,12 @@ def random_weights(path: Path) -> RandomWeights | None:
 
 
 def random_stage_weights(info: "ModelInfo", spec: RandomWeights, layers: range, first: bool, last: bool,
-                         dtype: torch.dtype, device: torch.device) -> "StageWeights":
+                         dtype: torch.dtype, device: torch.device) -> StageWeights:
     """What load_stage_weights gives for a checkpoint of files, drawn on `device` (canonical names and shapes)."""
-    from orca_mq.models.weights import StageWeights, expected_shapes, names_of
+    import torch
+
+    from orca_mq.models.names import expected_shapes, names_of
+    from orca_mq.models.weights import StageWeights
 
     names, shapes = names_of(info), expected_shapes(info)
 

@@ -8,6 +8,7 @@ the canonical layout the layer code reads (`convert`). `read_model_info` is the 
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib
 import json
 from collections.abc import Callable
@@ -78,14 +79,16 @@ def supported() -> str:
 
 def read_model_info(model_path: str = "", cache_dir: str = "") -> ModelInfo:
     """The model's ModelInfo; a ValueError naming the file and what is wrong when it cannot be served.
-    Cached under `cache_dir` by the checkpoint's files and this package's code: a GGUF's metadata takes
+    Cached under `cache_dir` by what it is read from and this package's code: a GGUF's metadata takes
     seconds to parse, and transformers' config reading imports torch (seconds of start-up in the
-    processes that need none: the frontend, the scheduler)."""
+    launcher and in the processes that need none: the frontend, the scheduler)."""
     path = resolve_model_path(model_path)
     cached = Path(cache_dir).expanduser() / f"info3-{_identity(path)}.json" if cache_dir else None
     if cached is not None and cached.exists():
         try:
-            return ModelInfo.from_json(json.loads(cached.read_text()))
+            info = ModelInfo.from_json(json.loads(cached.read_text()))
+            info.path = str(path)   # a directory's entry may be another's with the same config
+            return info
         except (ValueError, TypeError, KeyError):
             pass  # a stale or torn entry: parse again
     if path.is_dir():
@@ -100,10 +103,17 @@ def read_model_info(model_path: str = "", cache_dir: str = "") -> ModelInfo:
 
 
 def _identity(path: Path) -> str:
-    """What a ModelInfo is read from (the GGUF file, or config.json and generation_config.json) and
-    the code that reads it (this package's files): a change to either misses the cache."""
-    files = [path / "config.json", path / "generation_config.json"] if path.is_dir() else [path]
-    return files_identity([files[0], *(f for f in files[1:] if f.exists())])
+    """What a ModelInfo is read from and the code that reads it (this package's files): a GGUF file by
+    its identity; a directory by the contents of config.json and generation_config.json, all a
+    directory's info depends on but its path (checkpoints of one config, a test's fresh ones, share it)."""
+    if path.is_file():
+        return files_identity([path])
+    h = hashlib.sha256(repr(code_identity()).encode())
+    for name in ("config.json", "generation_config.json"):
+        f = path / name
+        h.update(f"{name}\0{f.stat().st_size if f.exists() else -1}\0".encode())
+        h.update(f.read_bytes() if f.exists() else b"")
+    return h.hexdigest()[:20]
 
 
 def files_identity(files: list[Path]) -> str:

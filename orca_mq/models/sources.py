@@ -1,37 +1,50 @@
 """The tensors of a checkpoint, by name, as float32: a Hugging Face directory's safetensors files (MXFP4
 experts dequantized) or a GGUF file's (every ggml type the gguf package reads, dequantized). Shapes are
-known without reading the data, so a checkpoint is checked against its config before any worker starts."""
+known without reading the data (nor importing torch: the launcher's start-up check reads them), so a
+checkpoint is checked against its config before any worker starts."""
 from __future__ import annotations
 
 import functools
+import json
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
-Tensor = torch.Tensor
+if TYPE_CHECKING:
+    from torch import Tensor
+
+MAX_HEADER_BYTES = 100_000_000   # the safetensors format's own bound on a file's header
 # e2m1 values of the 16 FP4 codes (OCP microscaling; what gpt-oss ships its experts in)
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
 class SafetensorsSource:
     def __init__(self, path: Path) -> None:
-        from safetensors import safe_open
-
         self.path = path
-        self.handles = {}
+        self.files: dict[str, Path] = {}               # each tensor's file
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self.handles: dict[Path, Any] = {}             # safetensors' readers, opened by the first `get` of a file
         for f in sorted(path.glob("*.safetensors")):
-            h = safe_open(str(f), framework="pt")
-            for k in h.keys():
-                self.handles[k] = h
-        if not self.handles:
+            for k, v in _header(f).items():
+                if k != "__metadata__":
+                    self.files[k], self.shapes[k] = f, tuple(v["shape"])
+        if not self.files:
             raise FileNotFoundError(f"{path}: no *.safetensors files")
 
     def _key(self, name: str) -> str | None:
         for k in (name, f"transformer.{name}"):
-            if k in self.handles:
+            if k in self.files:
                 return k
         return None
+
+    def _tensor(self, key: str) -> Tensor:
+        from safetensors import safe_open
+
+        f = self.files[key]
+        if f not in self.handles:
+            self.handles[f] = safe_open(str(f), framework="pt")
+        return self.handles[f].get_tensor(key)
 
     def has(self, name: str) -> bool:
         return self._key(name) is not None or self._key(name + "_blocks") is not None
@@ -39,26 +52,44 @@ class SafetensorsSource:
     def shape(self, name: str) -> tuple[int, ...]:
         key = self._key(name)
         if key is not None:
-            return tuple(self.handles[key].get_slice(key).get_shape())
+            return self.shapes[key]
         blocks = self._key(name + "_blocks")
         if blocks is None:
             raise KeyError(name)
-        e, rows, groups, width = self.handles[blocks].get_slice(blocks).get_shape()
+        e, rows, groups, width = self.shapes[blocks]
         return (e, groups * width * 2, rows)
 
     def get(self, name: str) -> Tensor:
         key = self._key(name)
         if key is not None:
-            return self.handles[key].get_tensor(key).float()
+            return self._tensor(key).float()
         blocks, scales = self._key(name + "_blocks"), self._key(name + "_scales")
         if blocks is None or scales is None:
             raise KeyError(name)
-        return dequantize_mxfp4(self.handles[blocks].get_tensor(blocks), self.handles[scales].get_tensor(scales))
+        return dequantize_mxfp4(self._tensor(blocks), self._tensor(scales))
+
+
+def _header(file: Path) -> dict[str, Any]:
+    """A safetensors file's header: {name: {dtype, shape, data_offsets}} (and __metadata__); a ValueError
+    naming the file where it is not one."""
+    with file.open("rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        raw = f.read(size) if 0 < size <= MAX_HEADER_BYTES else b""
+    try:
+        header = json.loads(raw)
+        if not isinstance(header, dict) or not all(
+                k == "__metadata__" or isinstance(v, dict) and isinstance(v.get("shape"), list) for k, v in header.items()):
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"{file}: not a safetensors file (its header cannot be read)") from None
+    return header
 
 
 def dequantize_mxfp4(blocks: Tensor, scales: Tensor) -> Tensor:
     """MXFP4 [E, rows, G, 16] bytes (two e2m1 codes each, low nibble first) and [E, rows, G] e8m0 scales ->
     float32 [E, G * 32, rows]: the [in, out] per expert that transformers' gpt-oss experts hold."""
+    import torch
+
     lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
     b = blocks.to(torch.uint8)
     out = torch.empty(*b.shape[:-1], b.shape[-1] * 2, dtype=torch.float32)
@@ -91,6 +122,7 @@ class GGUFSource:
                              f"(F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, the K and IQ types, MXFP4 are)")
 
     def get(self, name: str) -> Tensor:
+        import torch
         from gguf import GGMLQuantizationType, dequantize
 
         t = self.tensors[name]

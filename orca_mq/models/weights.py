@@ -13,7 +13,7 @@ import torch
 from orca_mq.models.files import cache_key
 from orca_mq.models.info import ModelInfo
 from orca_mq.models.layers.rotary import partial_order
-from orca_mq.models.names import Names, Source
+from orca_mq.models.names import Source, expected_shapes, names_of
 from orca_mq.models.random_weights import random_stage_weights, random_weights
 from orca_mq.models.registry import family
 from orca_mq.models.sources import Source as Checkpoint
@@ -34,10 +34,6 @@ class StageWeights:
     pos_embed: Tensor | None = None    # GPT-2, stage 0
     final_norm: dict[str, Tensor] | None = None
     lm_head: Tensor | None = None
-
-
-def names_of(info: ModelInfo) -> Names:
-    return family(info.arch).names(info, Path(info.path).is_file())
 
 
 def load_stage_weights(info: ModelInfo, layers: range, first: bool, last: bool, dtype: torch.dtype,
@@ -132,59 +128,8 @@ def permute_partial_rotary(info: ModelInfo, t: dict[str, Tensor]) -> dict[str, T
     return out
 
 
-def expected_shapes(info: ModelInfo) -> dict[str, tuple[int, ...]]:
-    """Every canonical tensor's shape for this config (the ones a layer or stage holds are a subset)."""
-    h, d, inter = info.hidden_size, info.head_dim, info.intermediate_size
-    qkv = (info.n_heads + 2 * info.n_kv_heads) * d
-    s: dict[str, tuple[int, ...]] = {
-        "qkv": (qkv, h), "qkv_b": (qkv,), "o": (h, info.n_heads * d), "o_b": (h,), "q_norm": (d,), "k_norm": (d,),
-        "sinks": (info.n_heads,), "gate_up": (2 * inter, h), "gate_up_b": (2 * inter,), "up": (inter, h),
-        "up_b": (inter,), "down": (h, inter), "down_b": (h,), "embed": (info.vocab_size, h),
-        "lm_head": (info.vocab_size, h), "pos_embed": (info.context_length, h),
-    }
-    for k in ("attn_norm", "ffn_norm", "post_attn_norm", "post_ffn_norm", "final_norm"):
-        s[k] = s[k + "_b"] = (h,)
-    if info.moe is not None:
-        e, i = info.moe.n_experts, info.moe.intermediate_size
-        s |= {"router": (e, h), "router_b": (e,), "experts_gate_up": (e, 2 * i, h), "experts_gate_up_b": (e, 2 * i),
-              "experts_down": (e, h, i), "experts_down_b": (e, h)}
-    return s
-
-
 def check_shapes(info: ModelInfo, t: dict[str, Tensor]) -> None:
     want = expected_shapes(info)
     for k, v in t.items():
         if k in want and tuple(v.shape) != want[k]:
             raise ValueError(f"{info.path}: {k} has shape {tuple(v.shape)}, but the config implies {want[k]}")
-
-
-def check_tensors(info: ModelInfo) -> None:
-    """Every tensor the config implies is in the checkpoint, of a type that can be read, with as many
-    elements as it implies: one ValueError naming the file and the tensor otherwise (shapes only: nothing
-    is read). models/checked.py remembers a checkpoint found sound."""
-    if random_weights(Path(info.path)) is not None:   # drawn from the config's own shapes: nothing to check
-        return
-    src, names = open_source(Path(info.path)), names_of(info)
-    want = expected_shapes(info)
-    specs = [names.layer(i) for i in range(info.n_layers)]
-    specs.append({"embed": names.embed} | {f"final_norm{'' if k == 'w' else '_b'}": v for k, v in names.final_norm.items()})
-    for spec in specs:
-        for canonical, source in spec.items():
-            parts = (source,) if isinstance(source, str) else source
-            experts = info.moe.n_experts if info.moe is not None and any("{e}" in n for n in parts) else 1
-            numel = 0
-            for n in (p.format(e=e) for e in range(experts) for p in parts):
-                if not src.has(n):
-                    raise ValueError(f"{info.path}: tensor {n} missing (model_type {info.arch})")
-                numel += _numel(src.shape(n))
-            expected = _numel(want[canonical]) if canonical in want else numel
-            if numel != expected:
-                raise ValueError(f"{info.path}: {' + '.join(parts)} has {numel} elements, but the config implies "
-                                 f"{canonical} of shape {want[canonical]}")
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
