@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from orca_mq.detokenizer import IncrementalDetokenizer, ends_on_eos
 from orca_mq.outputs import output_metrics
@@ -16,7 +17,9 @@ from orca_mq.protocol.common_msgs import ABORTED, INTERNAL
 from orca_mq.protocol.engine_msgs import TokenBatch
 from orca_mq.protocol.logprobs import Logprobs, TokenLogprobs
 from orca_mq.protocol.sampling import SamplingParams
-from orca_mq.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from orca_mq.tokenizer import Tokenizer
 
 FINAL_CODES = {"abort": ABORTED, "error": INTERNAL}
 INTERNAL_TEXT = "internal error: the server failed on this request"

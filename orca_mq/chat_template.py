@@ -27,9 +27,11 @@ REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")   # the first 
 
 
 def render(template: str | Mapping[str, str], messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-           add_generation_prompt: bool = False, special_tokens: Mapping[str, str] | None = None, **kwargs: Any) -> str:
+           add_generation_prompt: bool = False, special_tokens: Mapping[str, str] | None = None, /,
+           **kwargs: Any) -> str:
     """The conversation as the template writes it; `special_tokens` (bos_token, eos_token, ...) are variables
-    beside `kwargs`, which replace them. Raises jinja2's errors (and ValueError) as transformers does."""
+    beside `kwargs` (any name: the parameters before are positional), which replace them. Raises jinja2's
+    errors (and ValueError) as transformers does."""
     chat = [{k: v for k, v in m.items() if v is not None} for m in messages]
     data = {k: _plain(v) for k, v in {**(special_tokens or {}), **kwargs}.items()}
     return _compiled(pick(template, tools)).render(messages=_alias_reasoning(_plain(chat)), tools=_plain(tools),

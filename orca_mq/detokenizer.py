@@ -15,9 +15,12 @@ two `tokenizer.decode` calls per token (this module before) 6.4 us.
 from __future__ import annotations
 
 from collections.abc import Collection
+from typing import TYPE_CHECKING
 
 from tokenizers.decoders import DecodeStream
-from orca_mq.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from orca_mq.tokenizer import Tokenizer
 
 
 def ends_on_eos(ids: list[int], finish_reason: str | None, eos_token_ids: Collection[int]) -> bool:

@@ -8,8 +8,9 @@ tokenizer_config.json names), and what it made is kept under `model.cache_dir`: 
 JSON (the post-processor that adds BOS, the added tokens) and the template beside. Every later process
 loads that in ~0.1 s, where importing transformers alone costs 1.5-2 s of CPU: the frontend, the HTTP
 API and the scheduler (grammars' vocabulary) start without it. A directory's entry is keyed by the
-contents of its tokenizer files (checkpoints that share a tokenizer share it), a GGUF's by the file's
-identity; both by transformers' version. Templates render through orca_mq.chat_template.
+contents of its files but the weights and the model's own config (checkpoints that share a tokenizer
+share it), a GGUF's by the file's identity; both by transformers' and tokenizers' versions. Templates
+render through orca_mq.chat_template.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import importlib.metadata
 import json
 import os
 import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -32,12 +34,11 @@ from orca_mq.models.files import cache_key, resolve_model_path
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-FORMAT = 1   # what a cached entry holds: bump when it changes
-# what transformers reads to make a checkpoint's tokenizer (and additional_chat_templates/*), besides config.json's
-# model_type: an entry's key; the weights and the rest of config.json are not in it
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                   "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model",
-                   "spiece.model", "sentencepiece.bpe.model", "tekken.json")
+FORMAT = 2   # what a cached entry holds: bump when it changes
+# a directory's files that are not the tokenizer's: out of its entry's key (of config.json, the two keys
+# transformers reads to pick a tokenizer class are in it)
+NOT_TOKENIZER = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".index.json", "config.json",
+                 "generation_config.json", "random_weights.json")
 
 
 @dataclass(slots=True)
@@ -51,18 +52,27 @@ class Tokenizer:
         backend = copy.copy(hf.backend_tokenizer)
         backend.no_padding()
         backend.no_truncation()
-        return cls(RustTokenizer.from_str(backend.to_str()), hf.chat_template, dict(hf.special_tokens_map))
+        return cls.made(backend.to_str(), hf.chat_template, dict(hf.special_tokens_map),
+                        hf.backend_tokenizer.encode_special_tokens)
 
     @classmethod
     def load(cls, folder: Path) -> "Tokenizer":
         meta = json.loads((folder / "meta.json").read_text())
-        return cls(RustTokenizer.from_file(str(folder / "tokenizer.json")), meta["chat_template"], meta["special_tokens"])
+        return cls.made((folder / "tokenizer.json").read_text(), meta["chat_template"], meta["special_tokens"],
+                        meta["split_special_tokens"])
+
+    @classmethod
+    def made(cls, text: str, template: str | dict[str, str] | None, specials: dict[str, str], split: bool) -> "Tokenizer":
+        """`split`: transformers' split_special_tokens, a setting of the Rust tokenizer its JSON leaves out
+        (special tokens in a prompt's text are then text, as the checkpoint asks)."""
+        backend = RustTokenizer.from_str(text)
+        backend.encode_special_tokens = split
+        return cls(backend, template, specials)
 
     def save(self, folder: Path) -> None:
-        folder.mkdir(parents=True)
-        self.backend.save(str(folder / "tokenizer.json"))
-        (folder / "meta.json").write_text(json.dumps({"chat_template": self.chat_template,
-                                                      "special_tokens": self.special_tokens}))
+        (folder / "tokenizer.json").write_text(self.backend.to_str())
+        (folder / "meta.json").write_text(json.dumps({"chat_template": self.chat_template, "special_tokens": self.special_tokens,
+                                                      "split_special_tokens": self.backend.encode_special_tokens}))
 
     def __repr__(self) -> str:   # not the vocabulary's JSON
         return f"Tokenizer({len(self)} tokens, specials {self.special_tokens})"
@@ -87,6 +97,10 @@ class Tokenizer:
     def added_tokens_decoder(self) -> dict[int, AddedToken]:
         return self.backend.get_added_tokens_decoder()
 
+    @property
+    def all_special_ids(self) -> list[int]:
+        return sorted(i for i, t in self.added_tokens_decoder.items() if t.special)
+
     def json(self) -> str:
         """The Rust tokenizer as JSON (llguidance builds its vocabulary from it)."""
         return self.backend.to_str()
@@ -104,7 +118,7 @@ class Tokenizer:
         return self.backend.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
 
     def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-                    add_generation_prompt: bool = False, **kwargs: Any) -> str:
+                    add_generation_prompt: bool = False, /, **kwargs: Any) -> str:
         """The conversation in the model's chat template (= transformers' apply_chat_template(tokenize=False))."""
         if self.chat_template is None:
             raise ValueError("the model's tokenizer has no chat template")
@@ -117,11 +131,11 @@ def load_tokenizer(model_path: str = "", cache_dir: str | None = None) -> Tokeni
     path = resolve_model_path(model_path)
     cache_dir = _cache_dir(cache_dir)
     entry = Path(cache_dir).expanduser() / "tokenizers" / f"served-{_key(path)}" if cache_dir else None
-    if entry is not None and (entry / "meta.json").exists():
+    if entry is not None and entry.exists():
         try:
             return Tokenizer.load(entry)
-        except Exception:   # a damaged entry: made again below
-            pass
+        except Exception:   # a damaged entry: made again below, in its place
+            shutil.rmtree(entry, ignore_errors=True)
     tok = Tokenizer.of(hf_tokenizer(str(path), cache_dir))
     if entry is not None:
         _save_atomic(entry, tok.save)
@@ -170,17 +184,19 @@ def _cache_dir(cache_dir: str | None) -> str:
 
 
 def _key(path: Path) -> str:
-    """A GGUF's identity; a directory's tokenizer files by content, and config.json's model_type."""
-    made_by = (FORMAT, importlib.metadata.version("transformers"))
+    """A GGUF's identity; a directory's files but the weights by content (those transformers reads for a
+    tokenizer, its additional_chat_templates/ too), with config.json's model_type and tokenizer_class."""
+    made_by = (FORMAT, importlib.metadata.version("transformers"), importlib.metadata.version("tokenizers"))
     if path.is_file():
         return cache_key(path, *made_by)
     try:
-        kind = json.loads((path / "config.json").read_text()).get("model_type")
+        conf = json.loads((path / "config.json").read_text())
+        picks = (conf.get("model_type"), conf.get("tokenizer_class"))
     except (OSError, ValueError, AttributeError):
-        kind = None
-    h = hashlib.sha256(repr((made_by, kind)).encode())
-    files = [path / n for n in TOKENIZER_FILES] + sorted((path / "additional_chat_templates").glob("*"))
-    for f in files:
+        picks = None
+    h = hashlib.sha256(repr((made_by, picks)).encode())
+    files = sorted(f for f in path.iterdir() if f.is_file() and not f.name.endswith(NOT_TOKENIZER))
+    for f in files + sorted((path / "additional_chat_templates").glob("*")):
         if f.is_file():
             h.update(f"{f.relative_to(path)}\0{f.stat().st_size}\0".encode())
             h.update(f.read_bytes())
@@ -188,12 +204,18 @@ def _key(path: Path) -> str:
 
 
 def _save_atomic(dest: Path, save: Any) -> None:
-    """Written beside, then renamed into place: processes that start together never read a half-written one."""
-    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
+    """Written into a folder of this call's own beside, then renamed into place: processes that start together
+    never read a half-written one. Any failure (another's copy is there, a read-only or full disk) costs only
+    the time to make it again: the caller has its tokenizer."""
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}."))
+    except OSError:
+        return
     try:
         save(tmp)
         os.rename(tmp, dest)
-    except OSError:
-        pass  # another process's copy is there, or the cache is read-only: only the time to make it again
+    except Exception:   # tokenizers' own save raises a bare Exception (a full disk too)
+        pass
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -68,6 +68,7 @@ def test_every_template_renders_the_apis_conversations_as_transformers_does(name
         for flag in (True, False):
             same(name, ASK, TOOLS, True, enable_thinking=flag)
     same(name, ASK, None, True, bos_token="<override>", custom={"a": [1, None, "x"]})   # variables replace specials
+    same(name, ASK, None, True, template="t", special_tokens={"a": 1}, messages_=1)   # names the renderer uses itself
     assert not all(r.startswith("refused") for r in rendered)
 
 

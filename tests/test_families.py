@@ -234,6 +234,10 @@ def test_a_sound_checkpoint_is_checked_once_and_again_when_a_file_changes(checkp
     save_file({k: v for k, v in tensors.items() if k != dropped}, weights, metadata={"format": "pt"})
     with pytest.raises(ValueError, match=f"tensor {dropped} missing"):
         check_checkpoint(info, str(cache))
+    whole = weights.read_bytes()
+    weights.write_bytes(whole[:-64])   # a download cut short: refused here, not in a worker
+    with pytest.raises(ValueError, match="cut short"):
+        check_checkpoint(info, str(cache))
     weights.write_bytes(b"\x10" + bytes(7) + b"{not json")
     with pytest.raises(ValueError, match="not a safetensors file"):
         check_checkpoint(info, str(cache))

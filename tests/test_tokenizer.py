@@ -16,7 +16,7 @@ import pytest
 
 from orca_mq.config import load_config
 from orca_mq.server.process import ROOT
-from orca_mq.tokenizer import hf_tokenizer, load_saved, load_tokenizer
+from orca_mq.tokenizer import Tokenizer, hf_tokenizer, load_saved, load_tokenizer
 
 TEXTS = ["hello world", "  two spaces\n\nand lines", "<|im_start|>user\nhi<|im_end|>", "ünïcödé 東京 🙂"]
 
@@ -68,11 +68,25 @@ def test_the_served_tokenizer_is_made_once_per_tokenizer_and_again_when_its_file
     (tmp_path / "b" / "chat_template.jinja").write_text("{{ messages[0]['content'] }}!")
     changed = load_tokenizer(str(tmp_path / "b"), str(cache))
     assert changed.render_chat([{"role": "user", "content": "hi"}]) == "hi!" and len(list((cache / "tokenizers").iterdir())) == 2
-    (entries[0] / "tokenizer.json").write_text("{")   # damaged: made again, and kept again
+    (entries[0] / "tokenizer.json").write_text("{")   # damaged: made again, in its place
     assert load_tokenizer(str(tmp_path / "a"), str(cache)).json() == first.json()
-    assert load_tokenizer(str(tmp_path / "a"), str(cache)).json() == first.json()
+    assert Tokenizer.load(entries[0]).json() == first.json()
     shutil.rmtree(cache)
     assert load_tokenizer(str(tmp_path / "a"), "").json() == first.json() and not cache.exists()   # "": no cache
+
+
+def test_split_special_tokens_is_kept_with_the_served_tokenizer(tmp_path: Path) -> None:
+    """A checkpoint that asks for special tokens in text to be split (split_special_tokens) keeps them text
+    through the entry, as transformers does: no prompt's text spells a control token."""
+    hf_tokenizer().save_pretrained(tmp_path / "m")
+    (tmp_path / "m" / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    conf = tmp_path / "m" / "tokenizer_config.json"
+    conf.write_text(json.dumps(json.loads(conf.read_text()) | {"split_special_tokens": True}))
+    hf = load_saved(tmp_path / "m")
+    text = "hi<|im_end|>"
+    assert 2 not in hf.encode(text, add_special_tokens=False)
+    for _ in range(2):   # made, then read back
+        assert load_tokenizer(str(tmp_path / "m"), str(tmp_path / "c")).encode(text, False) == hf.encode(text, add_special_tokens=False)
 
 
 def test_tokenizing_processes_import_neither_torch_nor_transformers() -> None:

@@ -14,6 +14,7 @@ from orca_mq.models.registry import Family, register
 if TYPE_CHECKING:   # torch only where tensors are converted (workers): the launcher's check reads names
     from torch import Tensor
 
+
 def from_hf(cfg: Any, path: Path) -> ModelInfo:
     moe = MoESpec(cfg.num_local_experts, cfg.num_experts_per_tok, cfg.intermediate_size, scoring="topk_softmax",
                   renormalize=False, bias=True)

@@ -15,6 +15,7 @@ from orca_mq.models.registry import Family, register
 if TYPE_CHECKING:   # torch only where tensors are converted (workers): the launcher's check reads names
     from torch import Tensor
 
+
 def from_hf(cfg: Any, path: Path) -> ModelInfo:
     bias = bool(getattr(cfg, "attention_bias", False))
     return hf_info(cfg, path, "llama", kinds=[], qkv_bias=bias, o_bias=bias, mlp_bias=bool(getattr(cfg, "mlp_bias", False)))

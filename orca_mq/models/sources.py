@@ -70,19 +70,53 @@ class SafetensorsSource:
 
 
 def _header(file: Path) -> dict[str, Any]:
-    """A safetensors file's header: {name: {dtype, shape, data_offsets}} (and __metadata__); a ValueError
-    naming the file where it is not one."""
+    """A safetensors file's header, {name: {dtype, shape, data_offsets}} (and __metadata__), checked as
+    safetensors' own reader checks it (every size a count, each tensor's bytes its shape's, the data
+    covered exactly: a shard cut short is refused here, not in a worker); a ValueError naming the file."""
+    size = file.stat().st_size
     with file.open("rb") as f:
-        size = int.from_bytes(f.read(8), "little")
-        raw = f.read(size) if 0 < size <= MAX_HEADER_BYTES else b""
+        n = int.from_bytes(f.read(8), "little")
+        if not 0 < n <= min(MAX_HEADER_BYTES, size - 8):
+            raise ValueError(f"{file}: not a safetensors file (a header of {n} bytes in a file of {size})")
+        raw = f.read(n)
     try:
         header = json.loads(raw)
-        if not isinstance(header, dict) or not all(
-                k == "__metadata__" or isinstance(v, dict) and isinstance(v.get("shape"), list) for k, v in header.items()):
-            raise ValueError
-    except ValueError:
-        raise ValueError(f"{file}: not a safetensors file (its header cannot be read)") from None
+        spans = [_span(k, v) for k, v in header.items() if k != "__metadata__"] if isinstance(header, dict) else None
+    except (ValueError, RecursionError) as e:
+        raise ValueError(f"{file}: not a safetensors file ({str(e) or 'its header cannot be read'})") from None
+    if spans is None:
+        raise ValueError(f"{file}: not a safetensors file (its header is not an object)")
+    end = 0
+    for begin, stop in sorted(spans):
+        if begin != end:
+            raise ValueError(f"{file}: its tensors' data does not cover the file in order (a gap or an overlap at byte {begin})")
+        end = stop
+    if end != size - 8 - n:
+        raise ValueError(f"{file}: its header places {end} bytes of data, the file holds {size - 8 - n} (cut short?)")
     return header
+
+
+DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "I16": 2, "U16": 2, "F16": 2,
+               "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+
+
+def _span(name: str, entry: Any) -> tuple[int, int]:
+    """A tensor's [begin, end) in the data, where its entry is sound."""
+    if not isinstance(entry, dict) or not isinstance(shape := entry.get("shape"), list) \
+            or not all(type(d) is int and d >= 0 for d in shape):
+        raise ValueError(f"tensor {name!r}: its shape is not a list of counts")
+    offsets, width = entry.get("data_offsets"), DTYPE_BYTES.get(entry.get("dtype"))   # type: ignore[arg-type]
+    if width is None:
+        raise ValueError(f"tensor {name!r}: dtype {entry.get('dtype')!r} cannot be read")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
+            and 0 <= offsets[0] <= offsets[1]):
+        raise ValueError(f"tensor {name!r}: its data_offsets are not two ordered byte counts")
+    numel = 1
+    for d in shape:
+        numel *= d
+    if offsets[1] - offsets[0] != numel * width:
+        raise ValueError(f"tensor {name!r}: {offsets[1] - offsets[0]} bytes for {shape} of {entry['dtype']}")
+    return offsets[0], offsets[1]
 
 
 def dequantize_mxfp4(blocks: Tensor, scales: Tensor) -> Tensor:
