@@ -6,7 +6,9 @@ loads the tokenizer and chat template on it), and which of its processes map tor
     python tools/bench_start.py --base c2dbde6 --model tiny --rounds 3 --out results/start_ab.json
 
 --model: the embedded model (default), `tiny` (a 2-layer random Llama with the embedded tokenizer, what
-the tests serve) or a path. Prints a table (median seconds per side) and writes JSON.
+the tests serve) or a path; --fresh: each start serves a copy of it in a new directory (as each test
+module and each new download is served: nothing remembered by its path). Per process: whether it maps
+torch and its CPU seconds to the ready line. Prints a table (medians per side) and writes JSON.
 """
 from __future__ import annotations
 
@@ -30,6 +32,13 @@ from orca_mq.server.process import READY_LINE, ROOT, free_port  # noqa: E402
 
 
 
+def cpu_s(pid: str) -> float:
+    """The process's own user + system CPU seconds (/proc/<pid>/stat)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    fields = stat[stat.rindex(")") + 2:].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def start_once(tree: Path, model: str) -> dict[str, object]:
     http = f"127.0.0.1:{free_port()}"
     args = [sys.executable, "-u", "-m", "orca_mq.cli", "serve", "--set", f"server.frontend_address=tcp://127.0.0.1:{free_port()}",
@@ -51,20 +60,23 @@ def start_once(tree: Path, model: str) -> dict[str, object]:
             "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1})
         chat = time.monotonic() - t if r.status_code == 200 else None
     torch: dict[str, bool] = {}
+    cpu: dict[str, float] = {}
     for pid in [str(p.pid), *subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split()]:
         try:
             cmd = Path(f"/proc/{pid}/cmdline").read_text().split("\0")
             maps = Path(f"/proc/{pid}/maps").read_text()
+            used = cpu_s(pid)
         except OSError:
             continue
         role = "launcher" if pid == str(p.pid) else next((c.rsplit(".", 1)[-1] for c in cmd if c.startswith(("orca_mq.", "workers."))), "?")
-        torch[{"main": "worker", "server": "http", "scheduler_process": "scheduler"}.get(role, role)] = "libtorch_cpu" in maps
+        role = {"main": "worker", "server": "http", "scheduler_process": "scheduler"}.get(role, role)
+        torch[role], cpu[role] = "libtorch_cpu" in maps, used
     os.killpg(p.pid, signal.SIGINT)
     try:
         p.wait(60)
     except subprocess.TimeoutExpired:
         os.killpg(p.pid, signal.SIGKILL)
-    return {"ready_s": ready, "first_chat_s": chat, "torch": torch}
+    return {"ready_s": ready, "first_chat_s": chat, "torch": torch, "cpu_s": cpu}
 
 
 def main() -> int:
@@ -72,6 +84,7 @@ def main() -> int:
     ap.add_argument("--base", help="a revision to alternate with this checkout")
     ap.add_argument("--model", default="", help="'' (embedded), 'tiny' or a path")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--fresh", action="store_true", help="each start serves a copy of the model in a new directory")
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench_start-"))
@@ -80,6 +93,8 @@ def main() -> int:
         from orca_mq.bench.random_models import random_llama
 
         model = str(random_llama(work / "tiny", layers=2, max_positions=256, near_ties=False))
+    if a.fresh and not Path(model).is_dir():
+        ap.error("--fresh needs a model directory (tiny, or a path to one)")
     sides = {"this checkout": ROOT}
     if a.base:
         from tools.bench_ab import checkout
@@ -87,21 +102,25 @@ def main() -> int:
         sides = {a.base: checkout(a.base, work)} | sides
     runs: dict[str, list[dict[str, object]]] = {k: [] for k in sides}
     for r in range(a.rounds):
-        for name, tree in sides.items():
-            runs[name].append(one := start_once(tree, model))
+        for i, (name, tree) in enumerate(sides.items()):
+            served = str(shutil.copytree(model, work / f"fresh-{r}-{i}")) if a.fresh else model
+            runs[name].append(one := start_once(tree, served))
             print(f"round {r} {name}: ready {one['ready_s']:.2f} s, first chat {one['first_chat_s']:.2f} s, torch in "
                   f"{', '.join(k for k, v in one['torch'].items() if v) or 'none'}", flush=True)   # type: ignore[union-attr]
         time.sleep(1)
-    print("\n| side | median ready s | median first chat s | ready, each round | processes that map torch |\n"
-          "|---|---:|---:|---|---|")
+    print("\n| side | median ready s | median first chat s | ready, each round | processes that map torch | median CPU s to ready |\n"
+          "|---|---:|---:|---|---|---|")
     summary = {}
     for name, rs in runs.items():
         med = statistics.median(r["ready_s"] for r in rs if r["ready_s"] is not None)   # type: ignore[misc]
         chat = statistics.median(r["first_chat_s"] for r in rs if r["first_chat_s"] is not None)   # type: ignore[misc]
         with_torch = sorted({k for r in rs for k, v in r["torch"].items() if v})   # type: ignore[union-attr]
-        summary[name] = {"median_ready_s": med, "median_first_chat_s": chat, "torch": with_torch}
+        roles = sorted({k for r in rs for k in r["cpu_s"]})   # type: ignore[union-attr]
+        cpu = {k: statistics.median(r["cpu_s"][k] for r in rs if k in r["cpu_s"]) for k in roles}   # type: ignore[index,operator]
+        summary[name] = {"median_ready_s": med, "median_first_chat_s": chat, "torch": with_torch, "median_cpu_s": cpu}
         each = ", ".join(f"{r['ready_s']:.1f}" for r in rs)
-        print(f"| {name} | {med:.2f} | {chat:.2f} | {each} | {', '.join(with_torch)} |")
+        shown = ", ".join(f"{k} {v:.2f}" for k, v in cpu.items())
+        print(f"| {name} | {med:.2f} | {chat:.2f} | {each} | {', '.join(with_torch)} | {shown} (all {sum(cpu.values()):.1f}) |")
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps({"model": a.model or "embedded", "summary": summary, "runs": runs}, indent=1))
     for tree in sides.values():   # the base's worktree and the tiny model: nothing left behind
