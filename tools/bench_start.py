@@ -8,7 +8,7 @@ loads the tokenizer and chat template on it), and which of its processes map tor
 --model: the embedded model (default), `tiny` (a 2-layer random Llama with the embedded tokenizer, what
 the tests serve) or a path; --fresh: each start serves a copy of it in a new directory (as each test
 module and each new download is served: nothing remembered by its path). Per process: whether it maps
-torch and its CPU seconds to the ready line. Prints a table (medians per side) and writes JSON.
+torch and its CPU seconds to the ready line and the first chat. Prints a table (medians per side) and writes JSON.
 """
 from __future__ import annotations
 
@@ -108,7 +108,7 @@ def main() -> int:
             print(f"round {r} {name}: ready {one['ready_s']:.2f} s, first chat {one['first_chat_s']:.2f} s, torch in "
                   f"{', '.join(k for k, v in one['torch'].items() if v) or 'none'}", flush=True)   # type: ignore[union-attr]
         time.sleep(1)
-    print("\n| side | median ready s | median first chat s | ready, each round | processes that map torch | median CPU s to ready |\n"
+    print("\n| side | median ready s | median first chat s | ready, each round | processes that map torch | median CPU s, to ready and its first chat |\n"
           "|---|---:|---:|---|---|---|")
     summary = {}
     for name, rs in runs.items():
