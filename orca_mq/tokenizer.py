@@ -37,8 +37,9 @@ if TYPE_CHECKING:
 FORMAT = 2   # what a cached entry holds: bump when it changes
 # a directory's files that are not the tokenizer's: out of its entry's key (of config.json, the two keys
 # transformers reads to pick a tokenizer class are in it)
-NOT_TOKENIZER = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".index.json", "config.json",
+NOT_TOKENIZER = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".onnx", ".index.json", "config.json",
                  "generation_config.json", "random_weights.json")
+LARGEST_TOKENIZER_FILE = 256 << 20   # a larger file is weights of some kind (Gemma 3's tokenizer.json: 33 MB)
 
 
 @dataclass(slots=True)
@@ -197,7 +198,7 @@ def _key(path: Path) -> str:
     h = hashlib.sha256(repr((made_by, picks)).encode())
     files = sorted(f for f in path.iterdir() if f.is_file() and not f.name.endswith(NOT_TOKENIZER))
     for f in files + sorted((path / "additional_chat_templates").glob("*")):
-        if f.is_file():
+        if f.is_file() and f.stat().st_size <= LARGEST_TOKENIZER_FILE:
             h.update(f"{f.relative_to(path)}\0{f.stat().st_size}\0".encode())
             h.update(f.read_bytes())
     return h.hexdigest()[:20]
