@@ -15,7 +15,6 @@ render through orca_mq.chat_template.
 from __future__ import annotations
 
 import copy
-import hashlib
 import importlib.metadata
 import json
 import os
@@ -29,7 +28,7 @@ from tokenizers import AddedToken
 from tokenizers import Tokenizer as RustTokenizer
 
 from orca_mq.chat_template import render
-from orca_mq.models.files import cache_key, resolve_model_path
+from orca_mq.models.files import cache_key, contents_key, resolve_model_path
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -195,13 +194,10 @@ def _key(path: Path) -> str:
         picks = (conf.get("model_type"), conf.get("tokenizer_class"))
     except (OSError, ValueError, AttributeError):
         picks = None
-    h = hashlib.sha256(repr((made_by, picks)).encode())
-    files = sorted(f for f in path.iterdir() if f.is_file() and not f.name.endswith(NOT_TOKENIZER))
-    for f in files + sorted((path / "additional_chat_templates").glob("*")):
-        if f.is_file() and f.stat().st_size <= LARGEST_TOKENIZER_FILE:
-            h.update(f"{f.relative_to(path)}\0{f.stat().st_size}\0".encode())
-            h.update(f.read_bytes())
-    return h.hexdigest()[:20]
+    files = sorted(f for f in path.iterdir() if not f.name.endswith(NOT_TOKENIZER))
+    files += sorted((path / "additional_chat_templates").glob("*"))
+    return contents_key(path, [f for f in files if f.is_file() and f.stat().st_size <= LARGEST_TOKENIZER_FILE],
+                        made_by, picks)
 
 
 def _save_atomic(dest: Path, save: Any) -> None:

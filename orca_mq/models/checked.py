@@ -6,6 +6,7 @@ and this package's code, so a changed file or a new orca-mq checks again.
 """
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from orca_mq.models.info import ModelInfo
@@ -51,15 +52,8 @@ def check_tensors(info: ModelInfo) -> None:
             for n in (p.format(e=e) for e in range(experts) for p in parts):
                 if not src.has(n):
                     raise ValueError(f"{info.path}: tensor {n} missing (model_type {info.arch})")
-                numel += _numel(src.shape(n))
-            expected = _numel(want[canonical]) if canonical in want else numel
+                numel += math.prod(src.shape(n))
+            expected = math.prod(want[canonical]) if canonical in want else numel
             if numel != expected:
                 raise ValueError(f"{info.path}: {' + '.join(parts)} has {numel} elements, but the config implies "
                                  f"{canonical} of shape {want[canonical]}")
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n

@@ -49,6 +49,17 @@ def cache_key(path: Path, *parts: object) -> str:
     return hashlib.sha1(repr((str(path.resolve()), st.st_size, st.st_mtime_ns, *parts)).encode()).hexdigest()[:20]
 
 
+def contents_key(root: Path, files: list[Path], *parts: object) -> str:
+    """Files' contents (each by its name under `root`; one that is missing counts as such) and `parts`,
+    hashed: what is cached from them is shared by every copy of them, wherever it lies."""
+    h = hashlib.sha256(repr(parts).encode())
+    for f in files:
+        size = f.stat().st_size if f.exists() else -1
+        h.update(f"{f.relative_to(root)}\0{size}\0".encode())
+        h.update(f.read_bytes() if size >= 0 else b"")
+    return h.hexdigest()[:20]
+
+
 def write_atomic(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")

@@ -8,7 +8,6 @@ the canonical layout the layer code reads (`convert`). `read_model_info` is the 
 from __future__ import annotations
 
 import functools
-import hashlib
 import importlib
 import json
 from collections.abc import Callable
@@ -16,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from orca_mq.models.files import cache_key, resolve_model_path, write_atomic
+from orca_mq.models.files import cache_key, contents_key, resolve_model_path, write_atomic
 from orca_mq.models.info import ModelInfo
 
 if TYPE_CHECKING:
@@ -108,12 +107,7 @@ def _identity(path: Path) -> str:
     directory's info depends on but its path (checkpoints of one config, a test's fresh ones, share it)."""
     if path.is_file():
         return files_identity([path])
-    h = hashlib.sha256(repr(code_identity()).encode())
-    for name in ("config.json", "generation_config.json"):
-        f = path / name
-        h.update(f"{name}\0{f.stat().st_size if f.exists() else -1}\0".encode())
-        h.update(f.read_bytes() if f.exists() else b"")
-    return h.hexdigest()[:20]
+    return contents_key(path, [path / "config.json", path / "generation_config.json"], code_identity())
 
 
 def files_identity(files: list[Path]) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -111,10 +112,7 @@ def _span(name: str, entry: Any) -> tuple[int, int]:
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
             and 0 <= offsets[0] <= offsets[1]):
         raise ValueError(f"tensor {name!r}: its data_offsets are not two ordered byte counts")
-    numel = 1
-    for d in shape:
-        numel *= d
-    if offsets[1] - offsets[0] != numel * width:
+    if offsets[1] - offsets[0] != math.prod(shape) * width:
         raise ValueError(f"tensor {name!r}: {offsets[1] - offsets[0]} bytes for {shape} of {entry['dtype']}")
     return offsets[0], offsets[1]
 
