@@ -28,7 +28,9 @@ from orca_mq.models.info import ModelInfo
 # (name, [(prompt tokens this iteration, cached tokens before)] per request)
 CASES: list[tuple[str, list[tuple[int, int]]]] = [
     ("decode b=1 kv=256", [(1, 255)]),
+    ("decode b=4 kv=256", [(1, 255)] * 4),
     ("decode b=8 kv=256", [(1, 255)] * 8),
+    ("decode b=16 kv=256", [(1, 255)] * 16),
     ("decode b=32 kv=256", [(1, 255)] * 32),
     ("decode b=64 kv=256", [(1, 255)] * 64),
     ("prefill 128", [(128, 0)]),

@@ -43,7 +43,9 @@ from orca_mq.engine import fp8
 Tensor = torch.Tensor
 Method = Literal["torch", "onednn", "stream", "fp8"]
 ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
-STREAM_ROWS = 8   # the most rows linear_rows takes (its register tiles)
+# the most rows a call gives linear_rows: up to 16 it read this host's decode weights in 0.6-0.9x oneDNN's
+# time (BENCHMARKS.md, stop 50), from 24 rows about as fast
+STREAM_ROWS = 16
 
 
 @dataclass(frozen=True, slots=True)
