@@ -28,10 +28,10 @@ def close(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor |
 
 
 @settings(max_examples=60, deadline=None)
-@given(m=st.integers(1, 12), n=st.integers(1, 700), k8=st.integers(1, 200), bias=st.booleans(), seed=st.integers(0, 2**31))
+@given(m=st.integers(1, 24), n=st.integers(1, 700), k8=st.integers(1, 200), bias=st.booleans(), seed=st.integers(0, 2**31))
 def test_stream_linear_matches_a_float64_product(m: int, n: int, k8: int, bias: bool, seed: int) -> None:
-    """Every row count (1..8 by the kernel, more by oneDNN), any N (the kernel's tiles of 1-4 rows of
-    w and its split over threads), K in vectors of 8, with and without a bias."""
+    """Every row count (1..STREAM_ROWS by the kernel: tiles of 1-4 rows of x, more by oneDNN), any N
+    (the kernel's tiles of 1-8 rows of w and its split over threads), K in vectors of 8, with and without a bias."""
     g = torch.Generator().manual_seed(seed)
     k = 8 * k8
     w, x = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g)
@@ -56,7 +56,7 @@ def test_a_row_gets_the_same_bits_at_every_row_count_up_to_the_kernels() -> None
 
 def test_the_method_is_chosen_once_by_what_runs_here() -> None:
     assert gemm.resolve_method("auto", CPU, torch.float32) == "stream"
-    assert gemm.resolve_method("auto", CPU, torch.float32, deterministic=True) == "onednn"   # rows would cross 8
+    assert gemm.resolve_method("auto", CPU, torch.float32, deterministic=True) == "onednn"   # rows would cross STREAM_ROWS
     assert gemm.resolve_method("auto", CPU, torch.bfloat16) != "stream"
     with pytest.raises(ValueError, match="stream"):
         gemm.resolve_method("stream", CPU, torch.bfloat16)

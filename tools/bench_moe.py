@@ -81,7 +81,7 @@ def compare(runners: dict[str, ModelRunner], repeat: int) -> list[dict]:
 
 def crossover(args: argparse.Namespace) -> list[dict]:
     """grouped_rows over 16 experts' gate_up [2I, H] at each number of rows per expert: every expert's
-    rows streamed (chunks of 8) against one BLAS product each (moe.py's STREAM_ROWS is where they cross)."""
+    rows streamed against one BLAS product each (moe.py's STREAM_ROWS is where they cross)."""
     from kernels import cpu_kernels
 
     ext = cpu_kernels.load()

@@ -80,9 +80,9 @@ def grouped(x: Tensor, gate_up: Tensor, down: Tensor, ids: Tensor, weights: Tens
     return torch.zeros_like(x).index_add_(0, tokens, out)
 
 
-# An expert's rows are streamed past its weight in chunks of 8 up to this many (decode: a few rows on
-# each of many experts), one BLAS product beyond: the crossover on the development host, where 2-8 rows
-# streamed took 0.55-0.83x BLAS's time, 16 rows 0.93-1.02x and 24-64 rows 1.10-1.49x
+# An expert's rows are streamed past its weight (read from memory once) up to this many (decode: a few
+# rows on each of many experts), one BLAS product beyond: the crossover on the development host, where
+# 1-12 rows streamed took 0.55-0.70x BLAS's time, 16 rows 0.91x and 24-64 rows 1.11-1.48x
 # (tools/bench_moe.py --crossover, hidden 1024, one thread)
 STREAM_ROWS = 16
 
