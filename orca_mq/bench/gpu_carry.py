@@ -57,15 +57,28 @@ def model_source(folder: Path, work: Path) -> Path:
 
 
 def save_model_source(dest: Path) -> None:
-    from transformers import AutoConfig
+    """The tokenizer transformers makes from the GGUF, and a config.json from the GGUF's metadata as
+    the engine reads it (its cached ModelInfo: parsing the GGUF's fields, as transformers' config
+    reading does, takes 5-10 s)."""
+    from transformers import LlamaConfig
 
+    from orca_mq.config import load_config
     from orca_mq.models.files import embedded_model_path
+    from orca_mq.models.registry import read_model_info
     from orca_mq.tokenizer import hf_tokenizer
 
     gguf = embedded_model_path()
+    info = read_model_info(str(gguf), load_config(None).model.cache_dir)
+    assert info.arch == "llama" and info.rope.kind == "default", info   # the embedded model's family
     dest.mkdir(parents=True, exist_ok=True)
     hf_tokenizer().save_pretrained(dest)
-    AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(dest)
+    eos = info.eos_token_ids
+    LlamaConfig(vocab_size=info.vocab_size, hidden_size=info.hidden_size, intermediate_size=info.intermediate_size,
+                num_hidden_layers=info.n_layers, num_attention_heads=info.n_heads, num_key_value_heads=info.n_kv_heads,
+                head_dim=info.head_dim or info.hidden_size // info.n_heads, rms_norm_eps=info.norm_eps,
+                max_position_embeddings=info.context_length, tie_word_embeddings=info.tie_embeddings,
+                rope_parameters={"rope_type": "default", "rope_theta": info.rope.theta},
+                bos_token_id=info.bos_token_id, eos_token_id=eos[0] if len(eos) == 1 else eos).save_pretrained(dest)
 
 
 def wheel_requirements(wheel: Path) -> list[str]:
