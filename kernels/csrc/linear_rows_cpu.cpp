@@ -1,7 +1,7 @@
 // x [M, K] @ w[N, K]^T for a few rows (decode at a small batch), float32: the weights stream from
-// memory once, each row of w meeting every row of x while it is in registers. oneDNN and MKL block
-// for large M and read a decode's weights well below this machine's bandwidth (BENCHMARKS.md, issue
-// 23). Each output is one dot product in a fixed order whatever M is.
+// memory once, a few rows of w at a time meeting every row of x while they are in registers or L1.
+// oneDNN and MKL block for large M and read a decode's weights well below this machine's bandwidth
+// (BENCHMARKS.md, issue 23). Each output is one dot product in a fixed order whatever M is.
 #include <torch/extension.h>
 
 #include <omp.h>
@@ -58,10 +58,10 @@ inline void tile(const float* x, const float* w, int64_t K, float* out, int64_t 
 }
 #endif
 
-// NR rows of w per tile: as many as the 16 vector registers hold beside MR rows of accumulators (one
-// row of x is an FMA's memory operand). At one row, 8 streams of w read the weights 0.87x as long as 4.
+// NR rows of w per tile for one or two rows of x: as many as the 16 vector registers hold beside the
+// accumulators. At one row, 8 streams of w read the weights 0.87x as long as 4.
 template <int MR>
-constexpr int nr() { return MR == 1 ? 8 : MR <= 2 ? 4 : 3; }
+constexpr int nr() { return MR == 1 ? 8 : 4; }
 
 // outputs [lo, hi) of MR rows of x against w's rows (out's rows ldo apart)
 template <int MR>

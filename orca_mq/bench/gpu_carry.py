@@ -75,10 +75,10 @@ def save_model_source(dest: Path) -> None:
     eos = info.eos_token_ids
     LlamaConfig(vocab_size=info.vocab_size, hidden_size=info.hidden_size, intermediate_size=info.intermediate_size,
                 num_hidden_layers=info.n_layers, num_attention_heads=info.n_heads, num_key_value_heads=info.n_kv_heads,
-                head_dim=info.head_dim or info.hidden_size // info.n_heads, rms_norm_eps=info.norm_eps,
+                head_dim=info.head_dim, rms_norm_eps=info.norm_eps,
                 max_position_embeddings=info.context_length, tie_word_embeddings=info.tie_embeddings,
                 rope_parameters={"rope_type": "default", "rope_theta": info.rope.theta},
-                bos_token_id=info.bos_token_id, eos_token_id=eos[0] if len(eos) == 1 else eos).save_pretrained(dest)
+                bos_token_id=info.bos_token_id, eos_token_id=eos[0] if len(eos) == 1 else eos or None).save_pretrained(dest)
 
 
 def wheel_requirements(wheel: Path) -> list[str]:
