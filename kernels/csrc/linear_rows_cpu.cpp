@@ -33,8 +33,9 @@ inline void tile(const float* x, const float* w, int64_t K, float* out, int64_t 
     __m256 wv[NR];
     for (int n = 0; n < NR; ++n) wv[n] = _mm256_loadu_ps(w + n * K + k);
     // two tiles ahead, the rows of w a later tile reads (each row its own 4 KB page at K = 1024, where
-    // the hardware prefetcher stops), into L2: several rows of x are memory-bound otherwise (0.75-0.85x
-    // the time with it, tools/bench_moe.py); one row streams at the bandwidth without it
+    // the hardware prefetcher stops), into L2: several rows of x are memory-bound otherwise (4-8 rows over
+    // weights in memory, and the MoE's experts, took 0.75-0.9x the time with it); one row streams at the
+    // bandwidth without it
     if (MR > 1 && (k & 8) == 0)
       for (int n = 0; n < NR; ++n) _mm_prefetch(reinterpret_cast<const char*>(w + (2 * NR + n) * K + k), _MM_HINT_T1);
     for (int m = 0; m < MR; ++m) {

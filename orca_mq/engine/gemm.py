@@ -43,8 +43,8 @@ from orca_mq.engine import fp8
 Tensor = torch.Tensor
 Method = Literal["torch", "onednn", "stream", "fp8"]
 ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
-# the most rows a call gives linear_rows: up to 16 it read this host's decode weights in 0.6-0.9x oneDNN's
-# time (BENCHMARKS.md, stop 50), from 24 rows about as fast
+# the most rows a call gives linear_rows: a decode at 4-16 rows took 0.59-0.75x the time with oneDNN's
+# products on the development host (BENCHMARKS.md, stop 50), at 32 rows about as long (0.96x)
 STREAM_ROWS = 16
 
 
