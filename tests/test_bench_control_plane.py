@@ -7,7 +7,8 @@ import os
 import time
 
 from orca_mq.bench.client_procs import shares
-from orca_mq.bench.control_plane import SERVING, Setup, cpu_seconds, run, table
+from orca_mq.bench.control_plane import SERVING, Setup, run, table
+from orca_mq.bench.timing import cpu_seconds
 from orca_mq.bench.trace import TraceSpec, make_chat_trace, make_trace
 
 CORPUS = list(range(1000, 6000))

@@ -28,15 +28,9 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from orca_mq.bench.timing import cpu_seconds  # noqa: E402
 from orca_mq.server.process import READY_LINE, ROOT, free_port  # noqa: E402
 
-
-
-def cpu_s(pid: str) -> float:
-    """The process's own user + system CPU seconds (/proc/<pid>/stat)."""
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    fields = stat[stat.rindex(")") + 2:].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def start_once(tree: Path, model: str) -> dict[str, object]:
@@ -65,7 +59,7 @@ def start_once(tree: Path, model: str) -> dict[str, object]:
         try:
             cmd = Path(f"/proc/{pid}/cmdline").read_text().split("\0")
             maps = Path(f"/proc/{pid}/maps").read_text()
-            used = cpu_s(pid)
+            used = cpu_seconds(pid)
         except OSError:
             continue
         role = "launcher" if pid == str(p.pid) else next((c.rsplit(".", 1)[-1] for c in cmd if c.startswith(("orca_mq.", "workers."))), "?")

@@ -11,7 +11,6 @@ and served, each on a fresh engine (no prefix cache carried over).
 """
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -21,6 +20,7 @@ from typing import Any
 from orca_mq.bench.client_procs import replay_in_processes
 from orca_mq.bench.plans import blocks_for
 from orca_mq.bench.random_models import random_llama
+from orca_mq.bench.timing import cpu_seconds
 from orca_mq.bench.trace import TraceRequest, TraceSpec, load_corpus, make_trace
 from orca_mq.server.process import ServerHandle, free_port, spawn
 
@@ -52,13 +52,6 @@ class Setup:
         return {"scheduler.max_bs": self.max_bs, "scheduler.max_num_batched_tokens": self.budget,
                 "engine.n_slots": slots, "engine.threads_per_worker": self.threads, "model.dtype": "float32",
                 "model.max_model_len": self.max_len}
-
-
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of a process so far (/proc/<pid>/stat fields 14 and 15)."""
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    fields = stat[stat.rindex(")") + 2:].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def make_burst(setup: Setup) -> list[TraceRequest]:

@@ -17,12 +17,12 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
+from orca_mq.bench.timing import cpu_seconds
 from orca_mq.client import AsyncClient
 from orca_mq.server.process import ServerHandle
 
 ROLES = {"broker": "orca_mq.server.broker", "frontend": "orca_mq.server.frontend",
          "scheduler": "orca_mq.server.scheduler_process", "worker": "workers.main", "http": "orca_mq.api.server"}
-TICK = os.sysconf("SC_CLK_TCK")
 
 
 @dataclass(slots=True)
@@ -33,14 +33,6 @@ class Case:
     max_tokens: int = 64
     n_chunk: int = 0
     chunk: int = 0
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process so far."""
-    with open(f"/proc/{pid}/stat") as f:
-        stat = f.read()
-    fields = stat[stat.rindex(")") + 2:].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
 
 
 def processes(handle: ServerHandle) -> dict[str, int]:

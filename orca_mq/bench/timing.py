@@ -1,9 +1,11 @@
 """Timing on a shared, noisy machine: medians, and contenders alternated round by round."""
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 
 def timed(fn: Callable[[], object]) -> float:
@@ -28,3 +30,10 @@ def interleaved_medians(fns: Sequence[Callable[[], object]], repeat: int) -> lis
         for t, fn in zip(times, fns):
             t.append(timed(fn))
     return [statistics.median(t) for t in times]
+
+
+def cpu_seconds(pid: int | str) -> float:
+    """User + system CPU seconds of a process so far (/proc/<pid>/stat fields 14 and 15)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    fields = stat[stat.rindex(")") + 2:].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
