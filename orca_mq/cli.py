@@ -200,12 +200,15 @@ def _serve(args: argparse.Namespace) -> int:
 
     launcher = Launcher(cfg) if cfg.server.node_rank == 0 else NodeLauncher(cfg)
     try:
-        return launcher.run()
+        code = launcher.run()
     except Exception as e:  # a launcher bug or an unexpected OS error: one line, the traceback in the log
         from orca_mq.server.process import one_line
 
         launcher.log.exception("launcher failed")
         raise SystemExit(f"orca-mq: {one_line(e)} (details in {cfg.log.dir})") from None
+    sys.stdout.flush()   # every child is stopped, the logs written: as the children, no interpreter teardown
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _client(args: argparse.Namespace) -> int:

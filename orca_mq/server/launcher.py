@@ -1,6 +1,6 @@
 """The launcher: starts every process of a server, supervises them, drains and stops them.
 
-Start: the broker, then the workers, the scheduler and the frontend; once every one reports
+Start: the broker and the workers, then the scheduler and the frontend; once every one reports
 `ready` it prints `orca-mq ready on <frontend_address> and http://<http_address>` on stdout (progress goes to stderr).
 Supervision (systemd's `Restart=on-failure` with a start limit, torchrun's elastic restarts):
 - a worker, the scheduler or the frontend dies: the broker gives every in-flight request an
@@ -74,9 +74,17 @@ class Launcher:
         self.restarts: deque[float] = deque()
         self.n_restarts = 0
         self.pings = 0    # the last ping's nonce
+        self.early: deque[Any] = deque()   # messages that came while a ping waited for its pong
         self.t0 = time.monotonic()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
+        # a signal wakes the launcher's poll at once (a child's death too, by SIGCHLD): a stop and a
+        # restart begin then, not at the poll's next timeout
+        self.wake_fd, wake_w = os.pipe()
+        os.set_blocking(self.wake_fd, False)
+        os.set_blocking(wake_w, False)
+        signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
 
     def _on_signal(self, signum: int, _frame: object) -> None:
         self.signals += 1
@@ -163,9 +171,7 @@ class Launcher:
         if group == "broker":
             self._spawn("broker", "broker", "orca_mq.server.broker", "--restarts", str(self.n_restarts))
             if self.link is None:
-                self.link = SyncBrokerLink(self.ctx, self.cfg.server.backend_address, "launcher")
-            while not self._ping(timeout=1.0):
-                self._check_startup(deadline, "the broker")
+                self.link = SyncBrokerLink(self.ctx, self.cfg.server.backend_address, "launcher", self.wake_fd)
         waiting: set[str] = set()
         workers: set[str] = set()
         loading = 0.0   # when the workers started
@@ -174,6 +180,9 @@ class Launcher:
                 self.nodes.join(self.log, lambda: self.signals > 0)
             workers, loading = self._spawn_workers(), time.monotonic()
             waiting |= workers
+        if group == "broker":   # the workers import torch meanwhile (seconds); they report through the broker
+            while not self._ping(timeout=1.0):
+                self._check_startup(deadline, "the broker")
         if group in ("broker", "http") and self.cfg.server.http_address:
             self._spawn("http", "http", "orca_mq.api.server")
             waiting.add("http")
@@ -331,11 +340,18 @@ class Launcher:
         self.link.to_broker(Ping(self.pings))
         deadline = time.monotonic() + timeout
         while (left := deadline - time.monotonic()) > 0:
-            if isinstance(msg := self._recv(left), Pong) and msg.nonce == self.pings:
-                return True
+            msg = self._read(left)
+            if isinstance(msg, Pong):
+                if msg.nonce == self.pings:
+                    return True
+            elif msg is not None:   # a worker's report that came first: kept for whoever waits for it
+                self.early.append(msg)
         return False
 
     def _recv(self, timeout: float) -> Any:
+        return self.early.popleft() if self.early else self._read(timeout)
+
+    def _read(self, timeout: float) -> Any:
         assert self.link is not None
         env = self.link.recv(timeout)
         if env is None:

@@ -12,6 +12,8 @@ A sender names the destination; the broker rewrites the address to the source wh
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import signal
 from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass
@@ -109,12 +111,23 @@ class BrokerLink:
 class SyncBrokerLink:
     """The same link for a plain (non-asyncio) process: the launcher."""
 
-    def __init__(self, ctx: zmq.Context[Any], address: str, identity: str) -> None:
+    def __init__(self, ctx: zmq.Context[Any], address: str, identity: str, wake_fd: int | None = None) -> None:
         self.identity = identity
         self.sock = _dealer(ctx, address, identity)
+        self.wake_fd = wake_fd
+        self.poller = zmq.Poller()
+        self.poller.register(self.sock, zmq.POLLIN)
+        if wake_fd is not None:
+            self.poller.register(wake_fd, zmq.POLLIN)
 
     def recv(self, timeout: float) -> Envelope | None:
-        if not self.sock.poll(int(timeout * 1000)):
+        """The next envelope within `timeout` seconds; None at the timeout, or at once when `wake_fd`
+        (a non-blocking pipe: signal.set_wakeup_fd's) is written to."""
+        ready = dict(self.poller.poll(int(timeout * 1000)))
+        if self.wake_fd is not None and self.wake_fd in ready:
+            with contextlib.suppress(BlockingIOError):
+                os.read(self.wake_fd, 4096)
+        if self.sock not in ready:
             return None
         return parse(self.sock.recv_multipart())
 
