@@ -15,7 +15,16 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, TextIO
 
-import structlog
+# structlog's dev module imports rich where it is installed (0.2 s of each process's start) for a console
+# renderer these JSON logs never use: hidden from that import (a process that has rich keeps it)
+_NO_RICH = "rich" not in sys.modules
+if _NO_RICH:
+    sys.modules["rich"] = None  # type: ignore[assignment]
+try:
+    import structlog
+finally:
+    if _NO_RICH:
+        del sys.modules["rich"]
 
 from orca_mq.config import LogConfig
 from orca_mq.percentile import percentile
@@ -56,6 +65,14 @@ class _Forward(logging.Handler):
                          **({"exc_info": record.exc_info} if record.exc_info else {}))
         except Exception:  # a record that cannot be rendered must not take the process down
             self.handleError(record)
+
+
+def role_logger(role: str) -> Any:
+    """A library part's logger: the process's (setup_logging) bound to `role` in a serving process;
+    offline, one that says nothing below warnings."""
+    if structlog.is_configured():
+        return structlog.get_logger().bind(role=role, pid=os.getpid())
+    return structlog.wrap_logger(structlog.PrintLogger(), wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
 
 
 def setup_logging(role: str, cfg: LogConfig, **context: Any) -> structlog.typing.FilteringBoundLogger:

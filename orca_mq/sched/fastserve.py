@@ -13,15 +13,12 @@ scheduler's report of a request (base.py).
 """
 from __future__ import annotations
 
-import logging
-import os
 from typing import TYPE_CHECKING, Any
-
-import structlog
 
 from orca_mq.engine.dtype import DTYPE_BYTES, resolve_dtype
 from orca_mq.protocol.iteration import IterationPlan
 from orca_mq.kv.policy import KV_POLICIES, DeferKV
+from orca_mq.logs import role_logger
 from orca_mq.sched.lengths import OutputLengths
 from orca_mq.sched.mlfq import SkipJoinMLFQ
 from orca_mq.sched.profiler import IterationProfile
@@ -32,13 +29,6 @@ from orca_mq.sched.request import Phase, Request
 if TYPE_CHECKING:
     from orca_mq.config import Config
     from orca_mq.models.info import ModelInfo
-
-
-def _logger() -> Any:
-    """The serving processes configure structlog (orca_mq.logs); offline, say nothing below warnings."""
-    if structlog.is_configured():
-        return structlog.get_logger().bind(role="scheduler", pid=os.getpid())
-    return structlog.wrap_logger(structlog.PrintLogger(), wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
 
 
 def select_batch(kv: DeferKV, order: list[Request], enst: dict[str, float], max_bs: int, reserve: int,
@@ -90,7 +80,7 @@ class FastServeScheduler(Scheduler):
         self.lengths = OutputLengths(info.max_model_len(cfg), fs.length_window, fs.prior_jobs)
         dtype = resolve_dtype(cfg.model.dtype, eng.device)
         self.block_bytes = 2 * info.n_layers * eng.block_size * info.n_kv_heads * info.head_dim * DTYPE_BYTES[dtype]
-        self.log = _logger()
+        self.log = role_logger("scheduler")
         self._set_quanta(IterationProfile.estimate(info, dtype))   # a stand-in until the measured one
         if profile is not None:
             self.use_profile(profile)
