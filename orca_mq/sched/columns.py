@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from itertools import chain
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -47,6 +46,12 @@ class DecodeColumns:
     eos_stops: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))   # EOS ends it (not ignore_eos)
     own_stops: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))   # it has stop_token_ids of its own
     free: list[int] = field(default_factory=list)
+    # each slot's copy of its block table (a plan gathers the batch's from here, not from Python lists): the
+    # block manager's list it copies and that list's length then; a decode row's table only grows (no window,
+    # no speculation), or is another list after the request's KV went to the host and came back
+    tab: np.ndarray = field(default_factory=lambda: np.zeros((0, 16), I32))
+    tab_ref: list[list[int] | None] = field(default_factory=list)
+    tab_len: list[int] = field(default_factory=list)
 
     def add(self, req: Request) -> None:
         """Give the request a slot when it can decode in columns (req.slot stays -1 otherwise)."""
@@ -64,13 +69,34 @@ class DecodeColumns:
     def remove(self, req: Request) -> None:
         if req.slot >= 0:
             self.free.append(req.slot)
+            self.tab_ref[req.slot], self.tab_len[req.slot] = None, 0
             req.slot = -1
+
+    def copy_table(self, s: int, table: list[int]) -> None:
+        """Slot s's copy of `table` brought up to date: the blocks appended since, or all of them when the
+        block manager holds another list for the request."""
+        have, n = self.tab_len[s] if self.tab_ref[s] is table else 0, len(table)
+        if n > self.tab.shape[1]:
+            wider = np.zeros((len(self.tab), max(n, 2 * self.tab.shape[1])), I32)
+            wider[:, :self.tab.shape[1]] = self.tab
+            self.tab = wider
+        self.tab[s, have:n] = table[have:]
+        self.tab_ref[s], self.tab_len[s] = table, n
+
+    def tables(self, slots: np.ndarray, lens: np.ndarray) -> np.ndarray:
+        """The slots' first `lens` blocks, end to end (their tables chained)."""
+        starts = np.cumsum(lens) - lens
+        at = np.repeat(slots * self.tab.shape[1] - starts, lens) + np.arange(int(lens.sum()))
+        return self.tab.ravel()[at]
 
     def _grow(self) -> None:
         n = len(self.temperature)
         for name in ("temperature", "top_k", "top_p", "seed", "max_tokens", "eos_stops", "own_stops"):
             old = getattr(self, name)
             setattr(self, name, np.concatenate([old, np.zeros(GROW, old.dtype)]))
+        self.tab = np.concatenate([self.tab, np.zeros((GROW, self.tab.shape[1]), I32)])
+        self.tab_ref.extend([None] * GROW)
+        self.tab_len.extend([0] * GROW)
         self.free.extend(range(n + GROW - 1, n - 1, -1))   # popped lowest first
 
 
@@ -98,39 +124,55 @@ class DecodeRows:
     toks: list[int] = field(default_factory=list)
     starts: list[int] = field(default_factory=list)
     prevs: list[int] = field(default_factory=list)
-    tabs: list[list[int]] = field(default_factory=list)
+    lens: list[int] = field(default_factory=list)   # their tables' lengths (the tables: in the store)
     slots: list[int] = field(default_factory=list)
     follows: int = 0
 
     def add(self, row: int, r: Request) -> None:
-        rid, n_tok = r.request_id, len(r.prompt_token_ids) + len(r.output_token_ids)
-        if r.in_flight:   # planned before its last token came back: the engine puts that token here
-            self.toks.append(-1)
-            self.starts.append(n_tok)
-            self.prevs.append(r.sample_row)
-            self.follows = self.iteration
-            n_tok += 1
-        else:
-            self.toks.append(r.output_token_ids[-1])
-            self.starts.append(n_tok - 1)
-            self.prevs.append(NO_ROW)
-        table = self.bm.device.tables.get(rid)
-        if table is None or len(table) * self.bm.block_size < n_tok:
-            table = self.bm.ensure(rid, n_tok)
-        self.rows.append(row)
-        self.ids.append(rid)
-        self.tabs.append(table)
-        self.slots.append(r.slot)
-        r.in_flight += 1
-        r.chunk = r.draft = 0
+        self.extend([row], [r])
+
+    def extend(self, rows: list[int], reqs: list[Request], whole: bool = False) -> None:
+        """The requests' rows at plan rows `rows`, in order; `whole`: they are the whole plan, each samples
+        at its row (its sample_row set here too). One loop with its lookups bound: it runs per row per iteration."""
+        toks, starts, prevs, ids, lens, slots = self.toks, self.starts, self.prevs, self.ids, self.lens, self.slots
+        tables, ensure, block_size = self.bm.device.tables, self.bm.ensure, self.bm.block_size
+        store = self.store
+        ref, have, planned = store.tab_ref, store.tab_len, self.iteration + 1
+        for row, r in zip(rows, reqs):
+            rid, n_tok = r.request_id, len(r.prompt_token_ids) + len(r.output_token_ids)
+            if r.in_flight:   # planned before its last token came back: the engine puts that token here
+                toks.append(-1)
+                starts.append(n_tok)
+                prevs.append(r.sample_row)
+                self.follows = self.iteration
+                n_tok += 1
+            else:
+                toks.append(r.output_token_ids[-1])
+                starts.append(n_tok - 1)
+                prevs.append(NO_ROW)
+            table = tables.get(rid)
+            if table is None or len(table) * block_size < n_tok:
+                table = ensure(rid, n_tok)
+            s = r.slot
+            if table is not ref[s] or len(table) != have[s]:
+                store.copy_table(s, table)
+            ids.append(rid)
+            lens.append(len(table))
+            slots.append(s)
+            r.in_flight += 1
+            r.chunk = r.draft = 0
+            if whole:
+                r.planned, r.sample_row = planned, row
+        self.rows.extend(rows)
 
     def packed(self) -> PackedPlan:
         """These rows' columns, as a plan of them alone."""
         n, at, s = len(self.rows), np.array(self.slots, np.intp), self.store
+        lens = np.array(self.lens, I32)
         return PackedPlan(
             self.iteration + 1, self.ids, np.ones(n, I32).tobytes(), np.array(self.starts, I32).tobytes(),
-            np.array(self.toks, I32).tobytes(), np.array(self.prevs, I32).tobytes(), np.array([len(t) for t in self.tabs], I32).tobytes(),
-            np.fromiter(chain.from_iterable(self.tabs), I32, -1).tobytes(), np.ones(n, U8).tobytes(),
+            np.array(self.toks, I32).tobytes(), np.array(self.prevs, I32).tobytes(), lens.tobytes(),
+            s.tables(at, lens).tobytes(), np.ones(n, U8).tobytes(),
             s.temperature[at].tobytes(), s.top_k[at].tobytes(), s.top_p[at].tobytes(), s.seed[at].tobytes(), b"", [],
             follows=self.follows)
 
@@ -138,9 +180,7 @@ class DecodeRows:
 def plan_decode(store: DecodeColumns, bm: BlockManager, batch: list[Request], iteration: int) -> IterationPlan:
     """The iteration `iteration` + 1 of an all-decode batch, in columns."""
     d = DecodeRows(store, bm, iteration)
-    for row, r in enumerate(batch):
-        d.add(row, r)
-        r.planned, r.sample_row = iteration + 1, row
+    d.extend(list(range(len(batch))), batch, whole=True)
     return IterationPlan(iteration + 1, None, follows=d.follows, packed=d.packed())
 
 
@@ -204,15 +244,19 @@ def apply_decode(sched: "Scheduler", batch: list[Request], result: IterationResu
     assert sched.columns is not None
     bm, tokens = sched.block_manager, result.token_ids
     publish, block_size = bm.seed is not None, bm.block_size
+    slots, n_out = [], []
     for r, t in zip(batch, tokens):
         r.in_flight -= 1
         r.n_iterations += 1
+        out = r.output_token_ids
         # its K/V is written: a block it filled joins the prefix cache (no window: computed only publishes)
-        if publish and (n := len(r.prompt_token_ids) + len(r.output_token_ids)) // block_size > r.kv_published:
+        if publish and (n := len(r.prompt_token_ids) + len(out)) // block_size > r.kv_published:
             bm.computed(r, n)
-        r.output_token_ids.append(t)
+        out.append(t)
+        slots.append(r.slot)
+        n_out.append(len(out))
     events = [TokenEvent(rid, t) for rid, t in zip(result.request_ids, tokens)]
-    for row in _maybe_stops(sched.columns, batch, tokens):
+    for row in _maybe_stops(sched.columns, slots, n_out, tokens):
         req, token = batch[row], tokens[row]
         if reason := sched._stop_reason(req, token):
             sched._finish(req, reason, now)
@@ -220,11 +264,10 @@ def apply_decode(sched: "Scheduler", batch: list[Request], result: IterationResu
     return events
 
 
-def _maybe_stops(store: DecodeColumns, batch: list[Request], tokens: list[int]) -> list[int]:
-    """The rows whose token may end their request (EOS, a stop token id of its own, or its length),
-    ascending; the caller decides each with the general rule."""
-    at = np.fromiter((r.slot for r in batch), np.intp, len(batch))
-    n_out = np.fromiter((len(r.output_token_ids) for r in batch), np.int64, len(batch))
-    t = np.array(tokens, np.int64)
-    maybe = (n_out >= store.max_tokens[at]) | store.own_stops[at] | (store.eos_stops[at] & np.isin(t, store.eos))
+def _maybe_stops(store: DecodeColumns, slots: list[int], n_out: list[int], tokens: list[int]) -> list[int]:
+    """The rows whose token may end their request (EOS, a stop token id of its own, or its length), given
+    each row's slot and output length; ascending; the caller decides each with the general rule."""
+    at, t = np.array(slots, np.intp), np.array(tokens, np.int64)
+    eos = (t[:, None] == store.eos).any(axis=1)   # a model has a few EOS ids: cheaper than np.isin
+    maybe = (np.array(n_out, np.int64) >= store.max_tokens[at]) | store.own_stops[at] | (store.eos_stops[at] & eos)
     return np.flatnonzero(maybe).tolist()
