@@ -29,6 +29,7 @@ import operator
 import types
 import typing
 from collections.abc import Callable, Iterable
+from itertools import chain
 from typing import Any, TypeVar
 
 import msgpack
@@ -44,6 +45,7 @@ Wire = Callable[[Any], Any]
 T = TypeVar("T")
 _HEADER = frozenset({"v", "type"})
 _SCALARS = frozenset({bool, int, str, bytes, type(None)})   # checked by exact type (a bool is no int here)
+_LIST = frozenset({list})
 
 _REGISTRY: dict[str, type] = {}
 _SINCE: dict[str, int] = {}                                 # type -> the protocol version that added it
@@ -283,8 +285,8 @@ def _converter(tp: Any) -> Conv:
     if origin is list:
         exact = _exact_types(args[0])
         if exact is not None:  # fast path, one C loop: token ids, block tables, request ids, columns
-            def scalars(v: Any, p: str) -> list[Any]:
-                if type(v) is not list or not all(type(x) in exact for x in v):
+            def scalars(v: Any, p: str) -> list[Any]:   # map(type) and the set test run in C: ~40 ns an item less
+                if type(v) is not list or not exact.issuperset(map(type, v)):
                     raise _fail(p, str(tp), v)
                 return v
 
@@ -292,7 +294,7 @@ def _converter(tp: Any) -> Conv:
         inner = _exact_types(typing.get_args(args[0])[0]) if typing.get_origin(args[0]) is list else None
         if inner is not None:  # a column of lists of scalars (new tokens per request): one loop too
             def nested_scalars(v: Any, p: str) -> list[Any]:
-                if type(v) is not list or not all(type(r) is list for r in v) or not all(type(x) in inner for r in v for x in r):
+                if type(v) is not list or not _LIST.issuperset(map(type, v)) or not inner.issuperset(map(type, chain.from_iterable(v))):
                     raise _fail(p, str(tp), v)
                 return v
 
