@@ -88,6 +88,7 @@ class Scheduler:
         self.finished: OrderedDict[str, dict[str, Any]] = OrderedDict()   # metrics of the last KEPT_METRICS finished
         self.eos_token_ids = set(info.eos_token_ids)
         self.pool: dict[str, Request] = {}            # insertion order = arrival order
+        self.pool_changes = 0                         # requests that joined or left it: what a cached order is of
         self.in_flight: dict[int, list[Request]] = {}
         self.released: list[str] = []   # ended requests whose token history the last stage drops (the next plan's)
         self.iteration = 0
@@ -143,6 +144,7 @@ class Scheduler:
             self.held[req.request_id] = req
             return
         self.pool[req.request_id] = req
+        self.pool_changes += 1
         if self.speculator is not None and req.pooling is None:
             self.speculator.start(req)
         if self.columns is not None:
@@ -346,6 +348,7 @@ class Scheduler:
     def _retire(self, req: Request) -> None:
         """A finished request leaves the pool and frees its KV (and its token history on the last stage)."""
         del self.pool[req.request_id]
+        self.pool_changes += 1
         self.block_manager.release(req)
         if self.columns is not None:
             self.columns.remove(req)

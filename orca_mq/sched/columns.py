@@ -187,8 +187,9 @@ def plan_decode(store: DecodeColumns, bm: BlockManager, batch: list[Request], it
 def merge(sub: PackedPlan, d: DecodeRows, n: int) -> PackedPlan:
     """The plan of n rows from the general path's plan of its other rows (`sub`) and its decode rows `d`: each
     column in plan order, a row-indexed column's rows renumbered, what pack gives for all n rows."""
-    dec = np.array(d.rows, np.intp)
-    other = np.setdiff1d(np.arange(n), dec)
+    dec, keep = np.array(d.rows, np.intp), np.ones(n, bool)
+    keep[dec] = False
+    other = np.flatnonzero(keep)
     a, b = sub.arrays(), d.packed().arrays()
 
     def rows(col_o: np.ndarray, col_d: np.ndarray | None, fill: int = 0) -> bytes:

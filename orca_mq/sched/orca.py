@@ -44,9 +44,12 @@ class OrcaScheduler(Scheduler):
     def __init__(self, cfg: "Config", info: "ModelInfo") -> None:
         super().__init__(cfg, info)
         self.shares = FairShare.of(self.block_manager.num_blocks, cfg.server.client_headroom)
+        self.order: tuple[int, list[Request]] = (0, [])   # (pool_changes, the pool interleaved then)
 
     def select(self, now: float) -> list[Request]:
-        return self.reserve_in_order(interleaved(self.pool.values()), strict=True)
+        if self.order[0] != self.pool_changes:   # the order changes only with the pool's members (a sort per iteration)
+            self.order = (self.pool_changes, interleaved(self.pool.values()))
+        return self.reserve_in_order(self.order[1], strict=True)
 
     def reserve_in_order(self, order: Iterable[Request], strict: bool) -> list[Request]:
         """Up to max_bs idle requests in `order`, each new one reserving its max_tokens (n_rsrv) first.
