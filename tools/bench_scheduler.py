@@ -30,15 +30,17 @@ INFO = ModelInfo(path="bench", arch="llama", vocab_size=49152, hidden_size=64, n
 WARMUP = 5
 
 
-def per_token_us(batch: int, policy: str, iterations: int) -> float:
-    """Microseconds of step + pack per generated token, `iterations` all-decode iterations at `batch` rows."""
+def per_token_us(batch: int, policy: str, iterations: int, prompt_len: int = 64) -> float:
+    """Microseconds of step + pack per generated token, `iterations` all-decode iterations at `batch` rows
+    whose prompts are `prompt_len` tokens (a block table of prompt_len / 16 blocks and growing)."""
     cfg = load_config(overrides={"scheduler.policy": policy, "scheduler.max_bs": batch,
-                                 "scheduler.max_num_batched_tokens": 4096, "engine.n_slots": batch * 400,
+                                 "scheduler.max_num_batched_tokens": 4096, "engine.n_slots": batch * (prompt_len + 1024),
                                  "engine.block_size": 16})
     sched = make_scheduler(cfg, INFO)
+    warm = WARMUP + batch * prompt_len // 1024   # every prompt prefilled (the budget's chunks), then decoding only
     for i in range(batch):
-        sched.add(Request(f"r{i}", [7] * 64, SamplingParams(max_tokens=WARMUP + iterations + 64, ignore_eos=True,
-                                                            temperature=0), arrival=0.0))
+        sched.add(Request(f"r{i}", [7] * prompt_len, SamplingParams(max_tokens=warm + iterations + 64, ignore_eos=True,
+                                                                    temperature=0), arrival=0.0))
     now, results = 0.0, []
 
     def run(n: int) -> int:
@@ -54,7 +56,7 @@ def per_token_us(batch: int, policy: str, iterations: int) -> float:
             now += 0.01
         return made
 
-    run(WARMUP + batch // 16)   # every prompt prefilled (the budget's chunks), then decoding only
+    run(warm)
     t = time.perf_counter()
     tokens = run(iterations)
     return (time.perf_counter() - t) / max(tokens, 1) * 1e6
@@ -65,18 +67,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", default="256,512", help="batch sizes (scheduler.max_bs), comma-separated")
     p.add_argument("--policy", default="orca", choices=["orca", "request", "srpt", "fastserve"])
     p.add_argument("--iterations", type=int, default=50, help="timed iterations per round")
+    p.add_argument("--prompt-len", type=int, default=64, help="tokens of each request's prompt")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--out", required=True, metavar="FILE.json")
     args = p.parse_args(argv)
     rows = []
     for batch in (int(b) for b in args.batch.split(",")):
-        runs = [per_token_us(batch, args.policy, args.iterations) for _ in range(args.rounds)]
+        runs = [per_token_us(batch, args.policy, args.iterations, args.prompt_len) for _ in range(args.rounds)]
         rows.append({"batch": batch, "policy": args.policy, "us_per_token": runs, "median": statistics.median(runs)})
     print(f"{'batch':>6} {'policy':>9} {'us/token (median)':>18}  runs")
     for r in rows:
         print(f"{r['batch']:>6} {r['policy']:>9} {r['median']:>18.2f}  {', '.join(f'{x:.2f}' for x in r['us_per_token'])}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"rows": rows, "iterations": args.iterations}, indent=1))
+    Path(args.out).write_text(json.dumps({"rows": rows, "iterations": args.iterations, "prompt_len": args.prompt_len}, indent=1))
     print(f"wrote {args.out}")
     return 0
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """A server's start: `orca-mq serve` to its ready line, then its first chat completion (the HTTP process
-loads the tokenizer and chat template on it), and which of its processes map torch, for one or two revisions alternated round by round (each a git worktree, as tools/bench_ab.py makes them).
+loads the tokenizer and chat template on it), its stop (SIGINT to the launcher's exit), and which of its processes map torch, for one or two revisions alternated round by round (each a git worktree, as tools/bench_ab.py makes them).
 
     python tools/bench_start.py --rounds 3 --out results/bench_start.json                 # this checkout
     python tools/bench_start.py --base c2dbde6 --model tiny --rounds 3 --out results/start_ab.json
@@ -65,12 +65,15 @@ def start_once(tree: Path, model: str) -> dict[str, object]:
         role = "launcher" if pid == str(p.pid) else next((c.rsplit(".", 1)[-1] for c in cmd if c.startswith(("orca_mq.", "workers."))), "?")
         role = {"main": "worker", "server": "http", "scheduler_process": "scheduler"}.get(role, role)
         torch[role], cpu[role] = "libtorch_cpu" in maps, used
+    t = time.monotonic()
     os.killpg(p.pid, signal.SIGINT)
     try:
         p.wait(60)
+        stop: float | None = time.monotonic() - t
     except subprocess.TimeoutExpired:
         os.killpg(p.pid, signal.SIGKILL)
-    return {"ready_s": ready, "first_chat_s": chat, "torch": torch, "cpu_s": cpu}
+        stop = None
+    return {"ready_s": ready, "first_chat_s": chat, "stop_s": stop, "torch": torch, "cpu_s": cpu}
 
 
 def main() -> int:
@@ -99,22 +102,25 @@ def main() -> int:
         for i, (name, tree) in enumerate(sides.items()):
             served = str(shutil.copytree(model, work / f"fresh-{r}-{i}")) if a.fresh else model
             runs[name].append(one := start_once(tree, served))
-            print(f"round {r} {name}: ready {one['ready_s']:.2f} s, first chat {one['first_chat_s']:.2f} s, torch in "
+            print(f"round {r} {name}: ready {one['ready_s']:.2f} s, first chat {one['first_chat_s']:.2f} s, "
+                  f"stop {one['stop_s']:.2f} s, torch in "
                   f"{', '.join(k for k, v in one['torch'].items() if v) or 'none'}", flush=True)   # type: ignore[union-attr]
         time.sleep(1)
-    print("\n| side | median ready s | median first chat s | ready, each round | processes that map torch | median CPU s, to ready and its first chat |\n"
-          "|---|---:|---:|---|---|---|")
+    print("\n| side | median ready s | median first chat s | median stop s | ready, each round | processes that map torch | "
+          "median CPU s, to ready and its first chat |\n|---|---:|---:|---:|---|---|---|")
     summary = {}
     for name, rs in runs.items():
         med = statistics.median(r["ready_s"] for r in rs if r["ready_s"] is not None)   # type: ignore[misc]
         chat = statistics.median(r["first_chat_s"] for r in rs if r["first_chat_s"] is not None)   # type: ignore[misc]
+        stop = statistics.median(r["stop_s"] for r in rs if r["stop_s"] is not None)   # type: ignore[misc]
         with_torch = sorted({k for r in rs for k, v in r["torch"].items() if v})   # type: ignore[union-attr]
         roles = sorted({k for r in rs for k in r["cpu_s"]})   # type: ignore[union-attr]
         cpu = {k: statistics.median(r["cpu_s"][k] for r in rs if k in r["cpu_s"]) for k in roles}   # type: ignore[index,operator]
-        summary[name] = {"median_ready_s": med, "median_first_chat_s": chat, "torch": with_torch, "median_cpu_s": cpu}
+        summary[name] = {"median_ready_s": med, "median_first_chat_s": chat, "median_stop_s": stop, "torch": with_torch,
+                         "median_cpu_s": cpu}
         each = ", ".join(f"{r['ready_s']:.1f}" for r in rs)
         shown = ", ".join(f"{k} {v:.2f}" for k, v in cpu.items())
-        print(f"| {name} | {med:.2f} | {chat:.2f} | {each} | {', '.join(with_torch)} | {shown} (all {sum(cpu.values()):.1f}) |")
+        print(f"| {name} | {med:.2f} | {chat:.2f} | {stop:.2f} | {each} | {', '.join(with_torch)} | {shown} (all {sum(cpu.values()):.1f}) |")
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps({"model": a.model or "embedded", "summary": summary, "runs": runs}, indent=1))
     for tree in sides.values():   # the base's worktree and the tiny model: nothing left behind
