@@ -197,6 +197,7 @@ def _serve(args: argparse.Namespace) -> int:
     _preflight(cfg)
     from orca_mq.server.launcher import Launcher
     from orca_mq.server.node_launcher import NodeLauncher
+    from orca_mq.server.process import exit_now
 
     launcher = Launcher(cfg) if cfg.server.node_rank == 0 else NodeLauncher(cfg)
     try:
@@ -206,9 +207,7 @@ def _serve(args: argparse.Namespace) -> int:
 
         launcher.log.exception("launcher failed")
         raise SystemExit(f"orca-mq: {one_line(e)} (details in {cfg.log.dir})") from None
-    sys.stdout.flush()   # every child is stopped, the logs written: as the children, no interpreter teardown
-    sys.stderr.flush()
-    os._exit(code)
+    exit_now(code)   # every child is stopped, the logs written
 
 
 def _client(args: argparse.Namespace) -> int:

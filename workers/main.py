@@ -2,14 +2,13 @@
 from __future__ import annotations
 
 import argparse
-import os
 
 import torch
 import uvloop
 
 from orca_mq.config import Config
 from orca_mq.logs import setup_logging
-from orca_mq.server.process import child_config, run_logged
+from orca_mq.server.process import child_config, exit_now, run_logged
 from orca_mq.sched import policy_class
 from orca_mq.runtime.device import use_device, worker_device
 from orca_mq.engine.model_runner import ModelRunner
@@ -29,8 +28,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = child_config(args.config_json)
     name = worker_name(args.stage, args.tp_rank)
     code = run_logged(name, cfg, lambda: _serve(cfg, args, name))
-    # the compute thread may sit in a blocking data-plane recv: leave without joining it
-    os._exit(code)
+    exit_now(code)   # the compute thread may sit in a blocking data-plane recv: leave without joining it
 
 
 def _serve(cfg: Config, args: argparse.Namespace, name: str) -> int:

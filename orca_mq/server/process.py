@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, NoReturn
 
 from orca_mq.config import API_KEY_ENV, Config
 
@@ -209,9 +209,13 @@ def process_main(role: str, description: str, run: Callable[[Config, argparse.Na
         parser.add_argument(flag, **kwargs)
     args = parser.parse_args()
     cfg = child_config(args.config_json)
-    code = run_logged(role, cfg, lambda: uvloop.run(run(cfg, args)))
-    # its sockets are closed and its logs written line by line: skip the interpreter's teardown (a
-    # collection of every module's objects, a quarter of a second a process, on every stop and restart)
+    exit_now(run_logged(role, cfg, lambda: uvloop.run(run(cfg, args))))
+
+
+def exit_now(code: int) -> NoReturn:
+    """Exit with `code`, stdout and stderr flushed, without the interpreter's teardown (a collection of
+    every module's objects: a quarter of a second a process, on every stop and restart): for a process
+    whose sockets are closed and whose logs are written line by line."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
