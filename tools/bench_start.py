@@ -33,6 +33,11 @@ from orca_mq.server.process import READY_LINE, ROOT, free_port  # noqa: E402
 
 
 
+def _s(seconds: object) -> str:
+    """A round's figure, or '-' where it had none (not ready, the chat failed, the stop timed out)."""
+    return "-" if seconds is None else f"{seconds:.2f}"
+
+
 def start_once(tree: Path, model: str) -> dict[str, object]:
     http = f"127.0.0.1:{free_port()}"
     args = [sys.executable, "-u", "-m", "orca_mq.cli", "serve", "--set", f"server.frontend_address=tcp://127.0.0.1:{free_port()}",
@@ -102,8 +107,8 @@ def main() -> int:
         for i, (name, tree) in enumerate(sides.items()):
             served = str(shutil.copytree(model, work / f"fresh-{r}-{i}")) if a.fresh else model
             runs[name].append(one := start_once(tree, served))
-            print(f"round {r} {name}: ready {one['ready_s']:.2f} s, first chat {one['first_chat_s']:.2f} s, "
-                  f"stop {one['stop_s']:.2f} s, torch in "
+            print(f"round {r} {name}: ready {_s(one['ready_s'])} s, first chat {_s(one['first_chat_s'])} s, "
+                  f"stop {_s(one['stop_s'])} s, torch in "
                   f"{', '.join(k for k, v in one['torch'].items() if v) or 'none'}", flush=True)   # type: ignore[union-attr]
         time.sleep(1)
     print("\n| side | median ready s | median first chat s | median stop s | ready, each round | processes that map torch | "
