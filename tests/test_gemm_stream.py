@@ -1,6 +1,8 @@
 """engine.gemm = stream: calls of at most STREAM_ROWS rows go to the CPU extension's linear_rows
 (kernels/csrc/linear_rows_cpu.cpp), which must equal a float64 product to float32 rounding for every
-shape, give a row the same bits whatever the call's row count, and hand larger calls to oneDNN."""
+shape, give a row the same bits whatever the call's row count, and hand larger calls to oneDNN. Its
+bfloat16 tiles (a mixture of experts' grouped path on the CPU: AVX512-BF16's dot-product instruction where
+the CPU has it, else widened loads) must equal it to float32 accumulation and one bfloat16 rounding."""
 from __future__ import annotations
 
 import pytest
@@ -52,6 +54,36 @@ def test_a_row_gets_the_same_bits_at_every_row_count_up_to_the_kernels() -> None
     big = torch.randn(gemm.STREAM_ROWS + 5, 576, generator=g)
     assert torch.equal(gemm.linear(big, w), gemm.linear(big, w.reordered))
     assert gemm.linear(x[:0], w).shape == (0, 1001)
+
+
+@settings(max_examples=40, deadline=None)
+@given(m=st.integers(1, 24), n=st.integers(1, 400), k8=st.integers(1, 200), seed=st.integers(0, 2**31))
+def test_bfloat16_rows_match_a_float64_product_to_one_rounding(m: int, n: int, k8: int, seed: int) -> None:
+    """bfloat16 rows and weights (each product exact in float32), summed in float32 and rounded to
+    bfloat16 once: within half a bfloat16 ulp (2^-8 relative) of float32's sum, which is within a few
+    float32 roundings of the exact one; every K in vectors of 8 (AVX512-BF16 steps of 32, the last masked)."""
+    g = torch.Generator().manual_seed(seed)
+    k = 8 * k8
+    w, x = torch.randn(n, k, generator=g).bfloat16(), torch.randn(m, k, generator=g).bfloat16()
+    got = kernels().linear_rows(x, w)
+    want = reference(x, w, None)
+    sum32 = 1e-6 * (x.double().abs() @ w.double().abs().T + 1)
+    assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+    assert bool(((got.double() - want).abs() <= 2**-8 * (want.abs() + sum32) + sum32).all())
+
+
+def test_a_bfloat16_row_gets_the_same_bits_at_every_row_count() -> None:
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(1001, 584, generator=g).bfloat16()
+    x = torch.randn(gemm.STREAM_ROWS, 584, generator=g).bfloat16()
+    full = kernels().linear_rows(x, w)
+    assert all(torch.equal(kernels().linear_rows(x[:m], w), full[:m]) for m in range(1, gemm.STREAM_ROWS))
+
+
+def kernels():
+    from kernels import cpu_kernels
+
+    return cpu_kernels.load()
 
 
 def test_the_method_is_chosen_once_by_what_runs_here() -> None:

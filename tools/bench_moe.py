@@ -50,16 +50,16 @@ def checkpoints(root: Path, args: argparse.Namespace) -> dict[str, Path]:
                 **common, intermediate_size=args.top_k * args.moe_intermediate))}
 
 
-def weights_read(info: ModelInfo, tokens: int) -> float:
-    """Bytes of float32 weights an iteration of `tokens` routed tokens reads (uniform routing: the
-    experts expected to get at least one), embeddings aside (a gather)."""
+def weights_read(info: ModelInfo, tokens: int, itemsize: int) -> float:
+    """Bytes of weights (`itemsize` bytes each) an iteration of `tokens` routed tokens reads (uniform
+    routing: the experts expected to get at least one), embeddings aside (a gather)."""
     h = info.hidden_size
     per_layer = info.layer_params(0)
     if info.moe is not None:
         e, k = info.moe.n_experts, info.moe.top_k
         active = e * (1 - (1 - k / e) ** tokens)
         per_layer += 3 * h * info.moe.intermediate_size * (active - k)
-    return 4 * (info.n_layers * per_layer + info.vocab_size * h)
+    return itemsize * (info.n_layers * per_layer + info.vocab_size * h)
 
 
 def compare(runners: dict[str, ModelRunner], repeat: int) -> list[dict]:
@@ -68,7 +68,7 @@ def compare(runners: dict[str, ModelRunner], repeat: int) -> list[dict]:
         plan = plan_for(reqs, runners["moe"].block_size)
         times = dict(zip(runners, interleaved_medians([lambda r=r: r.forward(plan) for r in runners.values()], repeat)))
         tokens = sum(q for q, _ in reqs)
-        read = {m: weights_read(r.info, tokens) for m, r in runners.items()}
+        read = {m: weights_read(r.info, tokens, r.dtype.itemsize) for m, r in runners.items()}
         ratio = times["moe"] / times["dense"]
         rows.append({"case": name, "tokens": tokens, "moe_ms": times["moe"] * 1e3, "dense_ms": times["dense"] * 1e3,
                      "moe_ms_per_token": times["moe"] * 1e3 / tokens,
@@ -125,7 +125,7 @@ def main() -> None:
                     for m, p in paths.items()}
             runners = {m: ModelRunner(c) for m, c in cfgs.items()}
         torch.set_num_threads(cfgs["moe"].engine.threads_per_worker)
-        print(f"{shape}, float32, {torch.get_num_threads()} threads, gemm {runners['moe'].gemm}", flush=True)
+        print(f"{shape}, {runners['moe'].dtype}, {torch.get_num_threads()} threads, gemm {runners['moe'].gemm}", flush=True)
         rows = compare(runners, args.repeat)
         print(f"{'case':20} {'MoE ms/tok':>10} {'dense ms/tok':>12} {'MoE/dense':>9} {'target':>7} "
               f"{'MiB read MoE/dense':>19} {'read ratio':>10}")

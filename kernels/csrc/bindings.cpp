@@ -17,6 +17,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of rows, after an optional in-place residual add");
   m.def("rotary_", &rotary_, "rotary embedding of the first heads of every row, in place");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of [gate | up] rows");
-  m.def("linear_rows", &linear_rows, "x [M, K] @ w.T for a few rows, float32, the weights streamed once");
-  m.def("grouped_rows", &grouped_rows, "each group of x's rows times its own w[g].T (a mixture of experts), float32");
+  m.def("linear_rows", &linear_rows, "x [M, K] @ w.T for a few rows, float32 or bfloat16, the weights streamed once");
+  m.def("grouped_rows", &grouped_rows, "each group of x's rows times its own w[g].T (a mixture of experts), float32 or bfloat16");
 }

@@ -1,8 +1,9 @@
 """A mixture of experts: the router as the config says, then every token's top-k experts.
 
 The experts run grouped: the (token, expert) pairs sorted by expert, each projection one call over
-every expert's rows (on the CPU the extension's grouped_rows, which streams an expert's few rows past
-its weight and gives a crowded expert one BLAS product, or torch's grouped_mm for other dtypes; on CUDA
+every expert's rows (on the CPU the extension's grouped_rows, float32 or bfloat16, which streams an
+expert's few rows past its weight and gives a crowded expert one BLAS product, or torch's grouped_mm for
+other dtypes; on CUDA
 kernels/fused_moe_kernel.py's one launch per projection, as vLLM's fused_moe), never a Python loop over
 tokens, the results weighted and summed back per token. Tensor parallelism splits each expert's
 intermediate width (gate_up by rows, down by columns): one all-reduce for the layer's output.
@@ -85,6 +86,7 @@ def grouped(x: Tensor, gate_up: Tensor, down: Tensor, ids: Tensor, weights: Tens
 # 1-12 rows streamed took 0.55-0.70x BLAS's time, 16 rows 0.91x and 24-64 rows 1.11-1.48x
 # (tools/bench_moe.py --crossover, hidden 1024, one thread)
 STREAM_ROWS = 16
+STREAM_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _experts_linear(rows: Tensor, w: Tensor, ends: Tensor, b: Tensor | None, experts: Tensor | None) -> Tensor:
@@ -107,8 +109,9 @@ def _each_expert(rows: Tensor, w: Tensor, ends: Tensor, b: Tensor | None, linear
 
 
 def _stream_kernels(rows: Tensor, w: Tensor) -> ModuleType | None:
-    """The CPU extension where its grouped_rows takes these tensors (float32, contiguous, in % 8 == 0)."""
-    if rows.device.type != "cpu" or rows.dtype != torch.float32 or w.dtype != torch.float32 or w.shape[2] % 8 \
+    """The CPU extension where its grouped_rows takes these tensors (both float32 or both bfloat16,
+    contiguous, in % 8 == 0)."""
+    if rows.device.type != "cpu" or rows.dtype != w.dtype or w.dtype not in STREAM_DTYPES or w.shape[2] % 8 \
             or not w.is_contiguous():
         return None
     from kernels import cpu_kernels
