@@ -4,6 +4,7 @@
 // Each output is one dot product in a fixed order whatever M is. Weights in float32 or bfloat16 (half the
 // bytes: a bfloat16 weight is widened to float32 as it is loaded, so every product and sum is float32's,
 // rounded to bfloat16 once at the end).
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/extension.h>
 
 #include <omp.h>
@@ -152,6 +153,22 @@ void block(const X<W>* x, int64_t M, const W* w, W* out, int64_t lo, int64_t hi,
   for (; n < hi; ++n) rows<1>(x, M, w + n * K, out + n, ldo, K);
 }
 
+// out = x @ w.T for many rows. Float32 by oneDNN's linear on the plain weight, as the dense layers run
+// (engine/gemm.py), where torch has it: MKL's sgemm, at::mm's choice, took 2.1x its time for an expert of
+// 64 rows on an AVX-512 host (MKL runs its AVX2 code on AMD CPUs) and 1.15x with oneDNN held to AVX2.
+// bfloat16 by at::mm, which is oneDNN's already.
+void product(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& w) {
+  static const auto linear = c10::Dispatcher::singleton().findSchema({"mkldnn::_linear_pointwise", ""});
+  if (x.scalar_type() != at::kFloat || !linear) {
+    at::mm_out(out, x, w.t());
+    return;
+  }
+  torch::jit::Stack stack{x, w, c10::IValue(), c10::IValue("none"), c10::IValue(c10::List<std::optional<at::Scalar>>()),
+                          c10::IValue()};
+  linear->callBoxed(&stack);
+  out.copy_(stack[0].toTensor());
+}
+
 // fn(x's data as the tiles take it, w's data) by the weights' dtype, float32 or bfloat16 (x's too, and the
 // result's: computed in float32, rounded once)
 template <typename Fn>
@@ -193,7 +210,7 @@ torch::Tensor linear_rows(torch::Tensor x, torch::Tensor w) {
 // A mixture of experts' grouped product: x [M, K] with its rows sorted by group, w [G, N, K], ends [G]
 // int64 (where each group's rows end) -> [M, N], group g's rows times w[g].T. A group of at most
 // `stream_rows` rows streams w[g] from memory once (decode: a few rows per expert), every group's
-// column blocks shared among the threads in one parallel region; a larger group is one BLAS product
+// column blocks shared among the threads in one parallel region; a larger group is one product (`product`)
 // (prefill). Both float32 or both bfloat16, contiguous, K a multiple of 8.
 torch::Tensor grouped_rows(torch::Tensor x, torch::Tensor w, torch::Tensor ends, int64_t stream_rows) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 3 && x.is_contiguous() && w.is_contiguous(), "grouped_rows: x [M, K], w [G, N, K]");
@@ -213,7 +230,7 @@ torch::Tensor grouped_rows(torch::Tensor x, torch::Tensor w, torch::Tensor ends,
       TORCH_CHECK(n >= 0, "grouped_rows: ends must not decrease");
       if (n > stream_rows) {
         auto part = out.narrow(0, start, n);
-        at::mm_out(part, x.narrow(0, start, n), w[g].t());
+        product(part, x.narrow(0, start, n), w[g]);
       } else if (n > 0) {
         groups.push_back({g, start, n});
       }

@@ -2,7 +2,7 @@
 
 The experts run grouped: the (token, expert) pairs sorted by expert, each projection one call over
 every expert's rows (on the CPU the extension's grouped_rows, float32 or bfloat16, which streams an
-expert's few rows past its weight and gives a crowded expert one BLAS product, or torch's grouped_mm for
+expert's few rows past its weight and gives a crowded expert one oneDNN product, or torch's grouped_mm for
 other dtypes; on CUDA
 kernels/fused_moe_kernel.py's one launch per projection, as vLLM's fused_moe), never a Python loop over
 tokens, the results weighted and summed back per token. Tensor parallelism splits each expert's
@@ -82,9 +82,9 @@ def grouped(x: Tensor, gate_up: Tensor, down: Tensor, ids: Tensor, weights: Tens
 
 
 # An expert's rows are streamed past its weight (read from memory once) up to this many (decode: a few
-# rows on each of many experts), one BLAS product beyond: the crossover on the development host, where
-# 1-12 rows streamed took 0.55-0.70x BLAS's time, 16 rows 0.91x and 24-64 rows 1.11-1.48x
-# (tools/bench_moe.py --crossover, hidden 1024, one thread)
+# rows on each of many experts), one oneDNN product beyond (prefill). Where the two cross depends on the
+# host's oneDNN (tools/bench_moe.py --crossover, float32, hidden 1024, one thread): at 12 rows on an
+# AVX-512 host (16 rows streamed 1.24x its time), near 28 with oneDNN held to AVX2 (16 rows: 0.79x)
 STREAM_ROWS = 16
 STREAM_DTYPES = (torch.float32, torch.bfloat16)
 
