@@ -89,12 +89,12 @@ def test_a_row_mask_restricts_its_row_only():
 
 
 def test_bad_rows_fail_alone():
-    logits = torch.randn(4, 64)
-    logits[1, 5] = float("nan")
+    logits = torch.randn(6, 64)
+    logits[1, 5], logits[4, 0], logits[5, 63] = float("nan"), float("inf"), float("-inf")
     seqs = [seq(temperature=0.0), seq(temperature=0.0), seq(temperature=1.0, seed=1, allowed_token_bitmask=bitmask(64, [])),
-            seq(temperature=0.0, allowed_token_bitmask=b"\x01")]   # NaN logits, nothing allowed, a malformed mask
-    tokens, failed = sampler.sample_seqs(logits, seqs)
-    assert failed == [1, 2, 3] and tokens[0] == logits[0].argmax().item()
+            seq(temperature=0.0, allowed_token_bitmask=b"\x01"), seq(temperature=0.0), seq(temperature=1.0, seed=2)]
+    tokens, failed = sampler.sample_seqs(logits, seqs)   # NaN, nothing allowed, a malformed mask, +inf, -inf
+    assert failed == [1, 2, 3, 4, 5] and tokens[0] == logits[0].argmax().item()
 
 
 def test_block_manager_allocates_grows_and_frees():
