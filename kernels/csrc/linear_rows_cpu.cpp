@@ -2,8 +2,9 @@
 // few rows of w at a time meeting every row of x while they are in registers or L1. oneDNN and MKL block
 // for large M and read a decode's weights well below this machine's bandwidth (BENCHMARKS.md, issue 23).
 // Each output is one dot product in a fixed order whatever M is. Weights in float32 or bfloat16 (half the
-// bytes: a bfloat16 weight is widened to float32 as it is loaded, so every product and sum is float32's,
-// rounded to bfloat16 once at the end).
+// bytes; x then bfloat16 too): AVX512-BF16's dot-product instruction where the CPU has it (bfloat16
+// denormals read as zero), else each weight widened to float32 as it is loaded; either way every product
+// and sum is float32's, rounded to bfloat16 once at the end.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/extension.h>
 
