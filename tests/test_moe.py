@@ -2,8 +2,8 @@
 experts one at a time, summed in slot order: nothing grouped, sorted or padded):
 
 * the CPU grouped path (models/layers/moe.py `grouped`: the extension's grouped_rows streaming an
-  expert's few rows past its weight and one oneDNN product for many, torch's grouped_mm for other dtypes
-  and widths) over hypothesis' batches: experts with no tokens, one, more than STREAM_ROWS; k = 1, 2, 8;
+  expert's few rows past its weight, float32 or bfloat16, and one product for many; torch's for other
+  widths) over hypothesis' batches: experts with no tokens, one, more than STREAM_ROWS; k = 1, 2, 8;
   biases on and off; T = 0 and 1;
 * `align` (kernels/fused_moe_kernel.py): every pair once, in its expert's run, runs padded to the tile;
   on meta tensors, so that no step reads a device value on the host (a CUDA graph could not capture it);
@@ -91,8 +91,8 @@ def rel_err(a: Tensor, ref: Tensor) -> float:
        h=st.sampled_from([16, 20, 64]), i=st.sampled_from([8, 12, 32]), bias=st.booleans(), crowd=st.booleans(),
        act=st.sampled_from(sorted(ACTS)), dtype=st.sampled_from([torch.float32, torch.bfloat16]))
 def test_grouped_equals_per_token_loop(seed, t, e, k, h, i, bias, crowd, act, dtype):
-    """Widths of 16 and 64 with intermediates of 8 and 32 take the float32 streaming kernel, 20 and 12
-    (not whole vectors of 8) and bfloat16 torch's grouped_mm; a crowded expert past STREAM_ROWS one product."""
+    """Widths of 16 and 64 with intermediates of 8 and 32 take the streaming kernel (float32 and bfloat16),
+    20 and 12 (not whole vectors of 8) torch's products; a crowded expert past STREAM_ROWS one product."""
     k = min(k, e)
     case = make_case(seed, t, e, k, h, i, bias, crowd, dtype)
     out = grouped(**case, act=ACTS[act])
