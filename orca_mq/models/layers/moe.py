@@ -4,8 +4,9 @@ The experts run grouped: the (token, expert) pairs sorted by expert, each projec
 every expert's rows (on the CPU the extension's grouped_rows, float32 or bfloat16, which streams an
 expert's few rows past its weight and gives a crowded expert one oneDNN product, or torch's grouped_mm
 for other dtypes; on CUDA kernels/fused_moe_kernel.py's one launch per projection, as vLLM's
-fused_moe), never a Python loop over tokens, the results weighted and summed back per token. Tensor parallelism splits each expert's
-intermediate width (gate_up by rows, down by columns): one all-reduce for the layer's output.
+fused_moe), never a Python loop over tokens, the results weighted and summed back per token. Tensor
+parallelism splits each expert's intermediate width (gate_up by rows, down by columns): one all-reduce
+for the layer's output.
 
 Deterministic mode (`invariant`: the engine's batch-invariant GEMM, engine/gemm.py) routes and runs each
 expert's rows through that GEMM, a loop over the experts with rows: a row's bits then depend on nothing
