@@ -170,16 +170,21 @@ void product(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& w)
   out.copy_(stack[0].toTensor());
 }
 
-// fn(x's data as the tiles take it, w's data) by the weights' dtype, float32 or bfloat16 (x's too, and the
-// result's: computed in float32, rounded once)
+// out [x's rows, n] in x's dtype, filled by fn(x's data as the tiles take it, w's data, out, out's data) by
+// the weights' dtype: float32 or bfloat16, x's too (computed in float32, rounded once)
 template <typename Fn>
-torch::Tensor by_weight(const char* what, const torch::Tensor& x, const torch::Tensor& w, Fn fn) {
+torch::Tensor by_weight(const char* what, const torch::Tensor& x, const torch::Tensor& w, int64_t n, Fn fn) {
   TORCH_CHECK(x.scalar_type() == w.scalar_type() && (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16),
               what, ": x and w both float32 or both bfloat16");
-  if (w.scalar_type() == at::kFloat) return fn(x.data_ptr<float>(), w.data_ptr<float>());
-  using XB = X<at::BFloat16>;
-  const torch::Tensor rows = std::is_same_v<XB, float> ? x.to(at::kFloat) : x;
-  return fn(rows.data_ptr<XB>(), w.data_ptr<at::BFloat16>());
+  auto out = torch::empty({x.size(0), n}, x.options());
+  if (w.scalar_type() == at::kFloat) {
+    fn(x.data_ptr<float>(), w.data_ptr<float>(), out, out.data_ptr<float>());
+  } else {
+    using XB = X<at::BFloat16>;
+    const torch::Tensor rows = std::is_same_v<XB, float> ? x.to(at::kFloat) : x;
+    fn(rows.data_ptr<XB>(), w.data_ptr<at::BFloat16>(), out, out.data_ptr<at::BFloat16>());
+  }
+  return out;
 }
 
 }  // namespace
@@ -190,10 +195,7 @@ torch::Tensor linear_rows(torch::Tensor x, torch::Tensor w) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.is_contiguous() && w.is_contiguous(), "linear_rows: contiguous 2-d tensors");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   TORCH_CHECK(w.size(1) == K && K % 8 == 0 && M >= 1, "linear_rows: x [M >= 1, K], w [N, K], K % 8 == 0");
-  return by_weight("linear_rows", x, w, [&](const auto* xp, const auto* wp) {
-    using W = std::remove_cv_t<std::remove_pointer_t<decltype(wp)>>;
-    auto out = torch::empty({M, N}, x.options());
-    W* op = out.data_ptr<W>();
+  return by_weight("linear_rows", x, w, N, [&](const auto* xp, const auto* wp, torch::Tensor&, auto* op) {
     // one contiguous share of w's rows per thread (a multiple of 24: every tile width): each streams its
     // part of the weights once. Its own OpenMP region, on the calling thread's team (see
     // paged_decode_cpu.cpp for why not at::parallel_for)
@@ -204,7 +206,6 @@ torch::Tensor linear_rows(torch::Tensor x, torch::Tensor w) {
       const int64_t lo = std::min(N, tid * per);
       block(xp, M, wp, op, lo, std::min(N, lo + per), N, K);
     }
-    return out;
   });
 }
 
@@ -221,9 +222,7 @@ torch::Tensor grouped_rows(torch::Tensor x, torch::Tensor w, torch::Tensor ends,
   const auto end = ends.contiguous();
   const int64_t* ep = end.data_ptr<int64_t>();
   TORCH_CHECK(G == 0 || ep[G - 1] == M, "grouped_rows: ends must finish at x's rows");
-  return by_weight("grouped_rows", x, w, [&](const auto* xp, const auto* wp) {
-    using W = std::remove_cv_t<std::remove_pointer_t<decltype(wp)>>;
-    auto out = torch::empty({M, N}, x.options());
+  return by_weight("grouped_rows", x, w, N, [&](const auto* xp, const auto* wp, torch::Tensor& out, auto* op) {
     struct Group { int64_t g, row, rows; };
     std::vector<Group> groups;
     for (int64_t g = 0, start = 0; g < G; start = ep[g++]) {
@@ -239,13 +238,11 @@ torch::Tensor grouped_rows(torch::Tensor x, torch::Tensor w, torch::Tensor ends,
     // each group's outputs in blocks of 48 (a multiple of every tile width): enough pieces to share
     constexpr int64_t NB = 48;
     const int64_t blocks = (N + NB - 1) / NB, items = static_cast<int64_t>(groups.size()) * blocks;
-    W* op = out.data_ptr<W>();
 #pragma omp parallel for schedule(static) if (items * NB * K > 65536)
     for (int64_t i = 0; i < items; ++i) {
       const Group& c = groups[i / blocks];
       const int64_t lo = (i % blocks) * NB;
       block(xp + c.row * K, c.rows, wp + c.g * N * K, op + c.row * N, lo, std::min(N, lo + NB), N, K);
     }
-    return out;
   });
 }
