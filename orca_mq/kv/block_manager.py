@@ -239,10 +239,10 @@ class BlockManager(BlockTables):
             return
         n_full = min(n_tokens // self.block_size, len(table))
         if self.seed is not None and n_full > req.kv_published:
-            tokens = req.prompt_token_ids
-            if n_full * self.block_size > len(tokens):
-                tokens = tokens + req.output_token_ids
-            hashes = extend_chain(req.kv_hashes, tokens, self.block_size, n_full, self.seed)
+            # only the tokens of the blocks not hashed yet (the whole history is long, a block is not)
+            lo, hi, prompt = len(req.kv_hashes) * self.block_size, n_full * self.block_size, req.prompt_token_ids
+            tokens = prompt[lo:hi] if hi <= len(prompt) else prompt[lo:] + req.output_token_ids[max(lo - len(prompt), 0):hi - len(prompt)]
+            hashes = extend_chain(req.kv_hashes, tokens, self.block_size, n_full, self.seed, lo)
             for i in range(req.kv_published, n_full):
                 if table[i] != HOLE:   # a block of a cache hit that left the window before it was published
                     self.device.publish(table[i], hashes[i])
@@ -253,6 +253,7 @@ class BlockManager(BlockTables):
         """The request left: its references on both tiers and its reservation return to the pool."""
         rid = req.request_id
         self.unreserve(req)
+        self.replaced.discard(rid)
         for b in self.device.tables.pop(rid, ()):
             if b != HOLE:
                 self.device.drop(b)

@@ -21,14 +21,16 @@ def chain_seed(*identity: str) -> bytes:
     return hashlib.blake2b("\x00".join(identity).encode(), digest_size=DIGEST_BYTES).digest()
 
 
-def extend_chain(hashes: list[bytes], tokens: Sequence[int], block_size: int, n_blocks: int, seed: bytes) -> list[bytes]:
-    """Append to `hashes` (the chain of the first len(hashes) blocks of `tokens`) the hashes of the
-    blocks up to `n_blocks` (full blocks only); returns `hashes`."""
-    first, end = len(hashes), min(n_blocks, len(tokens) // block_size)
+def extend_chain(hashes: list[bytes], tokens: Sequence[int], block_size: int, n_blocks: int, seed: bytes,
+                 offset: int = 0) -> list[bytes]:
+    """Append to `hashes` (the chain of the first len(hashes) blocks) the hashes of the blocks up to
+    `n_blocks` (full blocks only) of the token ids `tokens`, which start at position `offset` (at most
+    the first new block's); returns `hashes`."""
+    first, end = len(hashes), min(n_blocks, (offset + len(tokens)) // block_size)
     if end <= first:
         return hashes
     prev = hashes[-1] if hashes else seed
-    data = memoryview(array("q", tokens[first * block_size:end * block_size]).tobytes())
+    data = memoryview(array("q", tokens[first * block_size - offset:end * block_size - offset]).tobytes())
     step = 8 * block_size
     for j in range(end - first):
         prev = hashlib.blake2b(prev + data[j * step:(j + 1) * step], digest_size=DIGEST_BYTES).digest()

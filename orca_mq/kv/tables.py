@@ -28,6 +28,7 @@ class BlockTables:
         self._pins: list[int] = []                      # host blocks the next plan reads or writes
         self._dev_pins: list[int] = []                  # device blocks the next plan uploads into
         self.moved: set[str] = set()                    # requests whose KV the next plan copies: they move once a plan
+        self.replaced: set[str] = set()                 # requests uploaded since the planner looked: their tables are new lists
         self._host_new: dict[bytes, int] = {}           # prefix hash -> host copy the next plan makes
 
     # ------------------------------------------------------------ tables
@@ -103,6 +104,7 @@ class BlockTables:
             self._upload(host_blocks[i - holes], d)
         self._pins.extend(host_blocks)      # its references, kept until the plan is sent
         self.device.tables[request_id] = table  # type: ignore[assignment]
+        self.replaced.add(request_id)
         self._grew(request_id, len(host_blocks))
         return len(copies)
 

@@ -24,7 +24,7 @@ from orca_mq.kv.prefix import chain_seed
 from orca_mq.runtime.device import uses_cuda
 from orca_mq.sched.profiler import IterationProfile, Profiler, profile_max_len
 from orca_mq.sched import closings
-from orca_mq.sched.columns import DecodeColumns, DecodeRows, apply_decode, decodes, decoding, merge, plan_decode
+from orca_mq.sched.columns import DecodeColumns, apply_decode, decode_rows, decodes, decoding, merge, plan_decode
 from orca_mq.sched.request import Phase, Request
 from orca_mq.sched.pooling import PooledRows, ask_pooling, max_pooled_rows, pools
 from orca_mq.sched.processors import add_extras
@@ -109,7 +109,9 @@ class Scheduler:
         self.max_pooled = max_pooled_rows(info.hidden_size)   # embedding rows an iteration may pool
         # the columnar planner's store (sched/columns.py); None: every iteration takes the general path
         self.columns = DecodeColumns(np.array(sorted(self.eos_token_ids), np.int64)) if self.speculator is None and not self.block_manager.window else None
-        self.columnar: set[int] = set()   # iterations in flight that it planned
+        # iterations in flight that it planned whole: their rows' slots, and `ended` then
+        self.columnar: dict[int, tuple[np.ndarray, int]] = {}
+        self.ended = 0   # requests that finished or were asked to abort while running, so far
 
     # ------------------------------------------------------------ the iteration loop
 
@@ -161,6 +163,7 @@ class Scheduler:
             return []
         if req.running:
             req.aborted = True
+            self.ended += 1
             return []
         self._finish(req, "abort")
         return [TokenEvent(request_id, None, "abort")]
@@ -190,7 +193,10 @@ class Scheduler:
         selected = self.select(now)
         if self.columns is not None and selected and decodes(selected):   # every row a plain decode: in columns
             self.admitted(selected, now)
-            return self._planned(plan_decode(self.columns, self.block_manager, selected, self.iteration), selected)
+            self._uploaded()
+            plan, d = plan_decode(self.columns, self.block_manager, selected, self.iteration)
+            self.columnar[plan.iteration] = (d.slots, self.ended)
+            return self._planned(plan, selected)
         for req in selected:   # blocks of its prompt that requests prefilling the same prefix published since it started
             if req.phase is Phase.INITIATION:
                 self.block_manager.reuse(req)
@@ -199,13 +205,18 @@ class Scheduler:
         if not batch:
             return None
         self.admitted(batch, now)
+        self._uploaded()
         drafts = {} if self.speculator is None else self.speculator.propose(batch, sum(r.chunk or 1 for r in batch), self.max_len)
         seqs, others = [], []   # the rows that are not plain decodes: the plain ones go in columns (`decoded`)
-        decoded = DecodeRows(self.columns, self.block_manager, self.iteration) if self.columns is not None else None
+        plain = [] if self.columns is None else [row for row, req in enumerate(batch) if decoding(req)]
+        decoded = decode_rows(self.columns, self.block_manager.block_size, self.iteration, plain, [batch[i] for i in plain],
+                              whole=False) if plain else None
+        grow, plain_rows = ({} if decoded is None else {plain[i]: i for i in decoded.short}), set(plain)
         follows = 0
         for row, req in enumerate(batch):
-            if decoded is not None and decoding(req):
-                decoded.add(row, req)
+            if row in grow:   # a decode row's table grows here, in plan order as the general path takes blocks
+                decoded.grow(self.block_manager, grow[row])   # type: ignore[union-attr]
+            if row in plain_rows:
                 continue
             others.append(req)
             prev = NO_ROW
@@ -228,26 +239,33 @@ class Scheduler:
         add_extras(seqs, others, self.eos_token_ids)   # logits processors: penalties, min_p, logit_bias, min_tokens
         ask_logprobs(seqs, others)
         ask_pooling(seqs, others)
-        general, plain = iter(seqs), set(() if decoded is None else decoded.rows)
+        general = iter(seqs)
         row = 0
         for i, req in enumerate(batch):   # a row's place among the sampled positions (a verify row's: its first)
-            sample, draft = (1, 0) if i in plain else ((s := next(general)).sample, s.draft)
+            sample, draft = (1, 0) if i in plain_rows else ((s := next(general)).sample, s.draft)
             req.planned, req.sample_row = self.iteration + 1, row if sample else NO_ROW
             row += sample * (1 + draft)
         plan = IterationPlan(self.iteration + 1, seqs, follows=follows)
-        if decoded is not None and decoded.rows:
-            kept = list(zip([i for i in range(len(batch)) if i not in plain], seqs))   # plan.seqs gives them back
+        if decoded is not None:
+            kept = list(zip([i for i in range(len(batch)) if i not in plain_rows], seqs))   # plan.seqs gives them back
             plan = IterationPlan(plan.iteration, None, follows=max(follows, decoded.follows), packed=merge(pack(plan), decoded, len(batch)),
                                  kept=kept)
         return self._planned(plan, batch)
+
+    def _uploaded(self) -> None:
+        """The columns forget their copies of tables that came back from the host as other lists (a policy
+        uploads while it selects and admits)."""
+        if self.columns is not None and self.block_manager.replaced:
+            for rid in self.block_manager.replaced:
+                if (req := self.pool.get(rid)) is not None:
+                    self.columns.forget(req)
+            self.block_manager.replaced.clear()
 
     def _planned(self, plan: IterationPlan, batch: list[Request]) -> IterationPlan:
         """The plan of the next iteration goes in flight, with the token histories to release."""
         self.iteration = plan.iteration
         plan.released, self.released = self.released, []
         self.in_flight[plan.iteration] = batch
-        if plan.rows is None:
-            self.columnar.add(plan.iteration)
         self.record.append((plan.iteration, [r.request_id for r in batch]))
         return plan
 
@@ -279,9 +297,8 @@ class Scheduler:
         batch = self.in_flight.pop(result.iteration, None)
         if batch is None or [r.request_id for r in batch] != list(result.request_ids):
             raise ValueError(f"result of iteration {result.iteration} does not match any iteration in flight")
-        if self.columnar and result.iteration in self.columnar:
-            self.columnar.discard(result.iteration)
-            if (events := apply_decode(self, batch, result, now)) is not None:
+        if (columnar := self.columnar.pop(result.iteration, None)) is not None:
+            if (events := apply_decode(self, batch, result, *columnar, now)) is not None:
                 self.after_iteration(batch, now)
                 return self.emit(events)
         events = []
@@ -318,6 +335,8 @@ class Scheduler:
                 if reason := self._stop_reason(req, token):
                     break
                 events.append(TokenEvent(req.request_id, token))
+            if req.slot >= 0:
+                self.columns.appended(req)   # type: ignore[union-attr]
             if drafted:   # the K/V of the drafts it kept is its own now
                 self.speculator.learn(req, drafted, appended - 1)   # type: ignore[union-attr]   # drafts past a stop count for nothing
                 self.block_manager.computed(req, req.num_tokens - 1)
@@ -341,6 +360,7 @@ class Scheduler:
 
     def _finish(self, req: Request, reason: str, now: float | None = None) -> None:
         req.phase, req.finish_reason, req.finish_time = Phase.FINISHED, reason, now
+        self.ended += 1
         if req.grammar is not None:
             req.grammar.release()
         self._retire(req)

@@ -45,13 +45,20 @@ class DecodeColumns:
     max_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     eos_stops: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))   # EOS ends it (not ignore_eos)
     own_stops: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))   # it has stop_token_ids of its own
+    # each slot's request as its rows need it, kept here so a plan and its result read no Request: tokens it
+    # has (prompt + output), its last token and its prompt's length (written where a token is appended: here and
+    # in Scheduler.process_result)
+    n_tok: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    last: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    n_prompt: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     free: list[int] = field(default_factory=list)
     # each slot's copy of its block table (a plan gathers the batch's from here, not from Python lists): the
-    # block manager's list it copies and that list's length then; a decode row's table only grows (no window,
-    # no speculation), or is another list after the request's KV went to the host and came back
+    # block manager's list it copies and that list's length then (0: none copied); a decode row's table only
+    # grows (no window, no speculation) by the blocks its positions need, or is another list after the request's
+    # KV went to the host and came back (`forget`)
     tab: np.ndarray = field(default_factory=lambda: np.zeros((0, 16), I32))
     tab_ref: list[list[int] | None] = field(default_factory=list)
-    tab_len: list[int] = field(default_factory=list)
+    tab_len: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
     def add(self, req: Request) -> None:
         """Give the request a slot when it can decode in columns (req.slot stays -1 otherwise)."""
@@ -65,6 +72,17 @@ class DecodeColumns:
         self.temperature[s], self.top_k[s], self.top_p[s] = p.temperature, p.top_k, p.top_p
         self.seed[s] = -1 if p.seed is None else p.seed
         self.max_tokens[s], self.eos_stops[s], self.own_stops[s] = p.max_tokens, not p.ignore_eos, bool(p.stop_token_ids)
+        self.n_prompt[s] = len(req.prompt_token_ids)
+        self.appended(req)
+
+    def appended(self, req: Request) -> None:
+        """Its tokens as they are now (a token appended outside `apply_decode`)."""
+        self.n_tok[req.slot], self.last[req.slot] = req.num_tokens, (req.output_token_ids or req.prompt_token_ids)[-1]
+
+    def forget(self, req: Request) -> None:
+        """Its block table is another list now (its KV came back from the host): copy it whole when next planned."""
+        if req.slot >= 0:
+            self.tab_ref[req.slot], self.tab_len[req.slot] = None, 0
 
     def remove(self, req: Request) -> None:
         if req.slot >= 0:
@@ -75,7 +93,7 @@ class DecodeColumns:
     def copy_table(self, s: int, table: list[int]) -> None:
         """Slot s's copy of `table` brought up to date: the blocks appended since, or all of them when the
         block manager holds another list for the request."""
-        have, n = self.tab_len[s] if self.tab_ref[s] is table else 0, len(table)
+        have, n = int(self.tab_len[s]) if self.tab_ref[s] is table else 0, len(table)
         if n > self.tab.shape[1]:
             wider = np.zeros((len(self.tab), max(n, 2 * self.tab.shape[1])), I32)
             wider[:, :self.tab.shape[1]] = self.tab
@@ -91,12 +109,12 @@ class DecodeColumns:
 
     def _grow(self) -> None:
         n = len(self.temperature)
-        for name in ("temperature", "top_k", "top_p", "seed", "max_tokens", "eos_stops", "own_stops"):
+        for name in ("temperature", "top_k", "top_p", "seed", "max_tokens", "eos_stops", "own_stops", "n_tok", "last",
+                     "n_prompt", "tab_len"):
             old = getattr(self, name)
             setattr(self, name, np.concatenate([old, np.zeros(GROW, old.dtype)]))
         self.tab = np.concatenate([self.tab, np.zeros((GROW, self.tab.shape[1]), I32)])
         self.tab_ref.extend([None] * GROW)
-        self.tab_len.extend([0] * GROW)
         self.free.extend(range(n + GROW - 1, n - 1, -1))   # popped lowest first
 
 
@@ -112,76 +130,65 @@ def decoding(r: Request) -> bool:
 
 @dataclass(slots=True)
 class DecodeRows:
-    """An iteration's plain decode rows, gathered in plan order into columns: what Scheduler.schedule's rows
-    give for them (a row planned ahead of its last token feeds the placeholder -1 at its prev_row), their
-    requests' planning state set as it sets it (sample_row by the caller)."""
+    """An iteration's plain decode rows in plan order, as columns: what Scheduler.schedule's rows give for
+    them (a row planned ahead of its last token feeds the placeholder -1 at its prev_row)."""
 
     store: DecodeColumns
-    bm: BlockManager
-    iteration: int                      # the last planned: these rows are iteration + 1's
-    rows: list[int] = field(default_factory=list)   # their plan rows
-    ids: list[str] = field(default_factory=list)
-    toks: list[int] = field(default_factory=list)
-    starts: list[int] = field(default_factory=list)
-    prevs: list[int] = field(default_factory=list)
-    lens: list[int] = field(default_factory=list)   # their tables' lengths (the tables: in the store)
-    slots: list[int] = field(default_factory=list)
-    follows: int = 0
+    iteration: int                  # the plan's
+    rows: list[int]                 # their plan rows
+    ids: list[str]
+    slots: np.ndarray               # their requests' slots in the store
+    starts: np.ndarray              # each row's first position
+    toks: np.ndarray                # the token each feeds (-1: the one its previous iteration samples)
+    prevs: np.ndarray               # that iteration's sampling row (NO_ROW: its token is given)
+    follows: int                    # the iteration it follows (0: none)
+    short: list[int]                # the rows (indices here) whose position reached a block their copy lacks
 
-    def add(self, row: int, r: Request) -> None:
-        self.extend([row], [r])
-
-    def extend(self, rows: list[int], reqs: list[Request], whole: bool = False) -> None:
-        """The requests' rows at plan rows `rows`, in order; `whole`: they are the whole plan, each samples
-        at its row (its sample_row set here too). One loop with its lookups bound: it runs per row per iteration."""
-        toks, starts, prevs, ids, lens, slots = self.toks, self.starts, self.prevs, self.ids, self.lens, self.slots
-        tables, ensure, block_size = self.bm.device.tables, self.bm.ensure, self.bm.block_size
-        store = self.store
-        ref, have, planned = store.tab_ref, store.tab_len, self.iteration + 1
-        for row, r in zip(rows, reqs):
-            rid, n_tok = r.request_id, len(r.prompt_token_ids) + len(r.output_token_ids)
-            if r.in_flight:   # planned before its last token came back: the engine puts that token here
-                toks.append(-1)
-                starts.append(n_tok)
-                prevs.append(r.sample_row)
-                self.follows = self.iteration
-                n_tok += 1
-            else:
-                toks.append(r.output_token_ids[-1])
-                starts.append(n_tok - 1)
-                prevs.append(NO_ROW)
-            table = tables.get(rid)
-            if table is None or len(table) * block_size < n_tok:
-                table = ensure(rid, n_tok)
-            s = r.slot
-            if table is not ref[s] or len(table) != have[s]:
-                store.copy_table(s, table)
-            ids.append(rid)
-            lens.append(len(table))
-            slots.append(s)
-            r.in_flight += 1
-            r.chunk = r.draft = 0
-            if whole:
-                r.planned, r.sample_row = planned, row
-        self.rows.extend(rows)
+    def grow(self, bm: BlockManager, i: int) -> None:
+        """Row i's table grown to its position (the caller keeps the general path's order: blocks are taken
+        in plan order) and copied on."""
+        self.store.copy_table(int(self.slots[i]), bm.ensure(self.ids[i], int(self.starts[i]) + 1))
 
     def packed(self) -> PackedPlan:
         """These rows' columns, as a plan of them alone."""
-        n, at, s = len(self.rows), np.array(self.slots, np.intp), self.store
-        lens = np.array(self.lens, I32)
+        n, at, store = len(self.rows), self.slots, self.store
+        lens = store.tab_len[at].astype(I32)
         return PackedPlan(
-            self.iteration + 1, self.ids, np.ones(n, I32).tobytes(), np.array(self.starts, I32).tobytes(),
-            np.array(self.toks, I32).tobytes(), np.array(self.prevs, I32).tobytes(), lens.tobytes(),
-            s.tables(at, lens).tobytes(), np.ones(n, U8).tobytes(),
-            s.temperature[at].tobytes(), s.top_k[at].tobytes(), s.top_p[at].tobytes(), s.seed[at].tobytes(), b"", [],
-            follows=self.follows)
+            self.iteration, self.ids, np.ones(n, I32).tobytes(), self.starts.astype(I32).tobytes(),
+            self.toks.astype(I32).tobytes(), self.prevs.tobytes(), lens.tobytes(), store.tables(at, lens).tobytes(),
+            np.ones(n, U8).tobytes(), store.temperature[at].tobytes(), store.top_k[at].tobytes(),
+            store.top_p[at].tobytes(), store.seed[at].tobytes(), b"", [], follows=self.follows)
 
 
-def plan_decode(store: DecodeColumns, bm: BlockManager, batch: list[Request], iteration: int) -> IterationPlan:
-    """The iteration `iteration` + 1 of an all-decode batch, in columns."""
-    d = DecodeRows(store, bm, iteration)
-    d.extend(list(range(len(batch))), batch, whole=True)
-    return IterationPlan(iteration + 1, None, follows=d.follows, packed=d.packed())
+def decode_rows(store: DecodeColumns, block_size: int, iteration: int, rows: list[int], reqs: list[Request],
+                whole: bool) -> DecodeRows:
+    """The requests' rows at plan rows `rows` of iteration `iteration` + 1, their planning state set as
+    Scheduler.schedule sets it; `whole`: they are the whole plan, each samples at its row (its sample_row set
+    here too, else by the caller). One pass over the rows in Python for the Request's own state; the rest in
+    the store's columns: a row's position and token from its counts, its table from its copy, which the
+    caller grows (`grow`) only where the position has reached a new block."""
+    planned, prevs = iteration + 1, []
+    for row, r in zip(rows, reqs):
+        prevs.append(r.sample_row if r.in_flight else NO_ROW)   # planned before its last token came back
+        r.in_flight += 1
+        r.chunk = 0
+        if whole:
+            r.planned, r.sample_row = planned, row
+    ids, slots = [r.request_id for r in reqs], [r.slot for r in reqs]
+    at, prev = np.array(slots, np.intp), np.array(prevs, I32)
+    ahead = prev != NO_ROW
+    starts = store.n_tok[at] - 1 + ahead
+    toks = np.where(ahead, -1, store.last[at])
+    short = np.flatnonzero(starts >= store.tab_len[at] * block_size).tolist()
+    return DecodeRows(store, planned, rows, ids, at, starts, toks, prev, iteration if ahead.any() else 0, short)
+
+
+def plan_decode(store: DecodeColumns, bm: BlockManager, batch: list[Request], iteration: int) -> tuple[IterationPlan, DecodeRows]:
+    """The iteration `iteration` + 1 of an all-decode batch, in columns, and its rows (kept for its result)."""
+    d = decode_rows(store, bm.block_size, iteration, list(range(len(batch))), batch, whole=True)
+    for i in d.short:
+        d.grow(bm, i)
+    return IterationPlan(iteration + 1, None, follows=d.follows, packed=d.packed()), d
 
 
 def merge(sub: PackedPlan, d: DecodeRows, n: int) -> PackedPlan:
@@ -233,42 +240,35 @@ def _ids(sub: PackedPlan, d: DecodeRows, n: int, other: np.ndarray) -> list[str]
     return ids
 
 
-def apply_decode(sched: "Scheduler", batch: list[Request], result: IterationResult, now: float) -> "list[TokenEvent] | None":
+def apply_decode(sched: "Scheduler", batch: list[Request], result: IterationResult, slots: np.ndarray, ended: int,
+                 now: float) -> "list[TokenEvent] | None":
     """A columnar iteration's tokens applied as Scheduler.process_result applies them, its events in row
-    order; None (nothing applied) when a row needs the general path: its work failed or it was aborted
-    or finished meanwhile, or the result carries more than tokens."""
+    order, given its rows' `slots` and the scheduler's count of ended requests when it was planned; None
+    (nothing applied) when a row needs the general path: its work failed or it was aborted or finished
+    meanwhile (only looked for when some request ended since), or the result carries more than tokens."""
     from orca_mq.sched.base import TokenEvent   # base imports this module
 
     if (result.failed or result.verify_rows or result.logprob_rows or result.prompt_rows or result.pool_rows
-            or not all(r.slot >= 0 and r.phase is Phase.INCREMENT and not r.aborted for r in batch)):
+            or ended != sched.ended and not all(r.slot >= 0 and r.phase is Phase.INCREMENT and not r.aborted for r in batch)):
         return None
-    assert sched.columns is not None
-    bm, tokens = sched.block_manager, result.token_ids
-    publish, block_size = bm.seed is not None, bm.block_size
-    slots, n_out = [], []
+    store, bm, tokens = sched.columns, sched.block_manager, result.token_ids
+    assert store is not None
     for r, t in zip(batch, tokens):
         r.in_flight -= 1
         r.n_iterations += 1
-        out = r.output_token_ids
-        # its K/V is written: a block it filled joins the prefix cache (no window: computed only publishes)
-        if publish and (n := len(r.prompt_token_ids) + len(out)) // block_size > r.kv_published:
-            bm.computed(r, n)
-        out.append(t)
-        slots.append(r.slot)
-        n_out.append(len(out))
-    events = [TokenEvent(rid, t) for rid, t in zip(result.request_ids, tokens)]
-    for row in _maybe_stops(sched.columns, slots, n_out, tokens):
+        r.output_token_ids.append(t)
+    n_kv, t = store.n_tok[slots], np.array(tokens, np.int64)   # the K/V now written: every token but the new one
+    store.n_tok[slots], store.last[slots] = n_kv + 1, t
+    if bm.seed is not None:   # a block it filled joins the prefix cache (no window: computed only publishes)
+        published = np.fromiter([r.kv_published for r in batch], np.int64, len(batch))
+        for row in np.flatnonzero(n_kv // bm.block_size > published).tolist():
+            bm.computed(batch[row], int(n_kv[row]))
+    events = [TokenEvent(rid, tok) for rid, tok in zip(result.request_ids, tokens)]
+    eos = (t[:, None] == store.eos).any(axis=1)   # a model has a few EOS ids: cheaper than np.isin
+    maybe = (n_kv + 1 - store.n_prompt[slots] >= store.max_tokens[slots]) | store.own_stops[slots] | (store.eos_stops[slots] & eos)
+    for row in np.flatnonzero(maybe).tolist():   # the rows whose token may end them: decided by the general rule
         req, token = batch[row], tokens[row]
         if reason := sched._stop_reason(req, token):
             sched._finish(req, reason, now)
             events[row] = TokenEvent(req.request_id, token, reason)
     return events
-
-
-def _maybe_stops(store: DecodeColumns, slots: list[int], n_out: list[int], tokens: list[int]) -> list[int]:
-    """The rows whose token may end their request (EOS, a stop token id of its own, or its length), given
-    each row's slot and output length; ascending; the caller decides each with the general rule."""
-    at, t = np.array(slots, np.intp), np.array(tokens, np.int64)
-    eos = (t[:, None] == store.eos).any(axis=1)   # a model has a few EOS ids: cheaper than np.isin
-    maybe = (np.array(n_out, np.int64) >= store.max_tokens[at]) | store.own_stops[at] | (store.eos_stops[at] & eos)
-    return np.flatnonzero(maybe).tolist()
