@@ -24,7 +24,7 @@ from orca_mq.protocol.client_msgs import Final
 from orca_mq.protocol.iteration import IterationResult
 from orca_mq.protocol.logprobs import Logprobs
 from orca_mq.protocol.sampling import SamplingParams
-from orca_mq.sched import TokenEvent, make_scheduler
+from orca_mq.sched import Tokens, make_scheduler
 from orca_mq.sched.request import Request
 from orca_mq.server.scheduler_process import token_batch
 
@@ -116,10 +116,10 @@ class LLM:
         assert all(g.final is not None for _, g in done)   # run_until_done returns once every request has ended
         return [(r, g, g.final) for r, g in done]  # type: ignore[misc]
 
-    def _keep(self, events: list[TokenEvent]) -> None:
-        """A step's events as the server's frontend takes them (a TokenBatch, the finals' metrics as the
+    def _keep(self, parts: list[Tokens]) -> None:
+        """A step's tokens as the server's frontend takes them (a TokenBatch, the finals' metrics as the
         server's scheduler gives them), each request's row gathered."""
-        batch = token_batch(0, events, self.scheduler.final_metrics)
+        batch = token_batch(0, parts, self.scheduler.final_metrics)
         for iid, _, row in self.assembler.rows(batch, time.time(), self._assembly):
             self._gathered[iid].add(row)
 
@@ -146,8 +146,8 @@ class LLM:
         launched: deque[Launched] = deque()
         while True:
             out = self.scheduler.step(time.monotonic(), results)
-            if out.events:
-                self._keep(out.events)
+            if out.tokens:
+                self._keep(out.tokens)
             launched.extend(self.runner.launch(plan) for plan in out.plans)
             if not launched:
                 if self.scheduler.has_work():

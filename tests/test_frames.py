@@ -19,7 +19,7 @@ from orca_mq.protocol.engine_msgs import TokenBatch
 from orca_mq.protocol.frames import FrameTooLarge, frames
 from orca_mq.protocol.logprobs import Logprobs, TokenLogprobs
 from orca_mq.protocol.sampling import SamplingParams
-from orca_mq.sched.base import TokenEvent
+from orca_mq.sched import TokenEvent
 from orca_mq.server.active_request import ActiveRequest
 from orca_mq.server.outbox import Outbox
 from orca_mq.server.scheduler_process import token_batch
@@ -36,8 +36,8 @@ def test_a_steps_events_split_into_frames_that_fit(monkeypatch):
     monkeypatch.setattr(codec, "MAX_FRAME_BYTES", LIMIT)
     events = [TokenEvent(f"r{i}", 7, None, prompt_logprobs=_prompt(400)) for i in range(12)]
     events += [TokenEvent("r0", 8), TokenEvent("r3", None, "abort")]
-    whole = token_batch(3, events, lambda rid: {"iterations": 1})
-    parts = frames(lambda lo, hi: token_batch(3, events[lo:hi], lambda rid: {"iterations": 1}), len(events))
+    whole = token_batch(3, [events], lambda rid: {"iterations": 1})
+    parts = frames(lambda lo, hi: token_batch(3, [events[lo:hi]], lambda rid: {"iterations": 1}), len(events))
     assert len(parts) > 1 and all(len(p) <= LIMIT for p in parts)
     got = [decode(p, channel(TokenBatch)) for p in parts]
     assert [r for b in got for r in b.request_ids] == whole.request_ids   # in order: r0's tokens, then its next

@@ -124,7 +124,7 @@ def emit_us_per_token(batch: int = 128, rounds: int = 200) -> float:
     metrics = {"cached_tokens": 0}
     start = time.perf_counter()
     for _ in range(rounds):
-        encode(token_batch(7, events, lambda rid: metrics))
+        encode(token_batch(7, [events], lambda rid: metrics))
     return (time.perf_counter() - start) / (rounds * batch) * 1e6
 
 

@@ -9,14 +9,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from orca_mq.sched import fastserve, orca, request_level, srpt  # noqa: F401  (each registers its policy)
-from orca_mq.sched.base import Scheduler, StepOutput, TokenEvent
+from orca_mq.sched.base import Scheduler
+from orca_mq.sched.events import StepOutput, TokenColumns, TokenEvent, Tokens, events_of
 from orca_mq.sched.registry import POLICIES
 
 if TYPE_CHECKING:
     from orca_mq.config import Config
     from orca_mq.models.info import ModelInfo
 
-__all__ = ["POLICIES", "Scheduler", "StepOutput", "TokenEvent", "make_scheduler", "policy_class"]
+__all__ = ["POLICIES", "Scheduler", "StepOutput", "TokenColumns", "TokenEvent", "Tokens", "events_of", "make_scheduler", "policy_class"]
 
 
 def policy_class(name: str) -> type[Scheduler]:

@@ -10,13 +10,11 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
 from orca_mq.protocol.iteration import NO_ROW, IterationPlan, IterationResult, SeqWork, pack
-from orca_mq.protocol.logprobs import TokenLogprobs
 from orca_mq.engine.dtype import resolve_dtype
 from orca_mq.kv.block_manager import BlockManager
 from orca_mq.kv.pool import PoolSize
@@ -24,6 +22,7 @@ from orca_mq.kv.prefix import chain_seed
 from orca_mq.runtime.device import uses_cuda
 from orca_mq.sched.profiler import IterationProfile, Profiler, profile_max_len
 from orca_mq.sched import closings
+from orca_mq.sched.events import StepOutput, TokenEvent, Tokens, events_of
 from orca_mq.sched.columns import DecodeColumns, apply_decode, decode_rows, decodes, decoding, merge, plan_decode
 from orca_mq.sched.request import Phase, Request
 from orca_mq.sched.pooling import PooledRows, ask_pooling, max_pooled_rows, pools
@@ -38,23 +37,6 @@ if TYPE_CHECKING:
 
 RECORD_WINDOW = 10_000   # iterations kept in `record`: it is read by tests and stats, and must not grow forever
 KEPT_METRICS = 10_000    # finished requests whose metrics stay available
-
-
-@dataclass(slots=True)
-class TokenEvent:
-    request_id: str
-    token_id: int | None            # None on a final event that carries no new token (abort)
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" when the request is done
-    metrics: dict[str, Any] | None = None  # on a final event: what the final message reports (structured outputs)
-    logprobs: TokenLogprobs | None = None         # the token's log probabilities, when its request asks
-    prompt_logprobs: TokenLogprobs | None = None  # on its first token: its prompt's, positions 1.. (prompt_logprobs)
-    embedding: bytes | None = None  # an embedding request's final: its vector (orca_mq/protocol/pooling.py)
-
-
-@dataclass(slots=True)
-class StepOutput:
-    plans: list[IterationPlan] = field(default_factory=list)   # to run now, in this order
-    events: list[TokenEvent] = field(default_factory=list)     # tokens and finals to stream, in order
 
 
 def async_scheduling(cfg: "Config", policy: type["Scheduler"]) -> bool:
@@ -126,7 +108,7 @@ class Scheduler:
                 if (profile := self.probes.finish(now)) is not None:
                     self.use_profile(profile)
             else:
-                out.events.extend(self.process_result(result, now))
+                out.tokens.extend(self.apply(result, now))
         if not self.profiled and self.probes is None:
             self.probes = self.profiler()
         while len(self.in_flight) < (self.n_workers if self.probes is not None else self.depth):
@@ -294,13 +276,18 @@ class Scheduler:
         return kept
 
     def process_result(self, result: IterationResult, now: float) -> list[TokenEvent]:
+        """`apply`, its tokens as events."""
+        return events_of(self.apply(result, now))
+
+    def apply(self, result: IterationResult, now: float) -> list[Tokens]:
+        """A returned iteration's tokens applied (finishes, stops, failures): what the stream gets of it."""
         batch = self.in_flight.pop(result.iteration, None)
         if batch is None or [r.request_id for r in batch] != list(result.request_ids):
             raise ValueError(f"result of iteration {result.iteration} does not match any iteration in flight")
         if (columnar := self.columnar.pop(result.iteration, None)) is not None:
-            if (events := apply_decode(self, batch, result, *columnar, now)) is not None:
+            if (tokens := apply_decode(self, batch, result, *columnar, now)) is not None:
                 self.after_iteration(batch, now)
-                return self.emit(events)
+                return self.emit(tokens)
         events = []
         failed = set(result.failed)
         verified = dict(zip(result.verify_rows, result.verified))
@@ -431,8 +418,9 @@ class Scheduler:
     def after_iteration(self, batch: list[Request], now: float) -> None:
         """An iteration's tokens were appended (FastServe preempts and demotes here)."""
 
-    def emit(self, events: list[TokenEvent]) -> list[TokenEvent]:
-        return events
+    def emit(self, tokens: Tokens) -> list[Tokens]:
+        """What the stream gets of a result's tokens now (the request-level baseline holds them)."""
+        return [tokens]
 
     def metrics(self, req: Request) -> dict[str, Any]:
         """A request's scheduler metrics for its final message: its prompt tokens taken from the

@@ -25,10 +25,11 @@ import numpy as np
 
 from orca_mq.kv.block_manager import BlockManager
 from orca_mq.protocol.iteration import F32, I32, I64, NO_ROW, U8, IterationPlan, IterationResult, PackedPlan
+from orca_mq.sched.events import TokenColumns, TokenEvent
 from orca_mq.sched.request import Phase, Request
 
 if TYPE_CHECKING:
-    from orca_mq.sched.base import Scheduler, TokenEvent
+    from orca_mq.sched.base import Scheduler
 
 GROW = 256   # slots added when the store is full
 
@@ -241,13 +242,11 @@ def _ids(sub: PackedPlan, d: DecodeRows, n: int, other: np.ndarray) -> list[str]
 
 
 def apply_decode(sched: "Scheduler", batch: list[Request], result: IterationResult, slots: np.ndarray, ended: int,
-                 now: float) -> "list[TokenEvent] | None":
+                 now: float) -> TokenColumns | None:
     """A columnar iteration's tokens applied as Scheduler.process_result applies them, its events in row
-    order, given its rows' `slots` and the scheduler's count of ended requests when it was planned; None
+    order (its result's columns), given its rows' `slots` and the scheduler's count of ended requests when it was planned; None
     (nothing applied) when a row needs the general path: its work failed or it was aborted or finished
     meanwhile (only looked for when some request ended since), or the result carries more than tokens."""
-    from orca_mq.sched.base import TokenEvent   # base imports this module
-
     if (result.failed or result.verify_rows or result.logprob_rows or result.prompt_rows or result.pool_rows
             or ended != sched.ended and not all(r.slot >= 0 and r.phase is Phase.INCREMENT and not r.aborted for r in batch)):
         return None
@@ -263,12 +262,12 @@ def apply_decode(sched: "Scheduler", batch: list[Request], result: IterationResu
         published = np.fromiter([r.kv_published for r in batch], np.int64, len(batch))
         for row in np.flatnonzero(n_kv // bm.block_size > published).tolist():
             bm.computed(batch[row], int(n_kv[row]))
-    events = [TokenEvent(rid, tok) for rid, tok in zip(result.request_ids, tokens)]
+    out = TokenColumns(result.request_ids, tokens)
     eos = (t[:, None] == store.eos).any(axis=1)   # a model has a few EOS ids: cheaper than np.isin
     maybe = (n_kv + 1 - store.n_prompt[slots] >= store.max_tokens[slots]) | store.own_stops[slots] | (store.eos_stops[slots] & eos)
     for row in np.flatnonzero(maybe).tolist():   # the rows whose token may end them: decided by the general rule
         req, token = batch[row], tokens[row]
         if reason := sched._stop_reason(req, token):
             sched._finish(req, reason, now)
-            events[row] = TokenEvent(req.request_id, token, reason)
-    return events
+            out.finals[row] = TokenEvent(req.request_id, token, reason)
+    return out

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from orca_mq.sched.base import TokenEvent
+from orca_mq.sched.events import TokenEvent, Tokens, events_of
 from orca_mq.sched.orca import OrcaScheduler
 from orca_mq.sched.registry import register
 from orca_mq.sched.request import Phase, Request
@@ -31,7 +31,7 @@ class RequestLevelScheduler(OrcaScheduler):
         self.batch: list[Request] = []
         self.batch_input_len = 0                # the batch's shortest prompt
         self.inactive: dict[str, Request] = {}  # finished, still computed, KV held until the batch ends
-        self.held_events: list[TokenEvent] = []
+        self.held_tokens: list[Tokens] = []   # the batch's tokens and finals, until it ends
 
     def select(self, now: float) -> list[Request]:
         if not self.batch:
@@ -47,7 +47,7 @@ class RequestLevelScheduler(OrcaScheduler):
             return []  # already finished: its final message is held for the batch's end
         if not any(r.request_id == request_id for r in self.batch):
             return super().abort(request_id)
-        return self.emit(super().abort(request_id))   # a member's final waits for the batch's end, which it may be
+        return events_of(self.emit(super().abort(request_id)))   # a member's final waits for the batch's end, which it may be
 
     def _retire(self, req: Request) -> None:
         """A batch member that finished with its tokens stays in the pool, inactive, until the batch
@@ -57,13 +57,13 @@ class RequestLevelScheduler(OrcaScheduler):
         else:
             super()._retire(req)
 
-    def emit(self, events: list[TokenEvent]) -> list[TokenEvent]:
+    def emit(self, tokens: Tokens) -> list[Tokens]:
         """Finals are held until the whole batch has finished (no early return); then the inactive
         members leave and the next batch may start."""
-        self.held_events.extend(events)
+        self.held_tokens.append(tokens)
         if any(r.phase is not Phase.FINISHED for r in self.batch):
             return []
         for req in self.inactive.values():
             super()._retire(req)
-        self.batch, self.inactive, out, self.held_events = [], {}, self.held_events, []
+        self.batch, self.inactive, out, self.held_tokens = [], {}, self.held_tokens, []
         return out

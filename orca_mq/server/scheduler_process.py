@@ -36,7 +36,8 @@ from orca_mq.protocol.frames import frames
 from orca_mq.protocol.iteration import IterationResult, pack
 from orca_mq.protocol.engine_msgs import (AbortRequest, AddRequest, ControlFrame, IterationDone, StatsQuery,
                                           StatsResult, TokenBatch, WorkerStats, WorkerStatsQuery)
-from orca_mq.sched import StepOutput, TokenEvent, make_scheduler
+from orca_mq.sched import StepOutput, TokenColumns, TokenEvent, Tokens, events_of, make_scheduler
+from orca_mq.sched.events import n_rows
 from orca_mq.sched.request import Request
 from orca_mq.structured.compiler import Known, bounded
 from orca_mq.server.telemetry import Telemetry
@@ -151,7 +152,7 @@ class SchedulerProcess:
             if msg.request_id in self.compiling:
                 self.compiling[msg.request_id] = True
                 return
-            await self._emit(-1, self.sched.abort(msg.request_id))
+            await self._emit(-1, [self.sched.abort(msg.request_id)])
         elif isinstance(msg, StatsQuery):
             await self._start_stats(env.source, msg)
         elif isinstance(msg, WorkerStats):
@@ -166,7 +167,7 @@ class SchedulerProcess:
 
     async def _refused(self, request_id: str) -> None:
         self.log.error("request refused by the scheduler", request_id=request_id, exc_info=True)
-        await self._emit(-1, [TokenEvent(request_id, None, "error")])
+        await self._emit(-1, [[TokenEvent(request_id, None, "error")]])
 
     def _compiled(self, task: asyncio.Task[None]) -> None:
         self.compile_tasks.discard(task)
@@ -186,7 +187,7 @@ class SchedulerProcess:
             grammar = None
         async with self.turn:
             if self.compiling.pop(rid, False):
-                await self._emit(-1, [TokenEvent(rid, None, "abort")])
+                await self._emit(-1, [[TokenEvent(rid, None, "abort")]])
             elif grammar is None:
                 await self._refused(rid)
             else:
@@ -207,7 +208,7 @@ class SchedulerProcess:
                 self.telemetry.plan_sent(plan, self.sched.pool, time.monotonic())
             self.log.debug("iteration scheduled", iteration=plan.iteration, batch=plan.num_rows, tokens=plan.num_tokens)
         if results:
-            await self._emit(results[0].iteration, out.events)
+            await self._emit(results[0].iteration, out.tokens)
         if not self.ready and self.sched.profiled:
             self.ready = True
             if self.sched.profile is not None:
@@ -216,13 +217,22 @@ class SchedulerProcess:
             await self.link.to_peer("launcher", Ready("scheduler", os.getpid()))
         return bool(out.plans)
 
-    async def _emit(self, iteration: int, events: list[TokenEvent]) -> None:
-        """A step's events to the frontend: one frame, or several in order where one would exceed the bound."""
-        if events:
-            batch = token_batch(iteration, events, self.sched.final_metrics)
+    async def _emit(self, iteration: int, parts: list[Tokens]) -> None:
+        """A step's tokens to the frontend: one frame, or several in order where one would exceed the bound."""
+        if n := n_rows(parts):
+            fm = self.sched.final_metrics
+            batch = token_batch(iteration, parts, fm)
             self.telemetry.finished(batch.metrics.values())
-            for frame in frames(lambda lo, hi: batch if hi - lo == len(events) else
-                                token_batch(iteration, events[lo:hi], self.sched.final_metrics), len(events)):
+            events: list[TokenEvent] = []   # split only when too large: rows as events, then
+
+            def build(lo: int, hi: int) -> TokenBatch:
+                if hi - lo == n:
+                    return batch
+                if not events:
+                    events.extend(events_of(parts))
+                return token_batch(iteration, [events[lo:hi]], fm)
+
+            for frame in frames(build, n):
                 await self.link.send_raw(PEER, FRONTEND, frame)
 
     async def _start_stats(self, source: bytes, query: StatsQuery) -> None:
@@ -264,34 +274,47 @@ class SchedulerProcess:
         await self.link.to_peer(pending.source, StatsResult(q.query_id, stats))
 
 
-def token_batch(iteration: int, events: list[TokenEvent], final_metrics: Callable[[TokenEvent], dict[str, Any]]) -> TokenBatch:
-    """A step's events as one TokenBatch, in one pass: two flat columns of tokens (msgpack packs them
-    in C), the few finals with their metrics (the scheduler's and the event's) beside."""
-    rids: list[str] = []
-    tokens: list[int] = []
-    finals: dict[str, str] = {}
-    metrics: dict[str, dict[str, Any]] = {}
-    embeddings: dict[str, bytes] = {}
-    for e in events:
-        if e.token_id is not None:
-            rids.append(e.request_id)
-            tokens.append(e.token_id)
-        if e.finish_reason:
-            finals[e.request_id] = e.finish_reason
-            if m := final_metrics(e):
-                metrics[e.request_id] = m
-            if e.embedding is not None:
-                embeddings[e.request_id] = e.embedding
-    batch = TokenBatch(iteration, rids, tokens, finals, metrics, embeddings=embeddings)
-    if any(e.logprobs is not None or e.prompt_logprobs is not None for e in events):
-        _logprob_columns(batch, events)
+def token_batch(iteration: int, parts: list[Tokens], final_metrics: Callable[[TokenEvent], dict[str, Any]]) -> TokenBatch:
+    """A step's tokens as one TokenBatch: two flat columns of tokens (msgpack packs them in C; a columnar
+    iteration's are its result's own lists), the few finals with their metrics (the scheduler's and the
+    event's) beside."""
+    if len(parts) == 1 and isinstance(parts[0], TokenColumns):
+        rids, tokens, ends = parts[0].request_ids, parts[0].token_ids, list(parts[0].finals.values())
+    else:
+        rids, tokens, ends = [], [], []
+        for p in parts:
+            if isinstance(p, TokenColumns):
+                rids += p.request_ids
+                tokens += p.token_ids
+                ends += p.finals.values()
+                continue
+            for e in p:
+                if e.token_id is not None:
+                    rids.append(e.request_id)
+                    tokens.append(e.token_id)
+                if e.finish_reason:
+                    ends.append(e)
+    batch = TokenBatch(iteration, rids, tokens)
+    for e in ends:
+        batch.finals[e.request_id] = e.finish_reason   # type: ignore[assignment]
+        if m := final_metrics(e):
+            batch.metrics[e.request_id] = m
+        if e.embedding is not None:
+            batch.embeddings[e.request_id] = e.embedding
+    if any(e.logprobs is not None or e.prompt_logprobs is not None for p in parts if not isinstance(p, TokenColumns) for e in p):
+        _logprob_columns(batch, parts)
     return batch
 
 
-def _logprob_columns(batch: TokenBatch, events: list[TokenEvent]) -> None:
-    """The events' log probabilities beside their tokens (only when one of them has any)."""
-    batch.logprobs = [e.logprobs for e in events if e.token_id is not None]
-    batch.prompt_logprobs = {e.request_id: e.prompt_logprobs for e in events if e.prompt_logprobs is not None}
+def _logprob_columns(batch: TokenBatch, parts: list[Tokens]) -> None:
+    """The events' log probabilities beside their tokens (only when one of them has any; a columnar
+    iteration's rows have none)."""
+    for p in parts:
+        if isinstance(p, TokenColumns):
+            batch.logprobs += [None] * len(p.token_ids)
+            continue
+        batch.logprobs += [e.logprobs for e in p if e.token_id is not None]
+        batch.prompt_logprobs |= {e.request_id: e.prompt_logprobs for e in p if e.prompt_logprobs is not None}
 
 
 def main() -> None:
