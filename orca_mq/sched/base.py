@@ -179,9 +179,6 @@ class Scheduler:
             plan, d = plan_decode(self.columns, self.block_manager, selected, self.iteration)
             self.columnar[plan.iteration] = (d.slots, self.ended)
             return self._planned(plan, selected)
-        for req in selected:   # blocks of its prompt that requests prefilling the same prefix published since it started
-            if req.phase is Phase.INITIATION:
-                self.block_manager.reuse(req)
         planning = Budget(self.plan_budget)
         batch = closings.ready(self.fit_budget(selected), planning, idle=not self.in_flight)
         if not batch:
@@ -255,7 +252,8 @@ class Scheduler:
         """Sarathi-Serve's stall-free batching under a token budget (scheduler.max_num_batched_tokens):
         every increment request in the batch gets its one token first, then the prompts share what is
         left, in batch order, a chunk each; a prompt left with no budget waits for a later iteration.
-        Sets each request's `chunk`."""
+        Sets each request's `chunk`; a prompt fed now first takes the blocks of it that requests
+        prefilling the same prefix published since it started (one that waits takes them when fed)."""
         left = self.token_budget - sum(r.phase is Phase.INCREMENT for r in batch) if self.token_budget else None
         kept, pooling = [], self.max_pooled   # embedding rows past it wait: an iteration's vectors stay in a frame
         for req in batch:
@@ -265,6 +263,8 @@ class Scheduler:
                     continue
                 pooling -= 1
             if req.phase is Phase.INITIATION:
+                if left is None or left > 0:   # a prompt fed now takes the blocks of it published since it started
+                    self.block_manager.reuse(req)
                 policy = self.prompt_chunk(req)
                 req.chunk = req.prompt_left if policy is None else min(policy, req.prompt_left)
                 if left is not None:
