@@ -1,7 +1,7 @@
 """The columnar planner (orca_mq/sched/columns.py) plans what the general path plans: every policy, on a
 random workload (shared prompt prefixes, EOS and stop tokens, seeds, requests that need rows of their own,
 aborts, engine failures, async scheduling), run twice in lockstep, with and without it. Every packed plan
-is equal field by field, and every event; most plans must have gone through the columnar planner (whole,
+is equal field by field, and every request's events; most plans must have gone through the columnar planner (whole,
 or its decode rows merged with the general path's other rows)."""
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from orca_mq.config import load_config
 from orca_mq.models.info import ModelInfo
 from orca_mq.protocol.iteration import IterationPlan, IterationResult, pack
 from orca_mq.protocol.sampling import SamplingParams
-from orca_mq.sched import make_scheduler
+from orca_mq.sched import TokenColumns, TokenEvent, make_scheduler
+from orca_mq.sched import base
 from orca_mq.sched.base import Scheduler
 from orca_mq.sched.profiler import IterationProfile
 from orca_mq.sched.request import Request
@@ -54,6 +55,15 @@ def result(plan: IterationPlan, rng: random.Random, last: list[int]) -> Iteratio
                            logprob_rows=[], logprobs=[])
 
 
+def by_request(events: list[TokenEvent]) -> dict[str, list[tuple[int | None, str | None]]]:
+    """Each request's events in order (what its stream sees: a merged iteration's decode rows, applied in
+    columns, come before its general rows, so the order across requests differs)."""
+    out: dict[str, list[tuple[int | None, str | None]]] = {}
+    for e in events:
+        out.setdefault(e.request_id, []).append((e.token_id, e.finish_reason))
+    return out
+
+
 def same_plan(a: IterationPlan, b: IterationPlan) -> None:
     """Equal columns, and equal rows as objects (as tests and tools read them), packed again."""
     for pa, pb in ((pack(a), pack(b)), (pack(IterationPlan(0, a.seqs)), pack(IterationPlan(0, b.seqs)))):
@@ -62,7 +72,8 @@ def same_plan(a: IterationPlan, b: IterationPlan) -> None:
 
 
 @pytest.mark.parametrize("policy,ahead,workers,slots", CASES)
-def test_columnar_plans_equal_the_general_path(policy: str, ahead: str, workers: int, slots: int) -> None:
+def test_columnar_plans_equal_the_general_path(policy: str, ahead: str, workers: int, slots: int,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = load_config(overrides={"scheduler.policy": policy, "scheduler.async_scheduling": ahead, "engine.n_workers": workers,
                                  "scheduler.max_bs": 8, "scheduler.max_num_batched_tokens": 32, "engine.block_size": 4,
                                  "engine.n_slots": slots, "engine.host_slots": 1024})
@@ -73,6 +84,17 @@ def test_columnar_plans_equal_the_general_path(policy: str, ahead: str, workers:
             s.use_profile(PROFILE)
     arrivals = deque(workload(len(policy + ahead) + workers, policy == "request"))
     rng, now, columnar, total = random.Random(1), 0.0, 0, 0
+    was_merged = False
+    merged = [0, 0]   # results of merged plans returned, and those whose decode rows were applied in columns
+    in_columns: list[int] = []   # rows of each apply in columns
+    apply_decode = base.apply_decode
+
+    def counted(sched: Scheduler, batch: list[Request], *args: object) -> TokenColumns | None:
+        if (out := apply_decode(sched, batch, *args)) is not None:   # type: ignore[arg-type]
+            in_columns.append(len(batch))
+        return out
+
+    monkeypatch.setattr(base, "apply_decode", counted)
     flights: list[deque[IterationPlan]] = [deque(), deque()]
     results: list[list[IterationResult]] = [[], []]
     while arrivals or any(s.has_work() for s in pair):
@@ -84,9 +106,12 @@ def test_columnar_plans_equal_the_general_path(policy: str, ahead: str, workers:
             victim = rng.choice(sorted(pair[0].pool))
             assert [(e.request_id, e.finish_reason) for e in pair[0].abort(victim)] == \
                 [(e.request_id, e.finish_reason) for e in pair[1].abort(victim)]
+        applied = len(in_columns)
         outs = [s.step(now, r) for s, r in zip(pair, results)]
-        assert [(e.request_id, e.token_id, e.finish_reason) for e in outs[0].events] == \
-            [(e.request_id, e.token_id, e.finish_reason) for e in outs[1].events]
+        if results[0] and was_merged:
+            merged[0] += 1
+            merged[1] += len(in_columns) > applied
+        assert by_request(outs[0].events) == by_request(outs[1].events)
         assert len(outs[0].plans) == len(outs[1].plans)
         for a, b in zip(outs[0].plans, outs[1].plans):
             columnar += a.rows is None
@@ -97,11 +122,13 @@ def test_columnar_plans_equal_the_general_path(policy: str, ahead: str, workers:
         results = [[], []]
         if flights[0]:
             state = rng.getstate()
+            was_merged = bool(flights[0][0].kept)
             for i in (0, 1):
                 rng.setstate(state)
                 results[i] = [result(flights[i].popleft(), rng, [])]
         now += 0.01
     assert columnar >= total // 2, f"{columnar} of {total} iterations planned in columns"
+    assert merged[1] >= merged[0] // 3 > 0, f"{merged[1]} of {merged[0]} merged iterations' decode rows applied in columns"
     for s in pair:
         bm = s.block_manager
         assert bm.n_rsrv == 0 and bm.num_used_slots == 0

@@ -91,8 +91,8 @@ class Scheduler:
         self.max_pooled = max_pooled_rows(info.hidden_size)   # embedding rows an iteration may pool
         # the columnar planner's store (sched/columns.py); None: every iteration takes the general path
         self.columns = DecodeColumns(np.array(sorted(self.eos_token_ids), np.int64)) if self.speculator is None and not self.block_manager.window else None
-        # iterations in flight that it planned whole: their rows' slots, and `ended` then
-        self.columnar: dict[int, tuple[np.ndarray, int]] = {}
+        # iterations in flight with decode rows it planned: their slots, `ended` then, and their plan rows (None: all)
+        self.columnar: dict[int, tuple[np.ndarray, int, list[int] | None]] = {}
         self.ended = 0   # requests that finished or were asked to abort while running, so far
 
     # ------------------------------------------------------------ the iteration loop
@@ -177,7 +177,7 @@ class Scheduler:
             self.admitted(selected, now)
             self._uploaded()
             plan, d = plan_decode(self.columns, self.block_manager, selected, self.iteration)
-            self.columnar[plan.iteration] = (d.slots, self.ended)
+            self.columnar[plan.iteration] = (d.slots, self.ended, None)
             return self._planned(plan, selected)
         planning = Budget(self.plan_budget)
         batch = closings.ready(self.fit_budget(selected), planning, idle=not self.in_flight)
@@ -229,6 +229,7 @@ class Scheduler:
             kept = list(zip([i for i in range(len(batch)) if i not in plain_rows], seqs))   # plan.seqs gives them back
             plan = IterationPlan(plan.iteration, None, follows=max(follows, decoded.follows), packed=merge(pack(plan), decoded, len(batch)),
                                  kept=kept)
+            self.columnar[plan.iteration] = (decoded.slots, self.ended, plain)
         return self._planned(plan, batch)
 
     def _uploaded(self) -> None:
@@ -284,15 +285,31 @@ class Scheduler:
         batch = self.in_flight.pop(result.iteration, None)
         if batch is None or [r.request_id for r in batch] != list(result.request_ids):
             raise ValueError(f"result of iteration {result.iteration} does not match any iteration in flight")
-        if (columnar := self.columnar.pop(result.iteration, None)) is not None:
-            if (tokens := apply_decode(self, batch, result, *columnar, now)) is not None:
-                self.after_iteration(batch, now)
-                return self.emit(tokens)
+        parts: list[Tokens] = []
+        general: Sequence[int] = range(len(batch))
+        if (columnar := self.columnar.pop(result.iteration, None)) is not None and not (result.failed or result.verify_rows):
+            slots, ended, rows = columnar   # its decode rows in columns, the rest (a merged plan's) row by row
+            ids, tokens = result.request_ids, result.token_ids
+            if rows is None:
+                cols = apply_decode(self, batch, ids, tokens, slots, ended, now)
+            else:
+                cols = apply_decode(self, [batch[i] for i in rows], [ids[i] for i in rows], [tokens[i] for i in rows], slots, ended, now)
+            if cols is not None:
+                parts.append(cols)
+                general = () if rows is None else sorted(set(general) - set(rows))
+        if general:
+            parts.append(self._apply_rows(batch, result, general, now))
+        self.after_iteration(batch, now)
+        return self.emit(parts)
+
+    def _apply_rows(self, batch: list[Request], result: IterationResult, rows: Sequence[int], now: float) -> list[TokenEvent]:
+        """The general path: the result's `rows` applied one by one, an event per token or final."""
         events = []
         failed = set(result.failed)
         verified = dict(zip(result.verify_rows, result.verified))
         pooled = PooledRows(result)
-        for row, (req, token) in enumerate(zip(batch, result.token_ids)):
+        for row in rows:
+            req, token = batch[row], result.token_ids[row]
             req.in_flight -= 1
             drafted = req.draft   # kept until its next plan: FastServe charges the tokens it verified
             if req.phase is Phase.FINISHED:  # the request-level baseline's inactive request: compute wasted
@@ -335,8 +352,7 @@ class Scheduler:
                 events.append(TokenEvent(req.request_id, token, reason, report))
         if result.logprob_rows or result.prompt_rows:
             attach_logprobs(batch, result, events)
-        self.after_iteration(batch, now)
-        return self.emit(events)
+        return events
 
     def _stop_reason(self, req: Request, token: int) -> str | None:
         if req.grammar is not None and (reason := req.grammar.accept(token)):
@@ -418,9 +434,9 @@ class Scheduler:
     def after_iteration(self, batch: list[Request], now: float) -> None:
         """An iteration's tokens were appended (FastServe preempts and demotes here)."""
 
-    def emit(self, tokens: Tokens) -> list[Tokens]:
+    def emit(self, parts: list[Tokens]) -> list[Tokens]:
         """What the stream gets of a result's tokens now (the request-level baseline holds them)."""
-        return [tokens]
+        return parts
 
     def metrics(self, req: Request) -> dict[str, Any]:
         """A request's scheduler metrics for its final message: its prompt tokens taken from the

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from orca_mq.kv.block_manager import BlockManager
-from orca_mq.protocol.iteration import F32, I32, I64, NO_ROW, U8, IterationPlan, IterationResult, PackedPlan
+from orca_mq.protocol.iteration import F32, I32, I64, NO_ROW, U8, IterationPlan, PackedPlan
 from orca_mq.sched.events import TokenColumns, TokenEvent
 from orca_mq.sched.request import Phase, Request
 
@@ -241,16 +241,16 @@ def _ids(sub: PackedPlan, d: DecodeRows, n: int, other: np.ndarray) -> list[str]
     return ids
 
 
-def apply_decode(sched: "Scheduler", batch: list[Request], result: IterationResult, slots: np.ndarray, ended: int,
-                 now: float) -> TokenColumns | None:
-    """A columnar iteration's tokens applied as Scheduler.process_result applies them, its events in row
-    order (its result's columns), given its rows' `slots` and the scheduler's count of ended requests when it was planned; None
-    (nothing applied) when a row needs the general path: its work failed or it was aborted or finished
-    meanwhile (only looked for when some request ended since), or the result carries more than tokens."""
-    if (result.failed or result.verify_rows or result.logprob_rows or result.prompt_rows or result.pool_rows
-            or ended != sched.ended and not all(r.slot >= 0 and r.phase is Phase.INCREMENT and not r.aborted for r in batch)):
+def apply_decode(sched: "Scheduler", batch: list[Request], ids: list[str], tokens: list[int], slots: np.ndarray,
+                 ended: int, now: float) -> TokenColumns | None:
+    """Decode rows' tokens (`batch`, request `ids` and `tokens` in row order: a whole columnar plan's, or the
+    decode rows of one merged with the general path's) applied as Scheduler.apply applies them, given their
+    `slots` and the scheduler's count of ended requests when they were planned; None (nothing applied) when
+    a row needs the general path: it was aborted or finished meanwhile (looked for only when some request
+    ended since)."""
+    if ended != sched.ended and not all(r.slot >= 0 and r.phase is Phase.INCREMENT and not r.aborted for r in batch):
         return None
-    store, bm, tokens = sched.columns, sched.block_manager, result.token_ids
+    store, bm = sched.columns, sched.block_manager
     assert store is not None
     for r, t in zip(batch, tokens):
         r.in_flight -= 1
@@ -262,7 +262,7 @@ def apply_decode(sched: "Scheduler", batch: list[Request], result: IterationResu
         published = np.fromiter([r.kv_published for r in batch], np.int64, len(batch))
         for row in np.flatnonzero(n_kv // bm.block_size > published).tolist():
             bm.computed(batch[row], int(n_kv[row]))
-    out = TokenColumns(result.request_ids, tokens)
+    out = TokenColumns(ids, tokens)
     eos = (t[:, None] == store.eos).any(axis=1)   # a model has a few EOS ids: cheaper than np.isin
     maybe = (n_kv + 1 - store.n_prompt[slots] >= store.max_tokens[slots]) | store.own_stops[slots] | (store.eos_stops[slots] & eos)
     for row in np.flatnonzero(maybe).tolist():   # the rows whose token may end them: decided by the general rule

@@ -47,7 +47,7 @@ class RequestLevelScheduler(OrcaScheduler):
             return []  # already finished: its final message is held for the batch's end
         if not any(r.request_id == request_id for r in self.batch):
             return super().abort(request_id)
-        return events_of(self.emit(super().abort(request_id)))   # a member's final waits for the batch's end, which it may be
+        return events_of(self.emit([super().abort(request_id)]))   # a member's final waits for the batch's end, which it may be
 
     def _retire(self, req: Request) -> None:
         """A batch member that finished with its tokens stays in the pool, inactive, until the batch
@@ -57,10 +57,10 @@ class RequestLevelScheduler(OrcaScheduler):
         else:
             super()._retire(req)
 
-    def emit(self, tokens: Tokens) -> list[Tokens]:
+    def emit(self, parts: list[Tokens]) -> list[Tokens]:
         """Finals are held until the whole batch has finished (no early return); then the inactive
         members leave and the next batch may start."""
-        self.held_tokens.append(tokens)
+        self.held_tokens += parts
         if any(r.phase is not Phase.FINISHED for r in self.batch):
             return []
         for req in self.inactive.values():
