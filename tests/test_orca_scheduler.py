@@ -305,3 +305,26 @@ def test_a_client_is_fcfs_and_round_robin_with_others():
     assert [s.request_id for s in plan.seqs] == ["a0", "b0"]
     events = run_from(sched, plan)
     assert sorted(rid for rid, _, reason in events if reason) == ["a0", "a1", "a2", "a3", "b0"]
+
+
+def test_select_shortcut_is_reserve_in_order():
+    """With every request idle and started, select takes the interleaved pool's first max_bs without the
+    per-request pass: what reserve_in_order gives then. Client a's requests start first; each of b's, arriving
+    later, takes a place ahead of a's later ones (round robin), so more requests are started than max_bs."""
+    sched = make(max_bs=4)
+    assert isinstance(sched, OrcaScheduler)
+    for j in range(4):
+        sched.add(Request(f"a{j}", [7] * 5, SamplingParams(max_tokens=40, ignore_eos=True), arrival=float(j), client="a"))
+    results, shortcuts = [], 0
+    for i in range(60):
+        if i % 6 == 1:
+            sched.add(Request(f"b{i}", [7] * 5, SamplingParams(max_tokens=3 + i % 5, ignore_eos=True), arrival=10.0 + i, client="b"))
+        for r in results:
+            sched.apply(r, 0.0)
+        if not sched.in_flight and not sched.unstarted:
+            shortcut = sched.select(0.0)
+            assert shortcut == sched.reserve_in_order(sched.order[1], strict=True)
+            shortcuts += len(sched.pool) > sched.max_bs
+        out = sched.step(0.0, [])
+        results = [finish(p) for p in out.plans]
+    assert shortcuts >= 5

@@ -45,10 +45,19 @@ class OrcaScheduler(Scheduler):
         super().__init__(cfg, info)
         self.shares = FairShare.of(self.block_manager.num_blocks, cfg.server.client_headroom)
         self.order: tuple[int, list[Request]] = (0, [])   # (pool_changes, the pool interleaved then)
+        self.unstarted: set[str] = set()   # requests in the pool that reserve_in_order has not started yet
+
+    def enter(self, req: Request) -> None:
+        self.unstarted.add(req.request_id)
+
+    def release(self, req: Request) -> None:
+        self.unstarted.discard(req.request_id)
 
     def select(self, now: float) -> list[Request]:
         if self.order[0] != self.pool_changes:   # the order changes only with the pool's members (a sort per iteration)
             self.order = (self.pool_changes, interleaved(self.pool.values()))
+        if not self.in_flight and not self.unstarted:   # every request idle and started: its first max_bs, as below
+            return self.order[1][:self.max_bs]
         return self.reserve_in_order(self.order[1], strict=True)
 
     def reserve_in_order(self, order: Iterable[Request], strict: bool) -> list[Request]:
@@ -87,6 +96,7 @@ class OrcaScheduler(Scheduler):
                         waiting.add(req.client)
                     continue
                 bm.start(req, cached, blocks)
+                self.unstarted.discard(req.request_id)
                 held[req.client] += blocks
             batch.append(req)
         return batch
