@@ -43,3 +43,18 @@ def test_one_tiny_round_end_to_end(tmp_path):
     assert set(us) == {*SERVING, "worker", "clients"} and us["clients"] > 0
     assert result["median"]["us_per_token"] == us and 0 < result["emit_us_per_token"] < 100
     assert "median" in table(result)
+
+
+def test_scheduler_burst_by_part():
+    """tools/bench_scheduler.py --burst's library: every token of the burst counted, every part timed,
+    the caches streamed between iterations when asked (a small burst: prompts chunked by the budget, stops
+    by length)."""
+    from orca_mq.bench.sched_burst import PARTS, burst
+    from orca_mq.models.info import ModelInfo
+
+    info = ModelInfo(path="b", arch="llama", vocab_size=1000, hidden_size=8, n_layers=2, n_heads=2, n_kv_heads=1,
+                     intermediate_size=16, norm_eps=1e-5, context_length=1024, eos_token_ids=[2])
+    for evict_mb in (0, 1):
+        r = burst(info, requests=12, max_bs=8, budget=64, input_len=(8, 40), output_len=5, evict_mb=evict_mb, seed=1)
+        assert r["tokens"] == 12 * 5 and r["iterations"] >= 5 * 12 // 8
+        assert set(r["us_per_token"]) == set(PARTS) and all(v > 0 for v in r["us_per_token"].values())

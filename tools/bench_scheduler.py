@@ -6,7 +6,14 @@ greedy) so the batch stays full; iterations are timed after a warm-up, in rounds
 each batch size's median. tools/bench_control_plane.py measures the same served, beside the broker's,
 frontend's and worker's shares.
 
+With --burst N, instead: the scheduler process's whole work for a served burst of N requests, in this
+process and by part (apply, step, the plan's frame, the result's decoding, the token frame; library:
+orca_mq/bench/sched_burst.py), with the caches cold (--evict-mb of memory streamed between iterations) and
+warm: bench_control_plane's burst, less the sockets and the event loop.
+
     python tools/bench_scheduler.py [--batch 256,512] [--policy orca] [--iterations 50] [--rounds 3] --out FILE.json
+    python tools/bench_scheduler.py --burst 256 [--batch 256] [--input-len 32:512] [--output-len 128] [--budget 2048]
+        [--evict-mb 0,128] [--rounds 3] --out FILE.json
 """
 from __future__ import annotations
 
@@ -17,6 +24,8 @@ import sys
 import time
 from pathlib import Path
 
+from orca_mq.bench.sched_burst import PARTS, burst
+from orca_mq.bench.trace import parse_range
 from orca_mq.config import load_config
 from orca_mq.models.info import ModelInfo
 from orca_mq.protocol.iteration import IterationResult, pack
@@ -69,8 +78,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iterations", type=int, default=50, help="timed iterations per round")
     p.add_argument("--prompt-len", type=int, default=64, help="tokens of each request's prompt")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--burst", type=int, default=0, metavar="N", help="instead: a served burst of N requests, by part")
+    p.add_argument("--input-len", type=parse_range, default=(32, 512), metavar="MIN:MAX", help="--burst: prompt tokens")
+    p.add_argument("--output-len", type=int, default=128, help="--burst: tokens each request generates")
+    p.add_argument("--budget", type=int, default=2048, help="--burst: scheduler.max_num_batched_tokens")
+    p.add_argument("--evict-mb", default="0,128", help="--burst: MiB streamed between iterations, comma-separated (0: warm)")
     p.add_argument("--out", required=True, metavar="FILE.json")
     args = p.parse_args(argv)
+    if args.burst:
+        return burst_table(args)
     rows = []
     for batch in (int(b) for b in args.batch.split(",")):
         runs = [per_token_us(batch, args.policy, args.iterations, args.prompt_len) for _ in range(args.rounds)]
@@ -80,6 +96,26 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['batch']:>6} {r['policy']:>9} {r['median']:>18.2f}  {', '.join(f'{x:.2f}' for x in r['us_per_token'])}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"rows": rows, "iterations": args.iterations, "prompt_len": args.prompt_len}, indent=1))
+    print(f"wrote {args.out}")
+    return 0
+
+
+def burst_table(args: argparse.Namespace) -> int:
+    if args.policy not in ("orca", "request"):
+        raise SystemExit("--burst: orca or request (the others time their profile first)")
+    max_bs, rows = int(args.batch.split(",")[0]), []
+    for mb in (int(x) for x in args.evict_mb.split(",")):
+        runs = [burst(INFO, args.burst, max_bs, args.budget, args.input_len, args.output_len, mb, seed, args.policy)
+                for seed in range(args.rounds)]
+        parts = {k: statistics.median(r["us_per_token"][k] for r in runs) for k in PARTS}
+        rows.append({"evict_mb": mb, "runs": runs, "median_us_per_token": parts,
+                     "median_total": statistics.median(sum(r["us_per_token"].values()) for r in runs)})
+    print(f"burst of {args.burst} at max_bs {max_bs}, {args.policy}: CPU us per generated token (median of {args.rounds})")
+    print(f"{'evict MiB':>10} " + " ".join(f"{k:>13}" for k in PARTS) + f" {'total':>8}")
+    for r in rows:
+        print(f"{r['evict_mb']:>10} " + " ".join(f"{r['median_us_per_token'][k]:>13.2f}" for k in PARTS) + f" {r['median_total']:>8.2f}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"burst": args.burst, "max_bs": max_bs, "rows": rows}, indent=1))
     print(f"wrote {args.out}")
     return 0
 
