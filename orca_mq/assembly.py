@@ -10,7 +10,7 @@ from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from orca_mq.detokenizer import IncrementalDetokenizer, ends_on_eos
+from orca_mq.detokenizer import IncrementalDetokenizer, ends_on_eos, plain_texts
 from orca_mq.outputs import output_metrics
 from orca_mq.protocol.client_msgs import Final
 from orca_mq.protocol.common_msgs import ABORTED, INTERNAL
@@ -53,11 +53,12 @@ class Assembler:
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)   # the one that ends a request is not shown
         self.token_texts: dict[int, str] = {}            # a token id decoded alone (log probabilities), at most the vocabulary
+        self.plain = plain_texts(tokenizer)              # what the detokenizers look up instead of streaming
 
     def start(self, prompt_ids: list[int], params: SamplingParams, arrival: float) -> Assembly:
         """An admitted request's output, before its first token."""
         head = prompt_ids[0] if params.prompt_logprobs is not None and prompt_ids else None
-        return Assembly(IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens), len(prompt_ids), arrival,
+        return Assembly(IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, self.plain), len(prompt_ids), arrival,
                         prompt_head=head)
 
     def rows(self, batch: TokenBatch, now: float,

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orca_mq.detokenizer import IncrementalDetokenizer
+from orca_mq.detokenizer import IncrementalDetokenizer, plain_texts
 from orca_mq.tokenizer import load_tokenizer
 
 TOKENIZER = load_tokenizer("")
@@ -84,3 +84,32 @@ def test_batched_steps_join_to_the_full_decode(seqs: list[list[int]], seed: int)
         assert "".join(got) + detok.finish() == full
         if "\ufffd" not in full:
             assert not any("\ufffd" in p for p in got)
+
+
+PLAIN = plain_texts(TOKENIZER)
+
+
+@settings(max_examples=300, deadline=None)
+@given(seq=token_sequences(len(TOKENIZER)), seed=st.integers(0, 2**32), skip=st.booleans())
+def test_looked_up_tokens_give_the_streams_pieces(seq: list[int], seed: int, skip: bool) -> None:
+    """Whole-character tokens looked up (plain_texts) and then the stream from the first other token: the
+    same piece at every step as a stream that saw every token, and the same final text."""
+    rng = random.Random(seed)
+    fast = IncrementalDetokenizer(TOKENIZER, skip, PLAIN)
+    slow = IncrementalDetokenizer(TOKENIZER, skip)
+    pos = 0
+    while pos < len(seq):
+        k = rng.randint(0, 3)
+        assert fast.step(seq[pos:pos + k]) == slow.step(seq[pos:pos + k])
+        pos += k
+    assert fast.finish() == slow.finish()
+
+
+def test_plain_tokens_are_looked_up_until_one_is_not(tokenizer):
+    assert PLAIN is not None and PLAIN[tokenizer.backend.token_to_id("<|im_end|>")] is None
+    detok = IncrementalDetokenizer(tokenizer, plain=PLAIN)
+    assert "".join(detok.step([i]) for i in tokenizer.encode("Hello, world")) == "Hello, world"
+    assert detok.plain is PLAIN                     # not streamed
+    emoji = tokenizer.encode("🎉")
+    assert detok.step(emoji[:1]) == "" and detok.plain is None   # part of a character: the stream from here
+    assert "".join(detok.step([i]) for i in emoji[1:]) + detok.finish() == "🎉"
