@@ -42,6 +42,7 @@ def test_one_tiny_round_end_to_end(tmp_path):
     us = r["served"]["us_per_token"]
     assert set(us) == {*SERVING, "worker", "clients"} and us["clients"] > 0
     assert result["median"]["us_per_token"] == us and 0 < result["emit_us_per_token"] < 100
+    assert 0 < result["rows_us_per_token"] < 100
     assert "median" in table(result)
 
 

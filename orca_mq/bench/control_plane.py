@@ -128,6 +128,35 @@ def emit_us_per_token(batch: int = 128, rounds: int = 200) -> float:
     return (time.perf_counter() - start) / (rounds * batch) * 1e6
 
 
+def rows_us_per_token(batch: int = 128, rounds: int = 100) -> float:
+    """The frontend's own work per token for a step of `batch` requests, one token each: their rows assembled
+    and detokenized, each client's frame built and encoded (the send aside), the embedded model's tokenizer."""
+    import random
+
+    from orca_mq.assembly import Assembler
+    from orca_mq.protocol import encode
+    from orca_mq.protocol.engine_msgs import TokenBatch
+    from orca_mq.protocol.sampling import SamplingParams
+    from orca_mq.server.active_request import ActiveRequest
+    from orca_mq.server.outbox import Outbox
+    from orca_mq.tokenizer import load_tokenizer
+
+    tokenizer, rng = load_tokenizer(), random.Random(0)
+    assembler = Assembler(tokenizer, [tokenizer.eos_token_id or 0])
+    params = SamplingParams(max_tokens=rounds + 1)
+    active = {f"#{i}": ActiveRequest(bytes([i % 4]) * 5, f"c{i}", assembler.start([1000 + i], params, 0.0), 4)
+              for i in range(batch)}
+    steps = [TokenBatch(it, list(active), [rng.randrange(1000, len(tokenizer)) for _ in active]) for it in range(rounds)]
+    start = time.perf_counter()
+    for step in steps:
+        out = Outbox()
+        for iid, _, row in assembler.rows(step, 0.0, lambda iid: active[iid].out):
+            out.add(active[iid], row.token_ids, row.text, row.final)
+        for frame in out.batches.values():
+            encode(frame)
+    return (time.perf_counter() - start) / (rounds * batch) * 1e6
+
+
 def run(setup: Setup, rounds: int, work: Path) -> dict[str, Any]:
     """`rounds` pairs of offline and served runs, interleaved; medians of each figure."""
     model = random_llama(work / "model", layers=setup.layers, max_positions=setup.max_len)
@@ -144,7 +173,7 @@ def run(setup: Setup, rounds: int, work: Path) -> dict[str, Any]:
            "us_per_token": {k: statistics.median(r["served"]["us_per_token"][k] for r in results)
                             for k in results[0]["served"]["us_per_token"]}}
     return {"setup": asdict(setup) | {"config": setup.config()}, "rounds": results, "median": med,
-            "emit_us_per_token": emit_us_per_token(setup.max_bs),
+            "emit_us_per_token": emit_us_per_token(setup.max_bs), "rows_us_per_token": rows_us_per_token(setup.max_bs),
             "targets": {"ratio": 0.9, "us_per_token": 15.0,
                         "met": med["ratio"] >= 0.9 and all(med["us_per_token"][k] <= 15.0 for k in SERVING)}}
 
@@ -166,6 +195,8 @@ def table(result: dict[str, Any]) -> str:
                      m["us_per_token"]))
     lines.append(f"scheduler's _emit (TokenBatch built + encoded, batch {result['setup']['max_bs']}): "
                  f"{result['emit_us_per_token']:.2f} us per token")
+    lines.append(f"frontend's rows (assembled, detokenized, client frames encoded, batch {result['setup']['max_bs']}): "
+                 f"{result['rows_us_per_token']:.2f} us per token")
     t = result["targets"]
     lines.append(f"targets: served >= {t['ratio']}x offline, broker/frontend/scheduler <= {t['us_per_token']:.0f} us per "
                  f"token: {'met' if t['met'] else 'not met'}")
