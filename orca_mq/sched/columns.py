@@ -3,17 +3,19 @@
 At a large batch nearly every iteration is all decode rows: each running request feeds its last token
 and samples one. Planning those through a SeqWork per row and packing them again costs the scheduler
 more CPU per token than the engine on a small model. Here such an iteration is built straight into the
-plan's columns (PackedPlan), the requests' sampling parameters gathered from a per-request column
-store by slot, and its result's tokens are checked for stops with array arithmetic. Only the state
-the policies read stays on the Request (its tokens, in_flight, planned, sample_row), written in one pass.
+plan's columns (PackedPlan) from a per-request column store by slot (sampling parameters, token count,
+last token, block table), and its result's tokens are counted, published to the prefix cache and checked
+for stops with array arithmetic. Only the state the policies read stays on the Request (its tokens,
+in_flight, planned, sample_row), written in one pass each way.
 
 A request decodes in columns when nothing of it needs a row of its own: no grammar, logits
 processors, log probabilities, pooling or speculation (the scheduler has no speculator), and a model
 without sliding windows (whose tables have holes). An iteration whose rows are all such requests in
-INCREMENT is planned here whole (`plan_decode`) and its result applied here (`apply_decode`); in any
-other iteration such rows are gathered here (`DecodeRows`) and merged in plan order with the general
-path's plan of the rest (`merge`), whose result the general path applies. The plans are what the general
-path alone gives, byte for byte (tests/test_sched_columns.py).
+INCREMENT is planned here whole (`plan_decode`); in any other iteration such rows are gathered here
+(`decode_rows`) and merged in plan order with the general path's plan of the rest (`merge`). Either way
+their tokens are applied here (`apply_decode`) and streamed as the result's columns, the rest's row by
+row. The plans are what the general path alone gives, byte for byte, and each request's tokens and
+finals the same (tests/test_sched_columns.py).
 """
 from __future__ import annotations
 
@@ -48,7 +50,7 @@ class DecodeColumns:
     own_stops: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))   # it has stop_token_ids of its own
     # each slot's request as its rows need it, kept here so a plan and its result read no Request: tokens it
     # has (prompt + output), its last token and its prompt's length (written where a token is appended: here and
-    # in Scheduler.process_result)
+    # in Scheduler._apply_rows)
     n_tok: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     last: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     n_prompt: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
