@@ -250,7 +250,7 @@ def apply_decode(sched: "Scheduler", batch: list[Request], ids: list[str], token
     `slots` and the scheduler's count of ended requests when they were planned; None (nothing applied) when
     a row needs the general path: it was aborted or finished meanwhile (looked for only when some request
     ended since)."""
-    if ended != sched.ended and not all(r.slot >= 0 and r.phase is Phase.INCREMENT and not r.aborted for r in batch):
+    if ended != sched.ended and not all(decoding(r) and not r.aborted for r in batch):
         return None
     store, bm = sched.columns, sched.block_manager
     assert store is not None
