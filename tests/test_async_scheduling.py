@@ -47,7 +47,7 @@ class Engine:
             if s.sample:
                 sampled.append(token)
         self.last = (plan.iteration, sampled)
-        return IterationResult(plan.iteration, [s.request_id for s in plan.seqs], out, failed)
+        return IterationResult(plan.iteration, out, failed)
 
 
 def _drive(ahead: str, reqs: list[Request], max_bs: int, budget: int) -> dict[str, tuple[list[int], str | None]]:

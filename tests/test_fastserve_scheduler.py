@@ -68,7 +68,7 @@ class FakeEngine:
                     assert block[pos % BS] == tag, f"iteration {plan.iteration}: {s.request_id} lost its KV at {pos}"
                 else:
                     block[pos % BS] = tag
-        return IterationResult(plan.iteration, [s.request_id for s in plan.seqs], [7] * len(plan.seqs))
+        return IterationResult(plan.iteration, [7] * len(plan.seqs))
 
 
 def duration(plan: IterationPlan) -> float:
@@ -381,7 +381,7 @@ def test_probes_run_through_the_loop_first_and_requests_wait_for_the_profile():
         assert len(out.plans) == 1 and not out.events      # timed alone
         seen.append(out.plans[0])
         now += 0.01 * (len(seen) % 7 + 1)
-        results = [IterationResult(out.plans[0].iteration, [s.request_id for s in out.plans[0].seqs], [0] * len(out.plans[0].seqs))]
+        results = [IterationResult(out.plans[0].iteration, [0] * len(out.plans[0].seqs))]
     prof, first = sched.profile, seen.pop()   # the turn that ends the probes already plans the first request
     assert prof is not None and sched.pool.keys() == {"early"} and [s.request_id for s in first.seqs] == ["early"]
     assert [x for x, _ in prof.initiation] == [1, 16, 32, 64, 128, 256, 300]

@@ -29,8 +29,7 @@ def req(i: int, prompt_len: int = 5, max_tokens: int = 3, arrival: float | None 
 
 
 def finish(plan: IterationPlan, token: int | None = None) -> IterationResult:
-    return IterationResult(plan.iteration, [s.request_id for s in plan.seqs],
-                           [token if token is not None else 100 + plan.iteration for _ in plan.seqs])
+    return IterationResult(plan.iteration, [token if token is not None else 100 + plan.iteration for _ in plan.seqs])
 
 
 def run(sched: Scheduler, steps: int = 10_000, fail: frozenset[str] = frozenset()) -> list[tuple[str, int | None, str | None]]:
@@ -44,8 +43,8 @@ def run(sched: Scheduler, steps: int = 10_000, fail: frozenset[str] = frozenset(
             assert not sched.has_work(), "work left but nothing schedulable: deadlock"
             break
         results = [finish(p) for p in out.plans]
-        for r in results:
-            r.failed = [rid for rid in r.request_ids if rid in fail]
+        for r, p in zip(results, out.plans):
+            r.failed = [s.request_id for s in p.seqs if s.request_id in fail]
         fail = frozenset()
     return events
 
@@ -202,7 +201,10 @@ def test_unknown_policy_and_bad_results_are_errors():
     sched.add(req(0))
     plan = sched.schedule(0.0)
     with pytest.raises(ValueError, match="does not match"):
-        sched.process_result(IterationResult(plan.iteration + 5, ["r0"], [1]), 0.0)
+        sched.process_result(IterationResult(plan.iteration + 5, [1]), 0.0)
+    with pytest.raises(ValueError, match="does not match"):   # a token per row of its plan, no more
+        sched.process_result(IterationResult(plan.iteration, [1, 1]), 0.0)
+    assert sched.expects(plan.iteration)   # a result that did not match leaves its iteration in flight
 
 
 def test_token_budget_chunks_prompts_and_never_stalls_increments():

@@ -38,7 +38,7 @@ MESSAGES = [
     AddRequest("#2", [1], SamplingParams(structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))),
     TokenBatch(3, ["a", "c", "a"], [5, 6, 7], {"a": "length", "b": "abort"}, {"a": {"cached_tokens": 0}}),
     StatsQuery("q"), StatsResult("q", {}), ControlFrame(pack(PLAN), 1.5),
-    IterationDone(IterationResult(7, ["a", "b"], [10, 11]), 1.0, 2.0), WorkerStatsQuery("q", True), WorkerStats("q", 1, {}),
+    IterationDone(IterationResult(7, [10, 11]), 1.0, 2.0), WorkerStatsQuery("q", True), WorkerStats("q", 1, {}),
     Ready("frontend", 12), Drain(), Drained(), AbortAll("why"), Fatal("worker1 died"), ClientGone(b"\x00abcd"),
 ]
 

@@ -51,7 +51,7 @@ def result(plan: IterationPlan, rng: random.Random, last: list[int]) -> Iteratio
     rows = plan.seqs
     tokens = [rng.choice([2, 9, rng.randrange(6, 1000), rng.randrange(6, 1000)]) if s.sample else -1 for s in rows]
     failed = [rows[0].request_id] if rows and rng.random() < 0.03 else []
-    return IterationResult(plan.iteration, [s.request_id for s in rows], tokens, failed,
+    return IterationResult(plan.iteration, tokens, failed,
                            logprob_rows=[], logprobs=[])
 
 

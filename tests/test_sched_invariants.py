@@ -108,7 +108,7 @@ def test_every_request_ends_once_frees_its_kv_and_never_starves(jobs, policy, n_
             failed = [rid for rid in ids if fate[rid][0] == "fail" and fate[rid][1] <= now]
             for rid in failed:
                 fate[rid] = ("none", 0.0)
-            result = IterationResult(plan.iteration, ids, tokens, failed=failed)
+            result = IterationResult(plan.iteration, tokens, failed=failed)
             for row, s in enumerate(plan.seqs):   # a verify row keeps a part of its draft, fixed by its place
                 if s.draft:
                     kept = s.seq_len * 7919 % (s.draft + 1)

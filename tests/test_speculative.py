@@ -102,17 +102,17 @@ def test_a_verify_row_is_one_token_rows_with_a_logit_each(split: bool) -> None:
 def test_acceptance_keeps_the_agreeing_prefix_and_the_next_token() -> None:
     a = pack(_plan()).arrays()
     sampled = [50, 1, 2, 8, 0, 60]            # logit rows: p | v after 9, 1, 2, 3 | d
-    result = IterationResult(1, ["p", "v", "d"], [50, 1, 60])
+    result = IterationResult(1, [50, 1, 60])
     verify(result, a, sampled, a.sampled_positions()[0].tolist())
     assert result.verify_rows == [1] and result.verified == [[2, 8]]   # 1 and 2 agree, 8 replaces the draft's 3
-    all_kept = IterationResult(1, ["p", "v", "d"], [50, 1, 60])
+    all_kept = IterationResult(1, [50, 1, 60])
     verify(all_kept, a, [50, 1, 2, 3, 44, 60], a.sampled_positions()[0].tolist())
     assert all_kept.verified == [[2, 3, 44]]                          # every draft, and the bonus token
 
 
 def test_drafts_and_kept_tokens_cross_the_wire() -> None:
     plan = pack(_plan())
-    assert decode(encode(IterationDone(IterationResult(1, ["v"], [1], verify_rows=[0], verified=[[2, 8]]), 0.0, 1.0)),
+    assert decode(encode(IterationDone(IterationResult(1, [1], verify_rows=[0], verified=[[2, 8]]), 0.0, 1.0)),
                   frozenset({"result"})).result.verified == [[2, 8]]
     assert pack(_plan()).arrays().drafts.tolist() == [0, 3, 0] and plan.drafts
     bad = pack(IterationPlan(1, [SeqWork("v", [9, 1], 5, [1, 2], draft=2)]))

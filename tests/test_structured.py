@@ -220,7 +220,7 @@ class LogitsEngine:
     def execute(self, plan: IterationPlan) -> IterationResult:
         logits = torch.stack([self.logits(s.request_id, s.seq_len) for s in plan.seqs])
         tokens, failed = sampler.sample_seqs(logits, plan.seqs)
-        return IterationResult(plan.iteration, [s.request_id for s in plan.seqs], tokens,
+        return IterationResult(plan.iteration, tokens,
                                [plan.seqs[b].request_id for b in failed])
 
 

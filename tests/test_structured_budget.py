@@ -139,7 +139,7 @@ class Engine:
         rows = [np.random.default_rng(zlib.crc32(f"{s.request_id}@{s.seq_len}".encode())).standard_normal(VOCAB, dtype=np.float32)
                 * 3 + self.bias for s in plan.seqs]
         tokens, failed = sampler.sample_seqs(torch.from_numpy(np.stack(rows)), plan.seqs)
-        return IterationResult(plan.iteration, [s.request_id for s in plan.seqs], tokens,
+        return IterationResult(plan.iteration, tokens,
                                [plan.seqs[b].request_id for b in failed])
 
 

@@ -142,7 +142,7 @@ class StageExecutor:
                 self.failed_iterations += 1
             if self.last and self.runner.tp.where.rank == 0:
                 rids = list(plan.request_ids)
-                return IterationResult(plan.iteration, rids, [0] * len(rids), rids)
+                return IterationResult(plan.iteration, [0] * len(rids), rids)
             return None
 
     def _record(self, plan: PackedPlan, launched: object, t_sent: float, start: float) -> None:

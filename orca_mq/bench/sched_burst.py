@@ -60,7 +60,7 @@ def burst(info: ModelInfo, requests: int, max_bs: int, budget: int, input_len: t
             spent[part] += s
         tokens += sum(e.token_id is not None for e in events_of(parts))
         iterations += bool(plans)
-        frames = [encode(IterationDone(IterationResult(p.iteration, p.request_ids, sampled[:len(p.request_ids)]), 0.0, 0.0))
+        frames = [encode(IterationDone(IterationResult(p.iteration, sampled[:len(p.request_ids)]), 0.0, 0.0))
                   for p in map(pack, plans)]   # the worker's answer: not the scheduler's work
         now += 0.01
         if evict is not None:

@@ -73,7 +73,7 @@ def simulate(sched: Scheduler, requests: list[Request], cost: Cost) -> dict[str,
         if out.plans:
             plan = out.plans[0]
             now += cost(plan)
-            results = [IterationResult(plan.iteration, [s.request_id for s in plan.seqs], [0] * len(plan.seqs))]
+            results = [IterationResult(plan.iteration, [0] * len(plan.seqs))]
         elif i < len(requests):
             now = requests[i].arrival
         elif sched.has_work():

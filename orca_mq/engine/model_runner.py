@@ -220,7 +220,7 @@ class ModelRunner:
         for k in np.flatnonzero(at == 0).tolist():   # a verify row's first position: its first token
             ids[sampling[k]] = tokens[k]
         failed = sorted({sampling[k] for k in failed_rows(ok, launched.failed)} | set(launched.unfilled))
-        result = IterationResult(a.plan.iteration, list(rids), ids, [rids[r] for r in failed])
+        result = IterationResult(a.plan.iteration, ids, [rids[r] for r in failed])
         if a.drafts is not None:
             verify(result, a, tokens, sampling)
         if launched.logprobs:

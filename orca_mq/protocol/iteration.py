@@ -385,8 +385,9 @@ def _pack_pool(seqs: list[SeqWork]) -> dict[str, bytes]:
 @dataclass(slots=True)
 class IterationResult:
     iteration: int
-    request_ids: list[str]
-    token_ids: list[int]          # one sampled token per request, same order as the plan (-1 where it samples nothing)
+    # one sampled token per row of the plan, in its order (-1 where it samples nothing): the plan of
+    # `iteration` names the rows' requests, so their ids are not sent back (256 strings an iteration)
+    token_ids: list[int]
     failed: list[str] = field(default_factory=list)  # requests whose work failed: they end with an error
     # log probabilities where the plan asked: plan rows, and each one's entry (one position: its
     # sampled token) or its prompt positions (prompt_logprobs)

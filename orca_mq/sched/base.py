@@ -92,7 +92,7 @@ class Scheduler:
         # the columnar planner's store (sched/columns.py); None: every iteration takes the general path
         self.columns = DecodeColumns(np.array(sorted(self.eos_token_ids), np.int64)) if self.speculator is None and not self.block_manager.window else None
         # iterations in flight with decode rows it planned: their slots, `ended` then, and their plan rows (None: all)
-        self.columnar: dict[int, tuple[np.ndarray, int, list[int] | None]] = {}
+        self.columnar: dict[int, tuple[np.ndarray, list[str], int, list[int] | None]] = {}
         self.ended = 0   # requests that finished or were asked to abort while running, so far
 
     # ------------------------------------------------------------ the iteration loop
@@ -177,8 +177,8 @@ class Scheduler:
             self.admitted(selected, now)
             self._uploaded()
             plan, d = plan_decode(self.columns, self.block_manager, selected, self.iteration)
-            self.columnar[plan.iteration] = (d.slots, self.ended, None)
-            return self._planned(plan, selected)
+            self.columnar[plan.iteration] = (d.slots, d.ids, self.ended, None)
+            return self._planned(plan, selected, d.ids)
         planning = Budget(self.plan_budget)
         batch = closings.ready(self.fit_budget(selected), planning, idle=not self.in_flight)
         if not batch:
@@ -229,7 +229,7 @@ class Scheduler:
             kept = list(zip([i for i in range(len(batch)) if i not in plain_rows], seqs))   # plan.seqs gives them back
             plan = IterationPlan(plan.iteration, None, follows=max(follows, decoded.follows), packed=merge(pack(plan), decoded, len(batch)),
                                  kept=kept)
-            self.columnar[plan.iteration] = (decoded.slots, self.ended, plain)
+            self.columnar[plan.iteration] = (decoded.slots, decoded.ids, self.ended, plain)
         return self._planned(plan, batch)
 
     def _uploaded(self) -> None:
@@ -241,12 +241,13 @@ class Scheduler:
                     self.columns.forget(req)
             self.block_manager.replaced.clear()
 
-    def _planned(self, plan: IterationPlan, batch: list[Request]) -> IterationPlan:
-        """The plan of the next iteration goes in flight, with the token histories to release."""
+    def _planned(self, plan: IterationPlan, batch: list[Request], ids: list[str] | None = None) -> IterationPlan:
+        """The plan of the next iteration goes in flight, with the token histories to release (`ids`: the
+        batch's request ids when the caller has them)."""
         self.iteration = plan.iteration
         plan.released, self.released = self.released, []
         self.in_flight[plan.iteration] = batch
-        self.record.append((plan.iteration, [r.request_id for r in batch]))
+        self.record.append((plan.iteration, [r.request_id for r in batch] if ids is None else ids))
         return plan
 
     def fit_budget(self, batch: list[Request]) -> list[Request]:
@@ -282,18 +283,19 @@ class Scheduler:
 
     def apply(self, result: IterationResult, now: float) -> list[Tokens]:
         """A returned iteration's tokens applied (finishes, stops, failures): what the stream gets of it."""
-        batch = self.in_flight.pop(result.iteration, None)
-        if batch is None or [r.request_id for r in batch] != list(result.request_ids):
+        batch = self.in_flight.get(result.iteration)
+        if batch is None or len(result.token_ids) != len(batch):
             raise ValueError(f"result of iteration {result.iteration} does not match any iteration in flight")
+        del self.in_flight[result.iteration]
         parts: list[Tokens] = []
         general: Sequence[int] = range(len(batch))
         if (columnar := self.columnar.pop(result.iteration, None)) is not None and not (result.failed or result.verify_rows):
-            slots, ended, rows = columnar   # its decode rows in columns, the rest (a merged plan's) row by row
-            ids, tokens = result.request_ids, result.token_ids
+            slots, ids, ended, rows = columnar   # its decode rows in columns, the rest (a merged plan's) row by row
+            tokens = result.token_ids
             if rows is None:
                 cols = apply_decode(self, batch, ids, tokens, slots, ended, now)
             else:
-                cols = apply_decode(self, [batch[i] for i in rows], [ids[i] for i in rows], [tokens[i] for i in rows], slots, ended, now)
+                cols = apply_decode(self, [batch[i] for i in rows], ids, [tokens[i] for i in rows], slots, ended, now)
             if cols is not None:
                 parts.append(cols)
                 general = () if rows is None else sorted(set(general) - set(rows))
