@@ -173,10 +173,11 @@ class Scheduler:
     def schedule(self, now: float) -> IterationPlan | None:
         """The next iteration, or None when nothing can run (`step` keeps the pipeline's cap)."""
         selected = self.select(now)
-        if self.columns is not None and selected and decodes(selected):   # every row a plain decode: in columns
+        if self.columns is not None and selected and (
+                (steady := self.columns.kept(selected, self.ended)) is not None or decodes(selected)):   # every row a plain decode: in columns
             self.admitted(selected, now)
             self._uploaded()
-            plan, d = plan_decode(self.columns, self.block_manager, selected, self.iteration)
+            plan, d = plan_decode(self.columns, self.block_manager, selected, self.iteration, steady, self.ended)
             self.columnar[plan.iteration] = (d.slots, d.ids, self.ended, None)
             return self._planned(plan, selected, d.ids)
         planning = Budget(self.plan_budget)

@@ -37,6 +37,18 @@ GROW = 256   # slots added when the store is full
 
 
 @dataclass(slots=True)
+class Steady:
+    """An all-decode batch as the store planned it: what its next plans share while the same requests
+    decode in the same order (their ids and slots, the columns that do not change: one token fed and
+    sampled per row, the sampling parameters)."""
+    batch: list[Request]   # a copy: the policy's list is its own
+    ended: int             # Scheduler.ended when it was planned
+    ids: list[str]
+    slots: np.ndarray
+    fixed: dict[str, bytes] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
 class DecodeColumns:
     """The column store: each columnar request's sampling parameters and stop conditions, by its slot."""
 
@@ -62,6 +74,13 @@ class DecodeColumns:
     tab: np.ndarray = field(default_factory=lambda: np.zeros((0, 16), I32))
     tab_ref: list[list[int] | None] = field(default_factory=list)
     tab_len: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    steady: Steady | None = None   # the last all-decode batch planned here
+
+    def kept(self, batch: list[Request], ended: int) -> Steady | None:
+        """The last all-decode batch when `batch` is the same requests in the same order and none ended
+        since (so each is still a plain decode: a request leaves INCREMENT only by ending)."""
+        s = self.steady
+        return s if s is not None and s.ended == ended and s.batch == batch else None
 
     def add(self, req: Request) -> None:
         """Give the request a slot when it can decode in columns (req.slot stays -1 otherwise)."""
@@ -146,6 +165,7 @@ class DecodeRows:
     prevs: np.ndarray               # that iteration's sampling row (NO_ROW: its token is given)
     follows: int                    # the iteration it follows (0: none)
     short: list[int]                # the rows (indices here) whose position reached a block their copy lacks
+    fixed: dict[str, bytes] = field(default_factory=dict)   # columns kept from its batch's last plan (Steady.fixed)
 
     def grow(self, bm: BlockManager, i: int) -> None:
         """Row i's table grown to its position (the caller keeps the general path's order: blocks are taken
@@ -154,22 +174,25 @@ class DecodeRows:
 
     def packed(self) -> PackedPlan:
         """These rows' columns, as a plan of them alone."""
-        n, at, store = len(self.rows), self.slots, self.store
+        n, at, store, f = len(self.rows), self.slots, self.store, self.fixed
+        if not f:
+            f.update(q_lens=np.ones(n, I32).tobytes(), sample=np.ones(n, U8).tobytes(), temperature=store.temperature[at].tobytes(),
+                     top_k=store.top_k[at].tobytes(), top_p=store.top_p[at].tobytes(), seeds=store.seed[at].tobytes())
         lens = store.tab_len[at].astype(I32)
         return PackedPlan(
-            self.iteration, self.ids, np.ones(n, I32).tobytes(), self.starts.astype(I32).tobytes(),
-            self.toks.astype(I32).tobytes(), self.prevs.tobytes(), lens.tobytes(), store.tables(at, lens).tobytes(),
-            np.ones(n, U8).tobytes(), store.temperature[at].tobytes(), store.top_k[at].tobytes(),
-            store.top_p[at].tobytes(), store.seed[at].tobytes(), b"", [], follows=self.follows)
+            self.iteration, self.ids, f["q_lens"], self.starts.astype(I32).tobytes(), self.toks.astype(I32).tobytes(),
+            self.prevs.tobytes(), lens.tobytes(), store.tables(at, lens).tobytes(), f["sample"], f["temperature"],
+            f["top_k"], f["top_p"], f["seeds"], b"", [], follows=self.follows)
 
 
 def decode_rows(store: DecodeColumns, block_size: int, iteration: int, rows: list[int], reqs: list[Request],
-                whole: bool) -> DecodeRows:
+                whole: bool, steady: Steady | None = None) -> DecodeRows:
     """The requests' rows at plan rows `rows` of iteration `iteration` + 1, their planning state set as
     Scheduler.schedule sets it; `whole`: they are the whole plan, each samples at its row (its sample_row set
     here too, else by the caller). One pass over the rows in Python for the Request's own state; the rest in
     the store's columns: a row's position and token from its counts, its table from its copy, which the
-    caller grows (`grow`) only where the position has reached a new block."""
+    caller grows (`grow`) only where the position has reached a new block. `steady`: the requests are its
+    batch (their ids, slots and fixed columns are its)."""
     planned, prevs = iteration + 1, []
     for row, r in zip(rows, reqs):
         prevs.append(r.sample_row if r.in_flight else NO_ROW)   # planned before its last token came back
@@ -177,18 +200,26 @@ def decode_rows(store: DecodeColumns, block_size: int, iteration: int, rows: lis
         r.chunk = 0
         if whole:
             r.planned, r.sample_row = planned, row
-    ids, slots = [r.request_id for r in reqs], [r.slot for r in reqs]
-    at, prev = np.array(slots, np.intp), np.array(prevs, I32)
+    if steady is None:
+        ids, at = [r.request_id for r in reqs], np.array([r.slot for r in reqs], np.intp)
+    else:
+        ids, at = steady.ids, steady.slots
+    prev = np.array(prevs, I32)
     ahead = prev != NO_ROW
     starts = store.n_tok[at] - 1 + ahead
     toks = np.where(ahead, -1, store.last[at])
     short = np.flatnonzero(starts >= store.tab_len[at] * block_size).tolist()
-    return DecodeRows(store, planned, rows, ids, at, starts, toks, prev, iteration if ahead.any() else 0, short)
+    return DecodeRows(store, planned, rows, ids, at, starts, toks, prev, iteration if ahead.any() else 0, short,
+                      {} if steady is None else steady.fixed)
 
 
-def plan_decode(store: DecodeColumns, bm: BlockManager, batch: list[Request], iteration: int) -> tuple[IterationPlan, DecodeRows]:
-    """The iteration `iteration` + 1 of an all-decode batch, in columns, and its rows (kept for its result)."""
-    d = decode_rows(store, bm.block_size, iteration, list(range(len(batch))), batch, whole=True)
+def plan_decode(store: DecodeColumns, bm: BlockManager, batch: list[Request], iteration: int, steady: Steady | None,
+                ended: int) -> tuple[IterationPlan, DecodeRows]:
+    """The iteration `iteration` + 1 of an all-decode batch, in columns, and its rows (kept for its result);
+    `steady`: the batch is the store's kept one (DecodeColumns.kept), else it is kept from now, with `ended`."""
+    d = decode_rows(store, bm.block_size, iteration, list(range(len(batch))), batch, whole=True, steady=steady)
+    if steady is None:
+        store.steady = Steady(list(batch), ended, d.ids, d.slots, d.fixed)
     for i in d.short:
         d.grow(bm, i)
     return IterationPlan(iteration + 1, None, follows=d.follows, packed=d.packed()), d
