@@ -24,8 +24,8 @@ from orca_mq.sched.profiler import IterationProfile, Profiler, profile_max_len
 from orca_mq.sched import closings
 from orca_mq.sched.events import StepOutput, TokenEvent, Tokens, events_of
 from orca_mq.sched.columns import DecodeColumns, apply_decode, decode_rows, decodes, decoding, merge, plan_decode
-from orca_mq.sched.request import Phase, Request
-from orca_mq.sched.pooling import PooledRows, ask_pooling, max_pooled_rows, pools
+from orca_mq.sched.request import PHASE, Phase, Request
+from orca_mq.sched.pooling import PooledRows, ask_pooling, max_pooled_rows
 from orca_mq.sched.processors import add_extras
 from orca_mq.sched.speculative import Speculator
 from orca_mq.structured.bitmask import fill_masks
@@ -257,25 +257,28 @@ class Scheduler:
         left, in batch order, a chunk each; a prompt left with no budget waits for a later iteration.
         Sets each request's `chunk`; a prompt fed now first takes the blocks of it that requests
         prefilling the same prefix published since it started (one that waits takes them when fed)."""
-        left = self.token_budget - sum(r.phase is Phase.INCREMENT for r in batch) if self.token_budget else None
+        phases = list(map(PHASE, batch))   # one pass in C: a burst's ramp plans 256 requests' rows an iteration
+        left = self.token_budget - phases.count(Phase.INCREMENT) if self.token_budget else None
         kept, pooling = [], self.max_pooled   # embedding rows past it wait: an iteration's vectors stay in a frame
-        for req in batch:
+        for req, phase in zip(batch, phases):
             req.chunk = 0
-            if pools(req):
+            if phase is not Phase.INITIATION:   # its one token is counted in `left` (a finished one pools nothing)
+                kept.append(req)
+                continue
+            if left is not None and left <= 0:   # no budget left: the prompt waits
+                continue
+            if req.pooling is not None:
                 if not pooling:
                     continue
                 pooling -= 1
-            if req.phase is Phase.INITIATION:
-                if left is None or left > 0:   # a prompt fed now takes the blocks of it published since it started
-                    self.block_manager.reuse(req)
-                policy = self.prompt_chunk(req)
-                req.chunk = req.prompt_left if policy is None else min(policy, req.prompt_left)
-                if left is not None:
-                    req.chunk = min(req.chunk, max(left, 0))
-                    left -= req.chunk
-                if req.chunk == 0:
-                    continue
-            kept.append(req)
+            self.block_manager.reuse(req)   # a prompt fed now takes the blocks of it published since it started
+            policy = self.prompt_chunk(req)
+            req.chunk = req.prompt_left if policy is None else min(policy, req.prompt_left)
+            if left is not None:
+                req.chunk = min(req.chunk, left)
+                left -= req.chunk
+            if req.chunk:
+                kept.append(req)
         return kept
 
     def process_result(self, result: IterationResult, now: float) -> list[TokenEvent]:

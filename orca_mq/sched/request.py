@@ -3,6 +3,7 @@ every policy's state of it: the state leaves with the request, so no policy keep
 from __future__ import annotations
 
 import enum
+import operator
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -23,6 +24,9 @@ class Phase(enum.Enum):
     INITIATION = "initiation"   # prompt not yet processed
     INCREMENT = "increment"     # one token per iteration
     FINISHED = "finished"
+
+
+PHASE = operator.attrgetter("phase")   # a request's phase: mapped over a batch, one pass in C
 
 
 @dataclass(slots=True)
