@@ -91,7 +91,7 @@ class Scheduler:
         self.max_pooled = max_pooled_rows(info.hidden_size)   # embedding rows an iteration may pool
         # the columnar planner's store (sched/columns.py); None: every iteration takes the general path
         self.columns = DecodeColumns(np.array(sorted(self.eos_token_ids), np.int64)) if self.speculator is None and not self.block_manager.window else None
-        # iterations in flight with decode rows it planned: their slots, `ended` then, and their plan rows (None: all)
+        # iterations in flight with decode rows it planned: their slots and ids, `ended` then, and their plan rows (None: all)
         self.columnar: dict[int, tuple[np.ndarray, list[str], int, list[int] | None]] = {}
         self.ended = 0   # requests that finished or were asked to abort while running, so far
 

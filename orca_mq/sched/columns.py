@@ -13,8 +13,8 @@ processors, log probabilities, pooling or speculation (the scheduler has no spec
 without sliding windows (whose tables have holes). An iteration whose rows are all such requests in
 INCREMENT is planned here whole (`plan_decode`); in any other iteration such rows are gathered here
 (`decode_rows`) and merged in plan order with the general path's plan of the rest (`merge`). Either way
-their tokens are applied here (`apply_decode`) and streamed as the result's columns, the rest's row by
-row. The plans are what the general path alone gives, byte for byte, and each request's tokens and
+their tokens are applied here (`apply_decode`) and streamed as columns (the plan's ids, the result's
+tokens), the rest's row by row. The plans are what the general path alone gives, byte for byte, and each request's tokens and
 finals the same (tests/test_sched_columns.py).
 """
 from __future__ import annotations
@@ -43,7 +43,7 @@ class Steady:
     sampled per row, the sampling parameters)."""
     batch: list[Request]   # a copy: the policy's list is its own
     ended: int             # Scheduler.ended when it was planned
-    ids: list[str]
+    ids: list[str]         # every plan of it, its record and its token columns share this list: never written
     slots: np.ndarray
     fixed: dict[str, bytes] = field(default_factory=dict)
 
