@@ -8,7 +8,7 @@ import time
 
 from orca_mq.bench.client_procs import shares
 from orca_mq.bench.control_plane import SERVING, Setup, run, table
-from orca_mq.bench.timing import cpu_seconds
+from orca_mq.bench.timing import CpuTime, cpu_seconds, cpu_time
 from orca_mq.bench.trace import TraceSpec, make_chat_trace, make_trace
 
 CORPUS = list(range(1000, 6000))
@@ -26,11 +26,21 @@ def test_shares_split_requests_round_robin_and_keep_conversations_whole():
 
 
 def test_cpu_seconds_follow_the_process():
-    before = cpu_seconds(os.getpid())
-    end = time.process_time() + 0.3
-    while time.process_time() < end:
+    before, fine = cpu_seconds(os.getpid()), cpu_time(os.getpid())
+    start = time.process_time()
+    while time.process_time() < start + 0.3:
         pass
+    spent = time.process_time() - start
     assert 0.2 <= cpu_seconds(os.getpid()) - before <= 1.0
+    assert fine.threads, "no per-thread run time in /proc: the control-plane bench would count ticks"
+    assert abs((cpu_time(os.getpid()) - fine) - spent) < 0.02   # nanoseconds, not 10 ms ticks
+
+
+def test_cpu_time_falls_back_to_ticks_when_a_thread_ended():
+    before = cpu_time(os.getpid())
+    gone = CpuTime(before.ticks, {**before.threads, "0": 10**12})   # with a thread that no longer runs
+    after = cpu_time(os.getpid())
+    assert after - gone == after.ticks - before.ticks and after - before != after.ticks - before.ticks
 
 
 def test_one_tiny_round_end_to_end(tmp_path):

@@ -20,7 +20,7 @@ from typing import Any
 from orca_mq.bench.client_procs import replay_in_processes
 from orca_mq.bench.plans import blocks_for
 from orca_mq.bench.random_models import random_llama
-from orca_mq.bench.timing import cpu_seconds
+from orca_mq.bench.timing import CpuTime, cpu_time
 from orca_mq.bench.trace import TraceRequest, TraceSpec, load_corpus, make_trace
 from orca_mq.server.process import ServerHandle, free_port, spawn
 
@@ -84,15 +84,15 @@ def served(model: Path, setup: Setup, trace: list[TraceRequest], work: Path) -> 
     handle = spawn(sets, work / "launcher.stderr", ready_timeout=300)
     try:
         pids = {role: handle.pid_of(f"-m {module} ") for role, module in ROLES.items()}
-        before: dict[str, float] = {}
+        before: dict[str, CpuTime] = {}
         iterations: list[int] = []
 
         def start() -> None:
             iterations.append(_iterations(handle))
-            before.update({role: cpu_seconds(pid) for role, pid in pids.items()})
+            before.update({role: cpu_time(pid) for role, pid in pids.items()})
 
         records, _, client_cpu = replay_in_processes(handle.address, trace, setup.client_procs, warmup=1, on_start=start)
-        cpu = {role: cpu_seconds(pid) - before[role] for role, pid in pids.items()}
+        cpu = {role: cpu_time(pid) - before[role] for role, pid in pids.items()}
         iterations.append(_iterations(handle))
     finally:
         handle.stop(60)
