@@ -191,7 +191,7 @@ class Scheduler:
         plain = [] if self.columns is None else [row for row, req in enumerate(batch) if decoding(req)]
         decoded = decode_rows(self.columns, self.block_manager.block_size, self.iteration, plain, [batch[i] for i in plain],
                               whole=False) if plain else None
-        grow, plain_rows = ({} if decoded is None else {plain[i]: i for i in decoded.short}), set(plain)
+        grow, plain_rows = ({} if decoded is None else {plain[short[0]]: short for short in decoded.short}), set(plain)
         follows = 0
         for row, req in enumerate(batch):
             if row in grow:   # a decode row's table grows here, in plan order as the general path takes blocks
