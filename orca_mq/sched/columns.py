@@ -14,8 +14,8 @@ without sliding windows (whose tables have holes). An iteration whose rows are a
 INCREMENT is planned here whole (`plan_decode`); in any other iteration such rows are gathered here
 (`decode_rows`) and merged in plan order with the general path's plan of the rest (`merge`). Either way
 their tokens are applied here (`apply_decode`) and streamed as columns (the plan's ids, the result's
-tokens), the rest's row by row. The plans are what the general path alone gives, byte for byte, and each request's tokens and
-finals the same (tests/test_sched_columns.py).
+tokens), the rest's row by row. The plans are what the general path alone gives, byte for byte, and each
+request's tokens and finals the same (tests/test_sched_columns.py).
 """
 from __future__ import annotations
 
@@ -167,7 +167,7 @@ class DecodeRows:
     toks: np.ndarray                # the token each feeds (-1: the one its previous iteration samples)
     prevs: np.ndarray               # that iteration's sampling row (NO_ROW: its token is given)
     follows: int                    # the iteration it follows (0: none)
-    short: list[tuple[int, int, int]]   # the rows whose position reached a block their copy lacks: (index here, slot, tokens it holds then)
+    short: list[tuple[int, int, int]]   # rows whose position reached a block their copy lacks: (index, slot, tokens)
     fixed: dict[str, bytes] = field(default_factory=dict)   # columns kept from its batch's last plan (Steady.fixed)
 
     def grow(self, bm: BlockManager, short: tuple[int, int, int]) -> None:
