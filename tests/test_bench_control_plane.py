@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import time
 
+import pytest
+
 from orca_mq.bench.client_procs import shares
 from orca_mq.bench.control_plane import SERVING, Setup, run, table
 from orca_mq.bench.timing import CpuTime, cpu_seconds, cpu_time
@@ -53,7 +55,12 @@ def test_one_tiny_round_end_to_end(tmp_path):
     assert set(us) == {*SERVING, "worker", "clients"} and us["clients"] > 0
     assert result["median"]["us_per_token"] == us and 0 < result["emit_us_per_token"] < 100
     assert 0 < result["rows_us_per_token"] < 100
-    assert "median" in table(result)
+    parts = r["served"]["scheduler_us_per_token"]   # the scheduler's stats: its main thread's CPU by part
+    assert parts["step"] > 0 and parts["decode"] > 0 and parts["token_frames"] > 0 and parts["loop"] > 0
+    assert sum(parts[p] for p in ("decode", "step", "plan_frames", "token_frames", "loop")) == pytest.approx(parts["main"])
+    assert parts["main"] <= us["scheduler"] * 1.05   # the main thread is part of the process (its clock reads apart)
+    text = table(result)
+    assert "median" in text and "by part" in text
 
 
 def test_scheduler_burst_by_part():

@@ -23,6 +23,7 @@ from orca_mq.bench.random_models import random_llama
 from orca_mq.bench.timing import CpuTime, cpu_time
 from orca_mq.bench.trace import TraceRequest, TraceSpec, load_corpus, make_trace
 from orca_mq.server.process import ServerHandle, free_port, spawn
+from orca_mq.server.turn_cpu import PARTS as TURN_PARTS
 
 ROLES = {"broker": "orca_mq.server.broker", "frontend": "orca_mq.server.frontend",
          "scheduler": "orca_mq.server.scheduler_process", "worker": "workers.main"}
@@ -85,15 +86,15 @@ def served(model: Path, setup: Setup, trace: list[TraceRequest], work: Path) -> 
     try:
         pids = {role: handle.pid_of(f"-m {module} ") for role, module in ROLES.items()}
         before: dict[str, CpuTime] = {}
-        iterations: list[int] = []
+        marks: list[tuple[int, dict[str, float]]] = []   # (iterations, the scheduler's turn CPU) at start and end
 
         def start() -> None:
-            iterations.append(_iterations(handle))
+            marks.append(_marks(handle))
             before.update({role: cpu_time(pid) for role, pid in pids.items()})
 
         records, _, client_cpu = replay_in_processes(handle.address, trace, setup.client_procs, warmup=1, on_start=start)
         cpu = {role: cpu_time(pid) - before[role] for role, pid in pids.items()}
-        iterations.append(_iterations(handle))
+        marks.append(_marks(handle))
     finally:
         handle.stop(60)
     failed = [r["error"] for r in records if r["error"] is not None]
@@ -101,16 +102,23 @@ def served(model: Path, setup: Setup, trace: list[TraceRequest], work: Path) -> 
         raise RuntimeError(f"{len(failed)} requests failed, e.g. {failed[0]}")
     tokens = sum(r["generated_tokens"] for r in records)
     wall = max(r["finish_s"] for r in records) - min(r["arrival_s"] for r in records)
+    (it0, turn0), (it1, turn1) = marks
+    turn = {part: (turn1[part] - turn0[part]) / tokens * 1e6 for part in turn1}
     return {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall, "cpu_s": cpu | {"clients": client_cpu},
             "us_per_token": {k: v / tokens * 1e6 for k, v in (cpu | {"clients": client_cpu}).items()},
-            "tokens_per_iteration": tokens / max(1, iterations[1] - iterations[0])}
+            "tokens_per_iteration": tokens / max(1, it1 - it0),
+            # the scheduler by part (orca_mq/server/turn_cpu.py): its main thread's parts, the loop and sockets
+            # (main less the parts), its other threads (the process less main)
+            "scheduler_us_per_token": turn | {"loop": turn["main"] - sum(turn[p] for p in TURN_PARTS),
+                                              "other_threads": cpu["scheduler"] / tokens * 1e6 - turn["main"]}}
 
 
-def _iterations(handle: ServerHandle) -> int:
+def _marks(handle: ServerHandle) -> tuple[int, dict[str, float]]:
     from orca_mq.client import Client
 
     with Client(handle.address) as client:
-        return int(client.stats()["workers"][0]["iterations"])
+        stats = client.stats()
+    return int(stats["workers"][0]["iterations"]), stats["scheduler"]["turn_cpu_s"]
 
 
 def emit_us_per_token(batch: int = 128, rounds: int = 200) -> float:
@@ -193,6 +201,9 @@ def table(result: dict[str, Any]) -> str:
     m = result["median"]
     lines.append(row("median", m["offline_tokens_per_s"], m["served_tokens_per_s"], m["ratio"], m["tokens_per_iteration"],
                      m["us_per_token"]))
+    parts = [*TURN_PARTS, "loop", "other_threads"]
+    by_part = {p: statistics.median(r["served"]["scheduler_us_per_token"][p] for r in result["rounds"]) for p in parts}
+    lines.append("the scheduler's us per token by part (medians): " + ", ".join(f"{p} {by_part[p]:.2f}" for p in parts))
     lines.append(f"scheduler's _emit (TokenBatch built + encoded, batch {result['setup']['max_bs']}): "
                  f"{result['emit_us_per_token']:.2f} us per token")
     lines.append(f"frontend's rows (assembled, detokenized, client frames encoded, batch {result['setup']['max_bs']}): "

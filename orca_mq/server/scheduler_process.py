@@ -41,6 +41,7 @@ from orca_mq.sched.events import n_rows
 from orca_mq.sched.request import Request
 from orca_mq.structured.compiler import Known, bounded
 from orca_mq.server.telemetry import Telemetry
+from orca_mq.server.turn_cpu import TurnCpu
 from orca_mq.server.process import process_main
 from orca_mq.server.nodes import worker_name
 from orca_mq.server.zmq_queue import PEER, BrokerLink, Envelope, control_address, results_address, serve
@@ -82,6 +83,7 @@ class SchedulerProcess:
         self.result_latency: deque[float] = deque(maxlen=WINDOW)  # last stage done -> result received
         self.queries: dict[str, _StatsQuery] = {}
         self.telemetry = Telemetry()        # cumulative histograms for the API server's /metrics
+        self.turn_cpu = TurnCpu()           # the main thread's CPU by part of its turn, for the stats
         self.grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
         self.compiling: dict[str, bool] = {}    # requests waiting for their grammar -> aborted meanwhile
         self.compile_tasks: set[asyncio.Task[None]] = set()
@@ -120,9 +122,10 @@ class SchedulerProcess:
         await self.failed
 
     async def _handle(self, env: Envelope) -> None:
-        received = time.time()
+        received, start = time.time(), time.thread_time()
         try:
             msg = decode(env.payload, ACCEPTED)
+            self.turn_cpu.since("decode", start)
         except ProtocolError as e:
             await self.link.reject(env, e, self.log)
             return
@@ -201,14 +204,18 @@ class SchedulerProcess:
     async def _step(self, results: list[IterationResult]) -> bool:
         """One turn of the scheduler's loop: its plans go out first, then its tokens. Returns whether
         a plan was sent."""
+        start = time.thread_time()
         out: StepOutput = self.sched.step(time.monotonic(), results)
+        start = self.turn_cpu.since("step", start)
         for plan in out.plans:
             await self.control.send(encode(ControlFrame(pack(plan), time.time())), copy=False)
             if plan.iteration > 0:
                 self.telemetry.plan_sent(plan, self.sched.pool, time.monotonic())
             self.log.debug("iteration scheduled", iteration=plan.iteration, batch=plan.num_rows, tokens=plan.num_tokens)
+        start = self.turn_cpu.since("plan_frames", start)
         if results:
             await self._emit(results[0].iteration, out.tokens)
+            self.turn_cpu.since("token_frames", start)
         if not self.ready and self.sched.profiled:
             self.ready = True
             if self.sched.profile is not None:
@@ -261,6 +268,7 @@ class SchedulerProcess:
                 "compiling": len(self.compiling),   # constrained requests waiting for their grammar
                 "turnaround": summarize_ms(self.turnaround),
                 "result_latency": summarize_ms(self.result_latency),
+                "turn_cpu_s": self.turn_cpu.to_dict(),
             },
             "workers": [pending.workers.get(s) for s in range(self.cfg.engine.n_workers)],
             "telemetry": self.telemetry.to_dict(self.sched.pool),
