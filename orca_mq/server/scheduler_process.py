@@ -284,8 +284,8 @@ class SchedulerProcess:
 
 def token_batch(iteration: int, parts: list[Tokens], final_metrics: Callable[[TokenEvent], dict[str, Any]]) -> TokenBatch:
     """A step's tokens as one TokenBatch: two flat columns of tokens (msgpack packs them in C; a columnar
-    iteration's are its plan's id list and its result's token list, read, not copied), the few finals with their metrics (the scheduler's and the
-    event's) beside."""
+    iteration's are its plan's id list and its result's token list, read, not copied), the few finals with
+    their metrics (the scheduler's and the event's) beside."""
     if len(parts) == 1 and isinstance(parts[0], TokenColumns):
         rids, tokens, ends = parts[0].request_ids, parts[0].token_ids, list(parts[0].finals.values())
     else:
