@@ -56,6 +56,7 @@ class CpuTime:
 
 
 def cpu_time(pid: int | str) -> CpuTime:
+    """The process's CPU time now, per live thread where /proc keeps it."""
     threads: dict[str, int] = {}
     try:
         for tid in os.listdir(f"/proc/{pid}/task"):

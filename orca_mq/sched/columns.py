@@ -143,14 +143,14 @@ class DecodeColumns:
         self.free.extend(range(n + GROW - 1, n - 1, -1))   # popped lowest first
 
 
-def decodes(batch: Sequence[Request]) -> bool:
-    """Every row of the batch decodes in columns this iteration."""
-    return all(r.slot >= 0 and r.phase is Phase.INCREMENT for r in batch)
-
-
 def decoding(r: Request) -> bool:
     """The request's row this iteration is a plain decode."""
     return r.slot >= 0 and r.phase is Phase.INCREMENT
+
+
+def decodes(batch: Sequence[Request]) -> bool:
+    """Every row of the batch decodes in columns this iteration."""
+    return all(map(decoding, batch))
 
 
 @dataclass(slots=True)

@@ -2,8 +2,9 @@
 
 A result the general path applies gives a TokenEvent per token. A columnar iteration (sched/columns.py)
 gives its tokens as two columns that already exist (TokenColumns: the plan's list of ids, the result's
-of tokens; shared, never written) and an event only for the rows that ended: at a large batch an object per token is the stream's largest cost on the scheduler,
-and the frame the frontend receives (TokenBatch) is columns anyway.
+of tokens; shared, never written) and an event only for the rows that ended: at a large batch an object
+per token is the stream's largest cost on the scheduler, and the frame the frontend receives (TokenBatch)
+is columns anyway.
 """
 from __future__ import annotations
 
