@@ -9,7 +9,7 @@ import time
 import pytest
 
 from orca_mq.bench.client_procs import shares
-from orca_mq.bench.control_plane import SERVING, Setup, run, table
+from orca_mq.bench.control_plane import SERVING, Setup, run, table, targets
 from orca_mq.bench.timing import CpuTime, cpu_seconds, cpu_time
 from orca_mq.bench.trace import TraceSpec, make_chat_trace, make_trace
 
@@ -76,3 +76,34 @@ def test_scheduler_burst_by_part():
         r = burst(info, requests=12, max_bs=8, budget=64, input_len=(8, 40), output_len=5, evict_mb=evict_mb, seed=1)
         assert r["tokens"] == 12 * 5 and r["iterations"] >= 5 * 12 // 8
         assert set(r["us_per_token"]) == set(PARTS) and all(v > 0 for v in r["us_per_token"].values())
+
+
+def test_the_kv_room_holds_max_bs_requests_beside_the_fair_shares_headroom(tmp_path):
+    """Every request of a burst of max_bs at their longest runs in one batch (with room for exactly max_bs,
+    the headroom one client may not reserve kept the last 1/16 waiting for the others to end)."""
+    from orca_mq import LLM, SamplingParams
+    from orca_mq.bench.random_models import random_llama
+
+    setup = Setup(requests=16, input_len=(4, 4), output_len=(8, 8), max_bs=16, budget=256, layers=1)
+    llm = LLM(model=str(random_llama(tmp_path / "m", layers=1, max_positions=setup.max_len)),
+              **{k.replace(".", "__"): v for k, v in setup.config().items()})
+    rows, step = [], llm.scheduler.step
+
+    def counted(*args):
+        out = step(*args)
+        rows.extend(p.num_rows for p in out.plans)
+        return out
+
+    llm.scheduler.step = counted
+    llm.generate([[504 + i] * 4 for i in range(16)], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    assert rows[-8:] == [16] * 8
+
+
+def test_issue_42s_targets_are_judged_only_at_batch_256():
+    us = {"broker": 4.0, "frontend": 6.0, "scheduler": 4.9}
+    steady = Setup(max_bs=256)
+    assert targets(steady, {"ratio": 1.0, "tokens_per_iteration": 250.0, "us_per_token": us})["batch_256"]["met"]
+    assert not targets(steady, {"ratio": 1.0, "tokens_per_iteration": 250.0, "us_per_token": us | {"scheduler": 5.1}})["batch_256"]["met"]
+    assert not targets(steady, {"ratio": 0.94, "tokens_per_iteration": 250.0, "us_per_token": us})["batch_256"]["met"]
+    assert targets(steady, {"ratio": 1.0, "tokens_per_iteration": 197.0, "us_per_token": us})["batch_256"] is None
+    assert targets(Setup(max_bs=128), {"ratio": 1.0, "tokens_per_iteration": 128.0, "us_per_token": us})["batch_256"] is None

@@ -11,6 +11,7 @@ and served, each on a fresh engine (no prefix cache carried over).
 """
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -22,12 +23,14 @@ from orca_mq.bench.plans import blocks_for
 from orca_mq.bench.random_models import random_llama
 from orca_mq.bench.timing import CpuTime, cpu_time
 from orca_mq.bench.trace import TraceRequest, TraceSpec, load_corpus, make_trace
+from orca_mq.config import load_config
 from orca_mq.server.process import ServerHandle, free_port, spawn
 from orca_mq.server.turn_cpu import PARTS as TURN_PARTS
 
 ROLES = {"broker": "orca_mq.server.broker", "frontend": "orca_mq.server.frontend",
          "scheduler": "orca_mq.server.scheduler_process", "worker": "workers.main"}
 SERVING = ("broker", "frontend", "scheduler")   # the processes the target is set for
+STEADY_BS = 256                                  # issue 42 item 5's targets are set at batch >= 256
 WARMUP_IDS = [504, 3575, 282, 4649, 314]          # a prompt no request of the trace starts with
 
 
@@ -48,8 +51,10 @@ class Setup:
         return self.input_len[1] + self.output_len[1]
 
     def config(self) -> dict[str, Any]:
-        """What both runs share: KV room for max_bs requests at their longest, so none waits for a block."""
-        slots = blocks_for(self.max_bs * self.max_len, 16) * 16   # whole blocks of config.toml's block_size
+        """What both runs share: KV room for max_bs requests at their longest beside the fair shares'
+        headroom (server.client_headroom: one client may not reserve it), so none waits for a block."""
+        blocks = self.max_bs * blocks_for(self.max_len, 16)   # whole blocks of config.toml's block_size, per request
+        slots = math.ceil(blocks / (1 - load_config().server.client_headroom)) * 16
         return {"scheduler.max_bs": self.max_bs, "scheduler.max_num_batched_tokens": self.budget,
                 "engine.n_slots": slots, "engine.threads_per_worker": self.threads, "model.dtype": "float32",
                 "model.max_model_len": self.max_len}
@@ -182,8 +187,19 @@ def run(setup: Setup, rounds: int, work: Path) -> dict[str, Any]:
                             for k in results[0]["served"]["us_per_token"]}}
     return {"setup": asdict(setup) | {"config": setup.config()}, "rounds": results, "median": med,
             "emit_us_per_token": emit_us_per_token(setup.max_bs), "rows_us_per_token": rows_us_per_token(setup.max_bs),
-            "targets": {"ratio": 0.9, "us_per_token": 15.0,
-                        "met": med["ratio"] >= 0.9 and all(med["us_per_token"][k] <= 15.0 for k in SERVING)}}
+            "targets": targets(setup, med)}
+
+
+def targets(setup: Setup, med: dict[str, Any]) -> dict[str, Any]:
+    """Issue 32's (any batch) and issue 42 item 5's, which is set at batch >= 256: judged only where the
+    burst ran there (its mean batch within 5 % of max_bs >= 256: a short ramp and tail), else None."""
+    us = med["us_per_token"]
+    steady = setup.max_bs >= STEADY_BS and med["tokens_per_iteration"] >= 0.95 * setup.max_bs
+    return {"ratio": 0.9, "us_per_token": 15.0,
+            "met": med["ratio"] >= 0.9 and all(us[k] <= 15.0 for k in SERVING),
+            "batch_256": None if not steady else {
+                "ratio": 0.95, "scheduler": 5.0, "broker_frontend": 10.0,
+                "met": med["ratio"] >= 0.95 and us["scheduler"] <= 5.0 and us["broker"] <= 10.0 and us["frontend"] <= 10.0}}
 
 
 def table(result: dict[str, Any]) -> str:
@@ -211,4 +227,11 @@ def table(result: dict[str, Any]) -> str:
     t = result["targets"]
     lines.append(f"targets: served >= {t['ratio']}x offline, broker/frontend/scheduler <= {t['us_per_token']:.0f} us per "
                  f"token: {'met' if t['met'] else 'not met'}")
+    if (b := t["batch_256"]) is None:
+        lines.append(f"at batch >= {STEADY_BS} (issue 42 item 5): not judged, the burst's mean batch is {m['tokens_per_iteration']:.0f} "
+                     f"(a steady one: --max-bs 256 --input-len 32:32 --output-len 512:512)")
+    else:
+        lines.append(f"at batch >= {STEADY_BS} (issue 42 item 5): served >= {b['ratio']}x offline, scheduler <= "
+                     f"{b['scheduler']:.0f}, broker/frontend <= {b['broker_frontend']:.0f} us per token: "
+                     f"{'met' if b['met'] else 'not met'}")
     return "\n".join(lines)
