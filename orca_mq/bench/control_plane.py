@@ -11,7 +11,6 @@ and served, each on a fresh engine (no prefix cache carried over).
 """
 from __future__ import annotations
 
-import math
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -19,11 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from orca_mq.bench.client_procs import replay_in_processes
-from orca_mq.bench.plans import blocks_for
+from orca_mq.bench.plans import kv_room
 from orca_mq.bench.random_models import random_llama
 from orca_mq.bench.timing import CpuTime, cpu_time
 from orca_mq.bench.trace import TraceRequest, TraceSpec, load_corpus, make_trace
-from orca_mq.config import load_config
 from orca_mq.server.process import ServerHandle, free_port, spawn
 from orca_mq.server.turn_cpu import PARTS as TURN_PARTS
 
@@ -51,10 +49,8 @@ class Setup:
         return self.input_len[1] + self.output_len[1]
 
     def config(self) -> dict[str, Any]:
-        """What both runs share: KV room for max_bs requests at their longest beside the fair shares'
-        headroom (server.client_headroom: one client may not reserve it), so none waits for a block."""
-        blocks = self.max_bs * blocks_for(self.max_len, 16)   # whole blocks of config.toml's block_size, per request
-        slots = math.ceil(blocks / (1 - load_config().server.client_headroom)) * 16
+        """What both runs share: KV room for max_bs requests at their longest, so none waits for a block."""
+        slots = kv_room(self.max_bs, self.max_len, 16)   # config.toml's block_size
         return {"scheduler.max_bs": self.max_bs, "scheduler.max_num_batched_tokens": self.budget,
                 "engine.n_slots": slots, "engine.threads_per_worker": self.threads, "model.dtype": "float32",
                 "model.max_model_len": self.max_len}

@@ -1,11 +1,13 @@
 """Iteration plans built by hand for engine measurements and exactness checks (no scheduler), and
-the block-table arithmetic the benchmarks share (`blocks_for`, `block_tables`)."""
+the block-table arithmetic the benchmarks share (`blocks_for`, `kv_room`, `block_tables`)."""
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from orca_mq.config import load_config
 from orca_mq.kv.block_manager import BlockManager
 from orca_mq.protocol.iteration import IterationPlan, SeqWork
 
@@ -18,6 +20,14 @@ if TYPE_CHECKING:
 def blocks_for(n_tokens: int, block_size: int) -> int:
     """Blocks that hold n_tokens tokens (the KV pool's PoolSize.blocks_for, for a bare block size)."""
     return -(-n_tokens // block_size)
+
+
+def kv_room(requests: int, max_len: int, block_size: int) -> int:
+    """KV slots (engine.n_slots) in which `requests` requests of up to max_len tokens all reserve their
+    whole blocks at once, beside the fair shares' headroom (server.client_headroom of the pool, which one
+    client may not reserve)."""
+    blocks = requests * blocks_for(max_len, block_size)
+    return math.ceil(blocks / (1 - load_config().server.client_headroom)) * block_size
 
 
 def block_tables(lengths: Iterable[int], block_size: int) -> list[list[int]]:

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from orca_mq.bench.plans import kv_room
 from orca_mq.config import load_config
 from orca_mq.models.info import ModelInfo
 from orca_mq.protocol import decode, encode
@@ -32,7 +33,8 @@ def burst(info: ModelInfo, requests: int, max_bs: int, budget: int, input_len: t
     """CPU microseconds per generated token of each part, over the burst (every request sent at once,
     `output_len` tokens each, ignoring EOS), prefix caching on as served."""
     cfg = load_config(overrides={"scheduler.policy": policy, "scheduler.max_bs": max_bs, "scheduler.max_num_batched_tokens": budget,
-                                 "engine.n_slots": requests * (input_len[1] + output_len), "engine.block_size": 16})
+                                 "engine.n_slots": kv_room(requests, input_len[1] + output_len, 16),
+                                 "engine.block_size": 16})
     sched = make_scheduler(cfg, info)
     rng = random.Random(seed)
     for i in range(requests):
