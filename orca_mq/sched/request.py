@@ -54,32 +54,34 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival: float = field(default_factory=time.monotonic)
+    # what a decode row reads and writes each iteration, side by side: a plan and its result touch about two
+    # cache lines of the request (served, the worker's iteration between them leaves them cold)
     output_token_ids: list[int] = field(default_factory=list)
     phase: Phase = Phase.INITIATION
     in_flight: int = 0             # iterations in flight it is part of (2: async scheduling planned its next)
-    aborted: bool = False          # abort asked while running: finish when its iteration returns
-    n_iterations: int = 0
-    n_prompt_fed: int = 0          # prompt tokens given to the engine so far (all of them after one ORCA initiation)
+    planned: int = 0               # the iteration it was last planned in
+    sample_row: int = -1           # and its row among that iteration's sampling rows (-1: none)
     chunk: int = 0                 # prompt tokens its latest iteration feeds (0: an increment)
+    n_iterations: int = 0
+    slot: int = -1                 # its row in the columnar planner's store (orca_mq/sched/columns.py; -1: none)
+    aborted: bool = False          # abort asked while running: finish when its iteration returns
+    kv_published: int = 0          # its leading blocks known computed (taken from, or offered to, the prefix cache)
+    n_prompt_fed: int = 0          # prompt tokens given to the engine so far (all of them after one ORCA initiation)
     first_token_time: float | None = None
     finish_time: float | None = None
     finish_reason: str | None = None
     reserved_blocks: int = 0       # KV blocks of max_total_tokens, reserved when it starts (ORCA's n_rsrv, FastServe's admission)
     cached_tokens: int = 0         # prompt tokens whose K/V it took from the prefix cache instead of computing
     kv_hashes: list[bytes] = field(default_factory=list)   # prefix hashes of its first full blocks (orca_mq/kv/prefix.py)
-    kv_published: int = 0          # its leading blocks known computed (taken from, or offered to, the prefix cache)
     job: JobState = field(default_factory=JobState)
     waits: Waits = field(default_factory=Waits)
     swaps: SwapCounts = field(default_factory=SwapCounts)
     grammar: "Grammar | None" = None   # structured outputs: its matcher, advanced by each accepted token
-    planned: int = 0               # the iteration it was last planned in...
-    sample_row: int = -1           # ...and its row among that iteration's sampling rows (-1: none)
     history_fed: int = -1          # penalties: prompt tokens its token history on the last stage has seen (-1: none started)
     logit_bias: list[tuple[int, float]] | None = None   # params.logit_bias as (token id, bias), parsed at its first row
     prompt_logprobs: "TokenLogprobs | None" = None   # its prompt's log probabilities so far, until its first token carries them
     spec: "SpecState | None" = None   # speculative decoding: its n-gram index and adaptive k (None: it does not speculate)
     draft: int = 0                 # draft tokens its iteration in flight verifies
-    slot: int = -1                 # its row in the columnar planner's store (orca_mq/sched/columns.py; -1: none)
     client: str = ""               # who it counts for in the pool's fair shares (orca_mq.fair_share.client_name)
     # an embedding request (orca_mq/sched/pooling.py): a prompt that samples nothing and leaves with its vector
     pooling: PoolingParams | None = None
