@@ -132,3 +132,4 @@ def test_columnar_plans_equal_the_general_path(policy: str, ahead: str, workers:
     for s in pair:
         bm = s.block_manager
         assert bm.n_rsrv == 0 and bm.num_used_slots == 0
+    assert pair[0].block_manager.device.index == pair[1].block_manager.device.index   # the same blocks published

@@ -27,11 +27,12 @@ The block tables of both tiers and the copies between them that a plan carries a
 """
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
 from orca_mq.kv.pool import PoolSize
-from orca_mq.kv.prefix import extend_chain
+from orca_mq.kv.prefix import block_hash, extend_chain
 from orca_mq.kv.request import KVRequest
 from orca_mq.kv.tables import HOLE, BlockTables
 from orca_mq.kv.tier import KVAllocationError
@@ -248,6 +249,23 @@ class BlockManager(BlockTables):
                     self.device.publish(table[i], hashes[i])
             req.kv_published = n_full
         self._slide(req.request_id, table, n_tokens)
+
+    def decoded(self, reqs: list[KVRequest], counts: list[int]) -> None:
+        """computed(req, n) for decode rows whose K/V reached a new full block: in the usual case (the block
+        after the last published, all output tokens, no window) that block is hashed and published here
+        (a batch of 256 rows fills 16 blocks an iteration), else computed() takes the row."""
+        bs, tables = self.block_size, self.device.tables
+        for req, n in zip(reqs, counts):
+            k, hashes, table = req.kv_published, req.kv_hashes, tables.get(req.request_id)
+            lo = k * bs - len(req.prompt_token_ids)   # the block's first position among the output tokens
+            if self.window or table is None or n // bs != k + 1 or len(hashes) != k or lo < 0 or len(table) <= k:
+                self.computed(req, n)
+                continue
+            h = block_hash(hashes[-1] if hashes else self.seed, array("q", req.output_token_ids[lo:lo + bs]).tobytes())
+            hashes.append(h)
+            if table[k] != HOLE:
+                self.device.publish(table[k], h)
+            req.kv_published = k + 1
 
     def release(self, req: KVRequest) -> None:
         """The request left: its references on both tiers and its reservation return to the pool."""

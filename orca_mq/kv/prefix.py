@@ -33,6 +33,11 @@ def extend_chain(hashes: list[bytes], tokens: Sequence[int], block_size: int, n_
     data = memoryview(array("q", tokens[first * block_size - offset:end * block_size - offset]).tobytes())
     step = 8 * block_size
     for j in range(end - first):
-        prev = hashlib.blake2b(prev + data[j * step:(j + 1) * step], digest_size=DIGEST_BYTES).digest()
+        prev = block_hash(prev, data[j * step:(j + 1) * step])
         hashes.append(prev)
     return hashes
+
+
+def block_hash(prev: bytes, tokens: bytes | memoryview) -> bytes:
+    """The hash of a block of token ids (int64, `array("q")`'s bytes) after its predecessor's hash `prev`."""
+    return hashlib.blake2b(prev + tokens, digest_size=DIGEST_BYTES).digest()

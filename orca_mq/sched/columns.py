@@ -298,8 +298,8 @@ def apply_decode(sched: "Scheduler", batch: list[Request], ids: list[str], token
     store.n_tok[slots], store.last[slots] = n_kv + 1, t
     if bm.seed is not None:   # a block it filled joins the prefix cache (no window: computed only publishes)
         published = np.fromiter([r.kv_published for r in batch], np.int64, len(batch))
-        for row in np.flatnonzero(n_kv // bm.block_size > published).tolist():
-            bm.computed(batch[row], int(n_kv[row]))
+        if len(full := np.flatnonzero(n_kv // bm.block_size > published)):
+            bm.decoded([batch[row] for row in full.tolist()], n_kv[full].tolist())
     out = TokenColumns(ids, tokens)
     eos = (t[:, None] == store.eos).any(axis=1)   # a model has a few EOS ids: cheaper than np.isin
     maybe = (n_kv + 1 - store.n_prompt[slots] >= store.max_tokens[slots]) | store.own_stops[slots] | (store.eos_stops[slots] & eos)
