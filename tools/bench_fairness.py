@@ -68,57 +68,72 @@ def attacks(max_n: int, max_choices: int, max_logprobs: int, max_len: int) -> di
 
 
 def _attack(base: str, requests: list[tuple[str, dict[str, Any]]], conn: Any) -> None:
-    """In its own process (its responses are big to read): every request at once, each on its connection."""
+    """In its own process (its responses are big to read): imports done and connections open, it says
+    so and waits for the word, then sends every request at once, each on its connection. On a host of
+    two cores the client's own start (a Python process importing httpx: about a second of a core) would
+    otherwise be counted as the attack's cost to the bystander."""
     import concurrent.futures
 
-    def one(req: tuple[str, dict[str, Any]]) -> tuple[int, float, int]:
+    clients = [httpx.Client(base_url=base, timeout=3600, headers={"authorization": f"Bearer {ATTACKER}"}) for _ in requests]
+    for c in clients:
+        c.get("/version")
+
+    def one(i: int) -> tuple[int, float, int]:
         t = time.perf_counter()
-        r = httpx.post(base + req[0], json={"model": None, **req[1]}, headers={"authorization": f"Bearer {ATTACKER}"},
-                       timeout=3600)
+        r = clients[i].post(requests[i][0], json={"model": None, **requests[i][1]})
         return r.status_code, time.perf_counter() - t, len(r.content)
 
     with concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
-        conn.send(list(pool.map(one, requests)))
+        conn.send("ready")
+        conn.recv()
+        conn.send(list(pool.map(one, range(len(requests)))))
 
 
-async def _bystander(base: str, until: asyncio.Event, out: list[float]) -> None:
+async def _bystander(base: str, until: asyncio.Event, out: list[tuple[float, float]]) -> None:
     body = {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4, "temperature": 0}
     async with httpx.AsyncClient(base_url=base, timeout=600, headers={"authorization": f"Bearer {BYSTANDER}"}) as http:
         while not until.is_set():
             t = time.perf_counter()
             r = await http.post("/v1/chat/completions", json=body)
             assert r.status_code == 200, r.text
-            out.append(time.perf_counter() - t)
+            out.append((t, time.perf_counter() - t))
 
 
-async def _poll(base: str, path: str, until: asyncio.Event, out: list[float]) -> None:
+async def _poll(base: str, path: str, until: asyncio.Event, out: list[tuple[float, float]]) -> None:
     """`path` every 50 ms: /health (a stats round trip through every process once a second) and
     /version (the HTTP API's event loop alone)."""
     async with httpx.AsyncClient(base_url=base, timeout=600, headers={"authorization": f"Bearer {BYSTANDER}"}) as http:
         while not until.is_set():
             t = time.perf_counter()
             await http.get(path)
-            out.append(time.perf_counter() - t)
+            out.append((t, time.perf_counter() - t))
             await asyncio.sleep(0.05)
 
 
 async def measure(base: str, requests: list[tuple[str, dict[str, Any]]] | None, seconds: float,
                   least: float = 5.0) -> dict[str, Any]:
-    """The bystander and /health for `seconds` (idle), or while the attack runs (at most `seconds`, at
-    least `least`: a refused attack ends at once, the bystander still needs samples)."""
+    """The bystander and /health for `seconds` (idle), or while the attack runs: the samples sent from
+    the attack's first request to its last reply (at most `seconds`; at least `least`, so that an
+    attack refused at once still has a bystander's worth of samples)."""
     until, lat, health, version = asyncio.Event(), [], [], []
-    tasks = [asyncio.create_task(_bystander(base, until, lat)), asyncio.create_task(_poll(base, "/health", until, health)),
-             asyncio.create_task(_poll(base, "/version", until, version))]
     out: dict[str, Any] = {}
-    if requests is None:
-        await asyncio.sleep(seconds)
-    else:
+    proc = None
+    if requests is not None:   # the attacker's process started and connected before anything is timed
         mine, theirs = multiprocessing.get_context("spawn").Pipe()
         proc = multiprocessing.get_context("spawn").Process(target=_attack, args=(base, requests, theirs), daemon=True)
-        t = time.perf_counter()
         proc.start()
+        while not mine.poll():
+            await asyncio.sleep(0.05)
+        mine.recv()
+    tasks = [asyncio.create_task(_bystander(base, until, lat)), asyncio.create_task(_poll(base, "/health", until, health)),
+             asyncio.create_task(_poll(base, "/version", until, version))]
+    t = time.perf_counter()
+    if proc is None:
+        await asyncio.sleep(seconds)
+    else:
+        mine.send("go")
         while proc.is_alive() and time.perf_counter() - t < seconds and not mine.poll():
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(0.05)
         out["attack_s"] = time.perf_counter() - t
         await asyncio.sleep(max(0.0, least - out["attack_s"]))
         if mine.poll(1):
@@ -127,9 +142,12 @@ async def measure(base: str, requests: list[tuple[str, dict[str, Any]]] | None, 
             out["attack"] = "cut at the window (the attacker left: its requests abort)"
         proc.terminate()
         proc.join(10)
+    end = t + max(out.get("attack_s", seconds), least)
     until.set()
     await asyncio.gather(*tasks)
-    return out | {"bystander_requests": len(lat), **_ms("bystander", lat), **_ms("health", health), **_ms("version", version)}
+    window = [[d for at, d in xs if t <= at <= end] for xs in (lat, health, version)]
+    return out | {"bystander_requests": len(window[0]), **_ms("bystander", window[0]), **_ms("health", window[1]),
+                  **_ms("version", window[2])}
 
 
 def _ms(name: str, xs: list[float]) -> dict[str, float]:
