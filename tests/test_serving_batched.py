@@ -172,3 +172,17 @@ def test_no_log_line_per_token(server):
     assert all(o.finish_reason == "length" for o in asyncio.run(burst()))
     settled(server.address)
     assert _log_lines(server) - before <= 3 * 8
+
+
+
+def test_a_server_is_ready_for_constrained_requests_before_one_arrives(server):
+    """What the first constrained request paid on the loops of the processes that compile it (issue 44):
+    the grammars' vocabulary, built by llguidance holding the GIL for a few tenths of a second, stalled
+    every other request's turn there. Each builds it on its grammar thread once ready; none was sent
+    one here."""
+    deadline = time.monotonic() + 60
+    for role in ("scheduler", "frontend"):
+        while "vocabulary ready" not in (Path(server.log_dir) / f"{role}.log").read_text():
+            assert time.monotonic() < deadline, f"the {role} did not build the grammars' vocabulary once ready"
+            time.sleep(0.1)
+

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Executor, Future
 from functools import cached_property
 from typing import Any
 
@@ -39,8 +40,8 @@ ENTRY_BYTES = 24   # a log probability in a message, its token's text aside: an 
 
 
 class ServedModel:
-    """The tokenizer is loaded when first used (the scheduler process needs it only for the first
-    constrained request's vocabulary); the vocabulary too, by the compiler, when first needed."""
+    """The tokenizer is loaded when first used (the scheduler process needs it only for the grammars'
+    vocabulary); the vocabulary too, by the compiler, or by `warm_grammars` in a server once ready."""
 
     def __init__(self, cfg: Config, info: ModelInfo | None = None) -> None:
         self.cfg = cfg
@@ -115,6 +116,18 @@ class ServedModel:
         ids = self.prompts.encode_text(prompt) if isinstance(prompt, str) else list(prompt)
         resolved = self.pooling(pooling)
         return self.request(request_id, ids, self.fit_embedding(ids), pooling=resolved)
+
+    def warm_grammars(self, pool: Executor) -> None:
+        """The grammars' vocabulary built on `pool` (a server's grammar thread, once it is ready):
+        building it under the first constrained request held that process's GIL for a few tenths of a
+        second, stalling every other request's turn. A failure is logged here and raised again to the
+        first constrained request."""
+        def built(f: Future[Vocabulary]) -> None:
+            if (e := f.exception()) is not None:
+                log.warning("structured outputs: the vocabulary did not build (%s: %s)", type(e).__name__, e)
+            else:
+                log.info("structured outputs: vocabulary ready (built once the process was)")
+        pool.submit(self.grammars.vocabulary).add_done_callback(built)
 
     def _vocabulary(self) -> Vocabulary:
         started = time.perf_counter()

@@ -77,6 +77,7 @@ class Frontend:
 
     async def run(self) -> int:
         await self.link.to_peer("launcher", Ready("frontend", os.getpid()))
+        self.model.warm_grammars(self.grammar_pool)
         code = await serve([self._loop()], self.log)
         self.tokenize_pool.shutdown(wait=False, cancel_futures=True)
         self.grammar_pool.shutdown(wait=False, cancel_futures=True)

@@ -222,6 +222,7 @@ class SchedulerProcess:
                 self.log.info("iteration profile measured", seconds=round(time.perf_counter() - self.started, 2),
                               **self.sched.profile.to_dict())
             await self.link.to_peer("launcher", Ready("scheduler", os.getpid()))
+            self.model.warm_grammars(self.grammar_pool)
         return bool(out.plans)
 
     async def _emit(self, iteration: int, parts: list[Tokens]) -> None:

@@ -60,8 +60,9 @@ class _Entry:
 
 
 class Compiler:
-    """One per process. `vocabulary` builds the model's vocabulary (a second or two) when the first
-    constrained request needs it; None: check only."""
+    """One per process. `vocabulary` builds the model's vocabulary (a few tenths of a second, most of it
+    in llguidance holding the GIL) when first needed: a server builds it on its grammar thread once
+    ready (`ServedModel.warm_grammars`), not under its first constrained request; None: check only."""
 
     def __init__(self, cfg: "StructuredConfig", vocabulary: Callable[[], Vocabulary] | None = None) -> None:
         self.cfg = cfg
@@ -96,15 +97,19 @@ class Compiler:
             entry = self._cache.get((spec.kind, spec.spec()))
         return None if entry is None or entry.template is None else Known(entry.start)
 
-    def _compiled(self, spec: StructuredOutputsParams, known: Known | None,
-                  deadline: float | None) -> tuple[_Entry, Vocabulary]:
-        entry = self._entry(spec)
+    def vocabulary(self) -> Vocabulary:
+        """The model's vocabulary, built on first use."""
         with self._lock:
             if self._vocab is None:
                 if self._vocabulary is None:
                     raise RuntimeError("this compiler has no vocabulary: it only checks constraints")
                 self._vocab = self._vocabulary()
-            vocab = self._vocab
+            return self._vocab
+
+    def _compiled(self, spec: StructuredOutputsParams, known: Known | None,
+                  deadline: float | None) -> tuple[_Entry, Vocabulary]:
+        entry = self._entry(spec)
+        vocab = self.vocabulary()
         if entry.template is None:
             template = LLMatcher(vocab.tokenizer, entry.grammar, log_level=0, limits=LIMITS)
             if template.is_error():  # what only the vocabulary reveals (e.g. a lexer too large for it)
