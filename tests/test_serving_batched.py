@@ -186,3 +186,10 @@ def test_a_server_is_ready_for_constrained_requests_before_one_arrives(server):
             assert time.monotonic() < deadline, f"the {role} did not build the grammars' vocabulary once ready"
             time.sleep(0.1)
 
+
+def test_the_workers_idle_openmp_threads_spin_briefly(server):
+    """engine.omp_spin_count reaches the worker as libgomp's GOMP_SPINCOUNT (read when torch loads it):
+    libgomp's own 300,000 spins kept a core busy between iterations that the server's other processes
+    need (issue 44: the bystander's tail under load)."""
+    environ = Path(f"/proc/{server.pid_of('workers.main')}/environ").read_bytes().split(b"\0")
+    assert b"GOMP_SPINCOUNT=3000" in environ

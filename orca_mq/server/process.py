@@ -79,6 +79,8 @@ def start_child(role: str, group: str, module: str, cfg: Config, error_file: Pat
     config["server"]["api_key"] = ""
     cmd = [sys.executable, "-m", module, "--config-json", json.dumps(config), *extra]
     env = _env() | {API_KEY_ENV: cfg.server.api_key, ERROR_FILE_ENV: str(error_file)}
+    if cfg.engine.omp_spin_count >= 0:   # libgomp reads it once, when torch loads it: hence here
+        env["GOMP_SPINCOUNT"] = str(cfg.engine.omp_spin_count)
     proc = subprocess.Popen(cmd, env=env, stdout=sys.stderr, stdin=subprocess.DEVNULL,
                             start_new_session=True, preexec_fn=_die_with_parent)
     return Child(role, group, proc)
