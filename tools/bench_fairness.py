@@ -123,6 +123,8 @@ async def measure(base: str, requests: list[tuple[str, dict[str, Any]]] | None, 
         proc = multiprocessing.get_context("spawn").Process(target=_attack, args=(base, requests, theirs), daemon=True)
         proc.start()
         while not mine.poll():
+            if not proc.is_alive():
+                raise RuntimeError(f"the attacker's process ended before it was ready (exit {proc.exitcode})")
             await asyncio.sleep(0.05)
         mine.recv()
     tasks = [asyncio.create_task(_bystander(base, until, lat)), asyncio.create_task(_poll(base, "/health", until, health)),
