@@ -33,7 +33,7 @@ from starlette.requests import Request
 from orca_mq.api.errors import ApiError, error_body
 from orca_mq.api.logprobs import Shaper, entries
 from orca_mq.api.metrics import ApiMetrics
-from orca_mq.api.offload import Builder, dump, weight
+from orca_mq.api.offload import Builder, dump, encoded, weight
 from orca_mq.api.schemas import ChatCompletionRequest, CompletionRequest, PromptTokensDetails, Usage
 from orca_mq.api.stream import Generation, StopStrings, until_disconnect
 from orca_mq.client import AsyncClient
@@ -188,18 +188,19 @@ async def _next(pieces: AsyncIterator[str]) -> str | None:
     return await anext(pieces, None)
 
 
-async def answer(fan: Fanout, request: Request, whole: Build) -> str:
-    """The whole response's JSON: every choice, in index order, and the usage (built off the loop when heavy)."""
+async def answer(fan: Fanout, request: Request, whole: Build) -> list[bytes]:
+    """The whole response's JSON, encoded in pieces (offload.SlicedJSON): every choice, in index order,
+    and the usage (built off the loop when heavy)."""
     try:
         texts = await until_disconnect(request, fan.texts())
     finally:
         await fan.close()
     usage = fan.usage()
 
-    def build() -> str:
+    def build() -> list[bytes]:
         parts = [c.shape.whole(whole(c, texts[c.index], c.gen.finish_reason, usage), c.gen) for c in fan.choices]
         parts[0].choices = [p.choices[0] for p in parts]  # type: ignore[attr-defined]
-        return dump(parts[0])
+        return encoded(parts[0])
 
     heft = sum(entries(c.gen.logprobs) + c.shape.weight(None) for c in fan.choices)
     return await fan.builder.build(build, weight(heft, sum(map(len, texts))))

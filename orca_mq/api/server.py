@@ -46,7 +46,7 @@ from orca_mq.api.edge import ApiKeyGuard, BodyLimit, Handled, end_client
 from orca_mq.api.embeddings import Embeddings
 from orca_mq.api.errors import INTERNAL_TEXT, ApiError, body_for, from_validation
 from orca_mq.api.fanout import Build, Choice, Fanout, answer, begin, check_bounds, events
-from orca_mq.api.offload import Builder
+from orca_mq.api.offload import Builder, SlicedJSON
 from orca_mq.api.chat import chat_builders
 from orca_mq.api.chat_format import ChatFormat, resolve
 from orca_mq.api.messages import message
@@ -158,7 +158,7 @@ class Api:
         fan = Fanout(body, self.client, self.metrics, self.builder, end_client(request.scope))
         try:
             if not body.stream:
-                return Response(await answer(fan, request, whole), media_type="application/json")
+                return SlicedJSON(await answer(fan, request, whole))
             await begin(fan, request)   # the first tokens before the headers: a refused request gets its HTTP status
         except ApiError as e:   # refused: the field at fault by this request's name for it
             e.param = body.field(e.param)
