@@ -8,9 +8,10 @@ p99 above 100 ms. A benign request of the same size (n = 16 short choices) is th
 sharing the batch costs on this engine, pathology aside. `queue_flood` is many requests (17 x 64
 choices, one API key), reported beside. The server has two API keys, the attacker's and the
 bystander's (each key one client for the fair shares). `--tiny` serves a random 2-layer Llama with
-the embedded tokenizer: the engine's compute is negligible, so what is measured is what each request
-costs the server's loops and queues (on a CPU, batching the embedded model's 16 choices costs the
-bystander compute of its own). Prints a table and writes JSON (--out).
+the embedded tokenizer: its layers cost little, so what is measured is what each request costs the
+server's loops and queues, and the sampler's passes over the 49,152-token vocabulary for each of its
+rows (on a CPU, twice the 2-layer forward when 16 choices sample under a mask; with the embedded
+model the layers cost the bystander compute of their own). Prints a table and writes JSON (--out).
 
     python tools/bench_fairness.py --tiny --out results/fairness_tiny.json
     python tools/bench_fairness.py --out results/fairness.json
@@ -172,7 +173,7 @@ def main() -> None:
     ap.add_argument("--attacks", default="", help="comma-separated names (default: all)")
     ap.add_argument("--idle", type=float, default=20.0, help="seconds the bystander runs alone")
     ap.add_argument("--window", type=float, default=90.0, help="seconds an attack may run (then it is cut)")
-    ap.add_argument("--tiny", action="store_true", help="a random 2-layer Llama, the embedded tokenizer (compute negligible)")
+    ap.add_argument("--tiny", action="store_true", help="a random 2-layer Llama, the embedded tokenizer (layers cheap, vocabulary not)")
     ap.add_argument("--set", action="append", default=[], metavar="section.key=value", help="server config")
     ap.add_argument("--out", default="results/fairness.json")
     args = ap.parse_args()
