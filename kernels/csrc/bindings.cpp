@@ -9,6 +9,8 @@ void rotary_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch:
 torch::Tensor silu_mul(torch::Tensor gate_up);
 torch::Tensor linear_rows(torch::Tensor x, torch::Tensor w);
 torch::Tensor grouped_rows(torch::Tensor x, torch::Tensor w, torch::Tensor ends, int64_t stream_rows);
+torch::Tensor sample_rows(torch::Tensor raw, torch::Tensor x, torch::Tensor masks, torch::Tensor mask_index,
+                          torch::Tensor temperature, torch::Tensor min_p, torch::Tensor u);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (float32 or bfloat16 KV)",
@@ -18,5 +20,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_", &rotary_, "rotary embedding of the first heads of every row, in place");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of [gate | up] rows");
   m.def("linear_rows", &linear_rows, "x [M, K] @ w.T for a few rows, float32 or bfloat16, the weights streamed once");
+  m.def("sample_rows", &sample_rows, "each row's token (argmax, or a draw by inverse CDF) over whether it is usable, float32");
   m.def("grouped_rows", &grouped_rows, "each group of x's rows times its own w[g].T (a mixture of experts), float32 or bfloat16");
 }

@@ -142,6 +142,9 @@ class Processors:
         return cls(bias_rows[keep], x.bias_ids[keep].astype(np.int64), x.bias_vals[keep], rows[pen],
                    [a.plan.request_ids[r] for r in x.rows[pen].tolist()], x.params[pen, :3], min_p)
 
+    def bans(self) -> bool:
+        return bool(np.isneginf(self.bias_vals).any())
+
     def apply(self, logits: Tensor, history: TokenHistory | None) -> Tensor:
         """The biases, bans and penalties applied (a new tensor; `logits` is left as it is)."""
         if not len(self.bias_rows) and not (len(self.pen_rows) and history is not None):

@@ -18,8 +18,10 @@ raises is reported as failed, and the other rows keep their tokens.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import random
 from dataclasses import dataclass
+from types import ModuleType
 
 import numpy as np
 import torch
@@ -94,9 +96,12 @@ def sample(logits: Tensor, rows: SamplingRows, first: Tensor | None = None, hist
     CUDA graph; it may have more columns, for a bucket's padding rows); `history`: the penalized
     requests' token histories (the last stage's; without it no penalty applies), which the sampled
     tokens join. `logits` is left as it is (the raw logits, for log probabilities)."""
+    drawn = np.flatnonzero(~is_greedy(rows.temperature, rows.top_k))
+    kernel = _kernel() if first is None and logits.device.type == "cpu" else None
+    if kernel is not None:
+        return _sample_fused(kernel, logits, rows, drawn, history)
     first = greedy(logits) if first is None else first
     tokens, ok = first[0, :len(rows)], first[1, :len(rows)].bool()
-    drawn = np.flatnonzero(~is_greedy(rows.temperature, rows.top_k))
     procs = rows.processors
     if not rows.masks and not len(drawn) and procs is None:   # greedy rows only: nothing here waits for the device
         return Sampled(tokens, ok, [], first)
@@ -107,21 +112,69 @@ def sample(logits: Tensor, rows: SamplingRows, first: Tensor | None = None, hist
     if procs is not None:   # greedy rows with processors alone wait for nothing either
         logits = procs.apply(logits, history)
     tokens = logits.argmax(dim=-1) if rows.masks or procs is not None else tokens.clone()
-    failed: list[int] = []
-    if len(drawn):
-        good = ok.tolist()
-        group = [int(b) for b in drawn if good[b]]
-        try:
-            _sample_rows(logits, rows, group, tokens)
-        except Exception:  # a vectorized step failed: redo row by row to find whose parameters it was
-            for b in group:
-                try:
-                    _sample_rows(logits, rows, [b], tokens)
-                except Exception:
-                    failed.append(b)
+    good = ok.tolist() if len(drawn) else []
+    failed = _draw(logits, rows, [int(b) for b in drawn if good[b]], tokens)
     if procs is not None:
         procs.record(history, tokens)
     return Sampled(tokens, ok, failed, torch.stack((tokens, ok.long())))
+
+
+def _sample_fused(kernel: ModuleType, logits: Tensor, rows: SamplingRows, drawn: np.ndarray,
+                  history: TokenHistory | None) -> Sampled:
+    """The CPU's step: the extension's sample_rows takes each row's finiteness, mask, argmax and (without top-k /
+    top-p) its draw in a few passes over the row in cache; rows with top-k / top-p are drawn as on a device."""
+    raw = logits.float().contiguous()
+    x, masks, procs, usable = raw, rows.masks, rows.processors, None
+    if procs is not None:
+        if masks and procs.bans():   # a ban is undone where it leaves nothing the mask allows: the masks go first
+            x, usable = _apply_masks(x, masks)
+            masks = {}
+        x = procs.apply(x, history)   # biases and penalties leave -inf where it was: they commute with a mask
+    n = len(rows)
+    filtered = [int(b) for b in drawn if rows.top_k[b] > 0 or rows.top_p[b] < 1.0]
+    plain = np.setdiff1d(drawn, filtered)
+    u = np.full(n, -1.0)
+    u[plain] = _uniforms(rows, plain.tolist())
+    index = np.full(n, -1, np.int64)
+    index[list(masks)] = np.arange(len(masks))
+    min_p = np.zeros(n, np.float32) if procs is None else procs.min_p
+    back = kernel.sample_rows(raw, x, _packed(masks, logits.shape[1]), torch.from_numpy(index),
+                              torch.from_numpy(np.ascontiguousarray(rows.temperature, np.float32)),
+                              torch.from_numpy(np.ascontiguousarray(min_p, np.float32)), torch.from_numpy(u))
+    if usable is not None:
+        back[1] &= usable
+    tokens, ok = back[0], back[1].bool()
+    failed: list[int] = []
+    if filtered:
+        good = ok.tolist()
+        failed = _draw(_apply_masks(x, masks)[0] if masks else x, rows, [b for b in filtered if good[b]], tokens)
+    if procs is not None:
+        procs.record(history, tokens)
+    return Sampled(tokens, ok, failed, back)
+
+
+@functools.cache
+def _kernel() -> ModuleType | None:
+    from kernels import cpu_kernels
+
+    return cpu_kernels.load()
+
+
+def _draw(logits: Tensor, rows: SamplingRows, group: list[int], tokens: Tensor) -> list[int]:
+    """Draws the group's tokens into `tokens`; the rows whose sampling raised."""
+    if not group:
+        return []
+    try:
+        _sample_rows(logits, rows, group, tokens)
+        return []
+    except Exception:  # a vectorized step failed: redo row by row to find whose parameters it was
+        failed = []
+        for b in group:
+            try:
+                _sample_rows(logits, rows, [b], tokens)
+            except Exception:
+                failed.append(b)
+        return failed
 
 
 def failed_rows(ok: list[bool], raised: list[int]) -> list[int]:
@@ -152,10 +205,9 @@ def _apply_masks(logits: Tensor, masks: dict[int, bytes]) -> tuple[Tensor, Tenso
     unpacks them in one pass. The mask is added, 0 or -inf (1 - 1/bit): exact, and vectorized where
     torch.where on a bool mask is not (1.8 ms against 0.2 at 16 x 49,152 on the CPU)."""
     n, vocab = logits.shape
-    size = mask_bytes(vocab)
-    packed = np.full((n, size), 0xFF, dtype=np.uint8)
+    packed = np.full((n, mask_bytes(vocab)), 0xFF, dtype=np.uint8)
     for b, m in masks.items():
-        packed[b] = np.frombuffer(m, dtype=np.uint8) if len(m) == size else 0  # malformed: allows nothing
+        packed[b] = _mask_row(m, vocab)
     if logits.device.type == "cpu":
         bits = torch.from_numpy(np.unpackbits(packed, axis=1, count=vocab, bitorder="little"))
     else:
@@ -163,6 +215,25 @@ def _apply_masks(logits: Tensor, masks: dict[int, bytes]) -> tuple[Tensor, Tenso
         shifts = torch.arange(8, device=logits.device, dtype=torch.uint8)
         bits = ((words[:, :, None] >> shifts) & 1).view(n, size * 8)[:, :vocab]
     return logits + bits.float().reciprocal_().neg_().add_(1), bits.amax(dim=-1).bool()
+
+
+def _mask_row(mask: bytes, vocab: int) -> np.ndarray | int:
+    size = mask_bytes(vocab)
+    return np.frombuffer(mask, dtype=np.uint8) if len(mask) == size else 0  # malformed: allows nothing
+
+
+def _packed(masks: dict[int, bytes], vocab: int) -> Tensor:
+    """The masks' rows in the dict's order, [M, mask_bytes(vocab)] uint8."""
+    packed = np.empty((len(masks), mask_bytes(vocab)), dtype=np.uint8)
+    for i, m in enumerate(masks.values()):
+        packed[i] = _mask_row(m, vocab)
+    return torch.from_numpy(packed)
+
+
+def _uniforms(rows: SamplingRows, group: list[int]) -> list[float]:
+    """Each row's uniform: a seeded row's of (seed, position), an unseeded row's from this process's generator."""
+    return [uniform(int(rows.seeds[b]), int(rows.seq_lens[b])) if rows.seeds[b] >= 0
+            else (_unseeded.getrandbits(53) + 0.5) / (1 << 53) for b in group]
 
 
 def _sample_rows(logits: Tensor, rows: SamplingRows, group_rows: list[int], tokens: Tensor) -> None:
@@ -187,8 +258,7 @@ def _sample_rows(logits: Tensor, rows: SamplingRows, group_rows: list[int], toke
         total = cum[:, -1:]
         if not bool((total > 0).all()):   # NaN or nothing left: the per-row retry names the row
             raise FloatingPointError("no token has a positive probability")
-        u = torch.tensor([uniform(int(rows.seeds[b]), int(rows.seq_lens[b])) if rows.seeds[b] >= 0
-                          else (_unseeded.getrandbits(53) + 0.5) / (1 << 53) for b in group], device=dev)
+        u = torch.tensor(_uniforms(rows, group), device=dev)
         # the first token whose cumulative probability exceeds u * total (< total): adding a token of
         # probability 0 leaves the sum unchanged, so such a token is never chosen
         target = torch.minimum(u.unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total)))
