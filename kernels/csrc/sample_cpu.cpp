@@ -29,6 +29,9 @@ inline uint32_t bits(float x) {
   return u;
 }
 
+inline bool finite(float x) { return (bits(x) & EXPONENT) != EXPONENT; }
+inline bool is_nan(float x) { return (bits(x) & 0x7fffffffu) > EXPONENT; }
+
 // each byte's 8 bits as 8 bytes of 0 or 1, least significant first (a little-endian word's bytes)
 struct Unpacked {
   uint64_t of[256];
@@ -53,7 +56,8 @@ void allowed(const uint8_t* mask, const float* x, int64_t V, uint8_t* a) {
   for (int64_t v = 0; v < V; ++v) a[v] &= bits(x[v]) != NEG_INF;
 }
 
-// one row: (token, ok); ok false where the raw logits are not all finite or nothing is allowed
+// one row: (token, ok); ok false where the raw logits are not all finite, nothing is allowed or a drawn row's
+// parameters are not numbers
 std::pair<int64_t, bool> sample_row(const float* raw, const float* x, const uint8_t* mask, int64_t V, float temperature,
                                     float min_p, double u, uint8_t* a, float* e, double* block) {
   uint32_t worst = 0;  // any exponent all ones: inf or NaN
@@ -72,7 +76,10 @@ std::pair<int64_t, bool> sample_row(const float* raw, const float* x, const uint
   int64_t arg = 0;  // the first allowed token at the maximum, as torch's argmax (no short circuit: a grammar's
   while (!((a[arg] != 0) & (x[arg] == best))) ++arg;   // mask is a coin toss to a branch predictor)
   if (u < 0) return {arg, true};
+  // a temperature that is not a number, not positive or too small to divide by (the API takes 1e-3 and up) fails
+  // the row, as softmax's NaN does on a device, and so does a min-p that is not a number
   const float inv_t = 1.f / temperature;
+  if (is_nan(temperature) || temperature <= 0.f || !finite(inv_t) || !finite(min_p)) return {arg, false};
   const int64_t n_blocks = (V + BLOCK - 1) / BLOCK;
   double total = 0;
   for (int64_t b = 0; b < n_blocks; ++b) {
