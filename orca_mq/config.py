@@ -52,6 +52,7 @@ class EngineConfig:
     tp_size: int = 1
     threads_per_worker: int = 2
     omp_spin_count: int = 3000
+    malloc_top_pad: int = 64 << 20
     device: Device = "auto"
     attention_backend: AttentionBackend = "auto"
     gemm: Gemm = "auto"
@@ -300,7 +301,8 @@ RANGES: dict[str, Range] = {
     "model.max_model_len": _ONE, "model.max_logprobs": Range(0, 1 << 20),
     "model.max_logit_bias": Range(0, 4096, note="protocol.sampling.MAX_LOGIT_BIAS_ENTRIES"),
     "engine.n_workers": _ONE, "engine.tp_size": _ONE, "engine.threads_per_worker": _ONE,
-    "engine.omp_spin_count": Range(-1, note="-1: the environment's"), "engine.n_slots": Range(0, note="0: sized at start"),
+    "engine.omp_spin_count": Range(-1, note="-1: the environment's"),
+    "engine.malloc_top_pad": Range(-1, note="-1: the environment's"), "engine.n_slots": Range(0, note="0: sized at start"),
     "engine.gpu_memory_utilization": Range(0, 1, above=True), "engine.block_size": _ONE, "engine.host_slots": _COUNT, "engine.deterministic_rows": _ONE,
     "engine.cuda_graph_max_bs": Range(0, note="0: scheduler.max_bs"),
     "scheduler.max_bs": _ONE, "scheduler.max_num_batched_tokens": Range(0, note="0: whole prompts"),

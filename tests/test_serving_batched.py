@@ -187,9 +187,10 @@ def test_a_server_is_ready_for_constrained_requests_before_one_arrives(server):
             time.sleep(0.1)
 
 
-def test_the_workers_idle_openmp_threads_spin_briefly(server):
+def test_the_workers_idle_openmp_threads_spin_briefly_and_keep_freed_memory(server):
     """engine.omp_spin_count reaches the worker as libgomp's GOMP_SPINCOUNT (read when torch loads it):
     libgomp's own 300,000 spins kept a core busy between iterations that the server's other processes
-    need (issue 44: the bystander's tail under load)."""
+    need (issue 44: the bystander's tail under load); engine.malloc_top_pad as glibc's MALLOC_TOP_PAD_
+    (read at the first malloc): with glibc's own, each iteration's logits came back as fresh pages."""
     environ = Path(f"/proc/{server.pid_of('workers.main')}/environ").read_bytes().split(b"\0")
-    assert b"GOMP_SPINCOUNT=3000" in environ
+    assert b"GOMP_SPINCOUNT=3000" in environ and f"MALLOC_TOP_PAD_={64 << 20}".encode() in environ

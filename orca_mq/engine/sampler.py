@@ -1,4 +1,5 @@
-"""Token sampling on the last stage: one batched step for every row of an iteration, on the device.
+"""Token sampling on the last stage: one batched step for every row of an iteration, on the device (on the CPU,
+the extension's fused step: kernels/csrc/sample_cpu.cpp; the ops below where it cannot be built).
 
 A row (one request) is greedy or sampled (temperature, top-k, top-p, min-p), and may carry an allowed-token
 bitmask (a structured output's grammar state, computed by the scheduler): a masked token is never
@@ -124,11 +125,10 @@ def _sample_fused(kernel: ModuleType, logits: Tensor, rows: SamplingRows, drawn:
     """The CPU's step: the extension's sample_rows takes each row's finiteness, mask, argmax and (without top-k /
     top-p) its draw in a few passes over the row in cache; rows with top-k / top-p are drawn as on a device."""
     raw = logits.float().contiguous()
-    x, masks, procs, usable = raw, rows.masks, rows.processors, None
+    x, masks, procs = raw, rows.masks, rows.processors
     if procs is not None:
         if masks and procs.bans():   # a ban is undone where it leaves nothing the mask allows: the masks go first
-            x, usable = _apply_masks(x, masks)
-            masks = {}
+            x, masks = _apply_masks(x, masks)[0], {}   # (a row left all -inf is not usable to the kernel either)
         x = procs.apply(x, history)   # biases and penalties leave -inf where it was: they commute with a mask
     n = len(rows)
     filtered = [int(b) for b in drawn if rows.top_k[b] > 0 or rows.top_p[b] < 1.0]
@@ -141,8 +141,6 @@ def _sample_fused(kernel: ModuleType, logits: Tensor, rows: SamplingRows, drawn:
     back = kernel.sample_rows(raw, x, _packed(masks, logits.shape[1]), torch.from_numpy(index),
                               torch.from_numpy(np.ascontiguousarray(rows.temperature, np.float32)),
                               torch.from_numpy(np.ascontiguousarray(min_p, np.float32)), torch.from_numpy(u))
-    if usable is not None:
-        back[1] &= usable
     tokens, ok = back[0], back[1].bool()
     failed: list[int] = []
     if filtered:

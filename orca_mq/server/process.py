@@ -81,6 +81,8 @@ def start_child(role: str, group: str, module: str, cfg: Config, error_file: Pat
     env = _env() | {API_KEY_ENV: cfg.server.api_key, ERROR_FILE_ENV: str(error_file)}
     if cfg.engine.omp_spin_count >= 0:   # libgomp reads it once, when torch loads it: hence here
         env["GOMP_SPINCOUNT"] = str(cfg.engine.omp_spin_count)
+    if cfg.engine.malloc_top_pad >= 0:   # glibc reads it at the first malloc
+        env["MALLOC_TOP_PAD_"] = str(cfg.engine.malloc_top_pad)
     proc = subprocess.Popen(cmd, env=env, stdout=sys.stderr, stdin=subprocess.DEVNULL,
                             start_new_session=True, preexec_fn=_die_with_parent)
     return Child(role, group, proc)
