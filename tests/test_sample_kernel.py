@@ -1,5 +1,6 @@
-"""The CPU's fused sampling step (kernels/csrc/sample_cpu.cpp) against the sampler's torch ops, the path a device
-takes: the same token for every row and the same failures, over rows of every kind the sampler knows."""
+"""The CPU's fused sampling step and log probabilities (kernels/csrc/sample_cpu.cpp) against torch's ops, the path a
+device takes: the same token for every row and the same failures, over rows of every kind the sampler knows; the
+same log probabilities and ids."""
 from __future__ import annotations
 
 import pytest
@@ -7,7 +8,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from orca_mq.engine import sampler
+from kernels import cpu_kernels
+from orca_mq.engine import logprobs, sampler
 from orca_mq.protocol.iteration import RowExtras, SeqWork, mask_bytes
 
 VOCAB = 1003   # not a multiple of 8: the bitmask's last byte is read bit by bit
@@ -15,7 +17,7 @@ VOCAB = 1003   # not a multiple of 8: the bitmask's last byte is read bit by bit
 
 @pytest.fixture(scope="module")
 def kernel():
-    k = sampler._kernel()
+    k = cpu_kernels.load()
     if k is None:
         pytest.skip("the CPU kernels cannot be built here")
     return k
@@ -29,7 +31,7 @@ def _both(monkeypatch, logits: torch.Tensor, seqs: list[SeqWork]) -> tuple[tuple
 
     fused = run()
     with monkeypatch.context() as m:
-        m.setattr(sampler, "_kernel", lambda: None)
+        m.setattr(cpu_kernels, "load", lambda: None)
         return fused, run()
 
 
@@ -85,3 +87,30 @@ def test_a_row_in_a_wide_vocabulary_draws_past_its_first_block(kernel, monkeypat
     seqs = [SeqWork(f"r{i}", [1], i, [0], temperature=1.0, seed=i) for i in range(64)]
     (fused, failed), ops = _both(monkeypatch, logits, seqs)
     assert (fused, failed) == ops and failed == [] and max(fused) > 40_000 and min(fused) < 8_000
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(n=st.integers(1, 5), k=st.sampled_from([0, 1, 5, 20, VOCAB]), seed=st.integers(0, 2**31),
+       scale=st.sampled_from([0.1, 3.0, 30.0]), ties=st.booleans(), some=st.booleans())
+def test_the_fused_log_probabilities_are_the_ops(kernel, monkeypatch, n, k, seed, scale, ties, some):
+    """log_softmax at each row's target and its k largest (k = 0, and k past the fused bound: the ops): the
+    values to float32's rounding of a log-sum-exp over the vocabulary, the ids exactly (equal values: the lower id
+    first, as the ops' topk on the CPU gives them)."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(n, VOCAB, generator=gen) * scale
+    if ties:
+        logits = logits.round()
+    rows = torch.tensor([b for b in range(n) if b % 2 == 0]) if some else None
+    targets = torch.randint(0, VOCAB, (n if rows is None else len(rows),), generator=gen)
+    fused = logprobs._compute(logits, rows, targets, k)
+    with monkeypatch.context() as m:
+        m.setattr(cpu_kernels, "load", lambda: None)
+        ops = logprobs._compute(logits, rows, targets, k)
+    tol = 8 * 2 ** -24 * max(32.0, float(logits.abs().max()) * 2)   # a few ulps of the largest value subtracted
+    assert torch.allclose(fused[0], ops[0], rtol=0, atol=tol) and torch.allclose(fused[1], ops[1], rtol=0, atol=tol)
+    assert fused[2].shape == ops[2].shape
+    if not ties:
+        assert torch.equal(fused[2], ops[2])
+    else:   # equal values in either order: each id's own value is the one listed
+        lp = torch.log_softmax(logits if rows is None else logits[rows], -1)
+        assert torch.allclose(lp.gather(1, fused[2]), ops[1], rtol=0, atol=tol)

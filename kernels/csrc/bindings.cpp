@@ -11,6 +11,7 @@ torch::Tensor linear_rows(torch::Tensor x, torch::Tensor w);
 torch::Tensor grouped_rows(torch::Tensor x, torch::Tensor w, torch::Tensor ends, int64_t stream_rows);
 torch::Tensor sample_rows(torch::Tensor raw, torch::Tensor x, torch::Tensor masks, torch::Tensor mask_index,
                           torch::Tensor temperature, torch::Tensor min_p, torch::Tensor u);
+std::vector<torch::Tensor> log_probs_rows(torch::Tensor x, torch::Tensor rows, torch::Tensor targets, int64_t k);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (float32 or bfloat16 KV)",
@@ -21,5 +22,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up of [gate | up] rows");
   m.def("linear_rows", &linear_rows, "x [M, K] @ w.T for a few rows, float32 or bfloat16, the weights streamed once");
   m.def("sample_rows", &sample_rows, "each row's token (argmax, or a draw by inverse CDF) over whether it is usable, float32");
+  m.def("log_probs_rows", &log_probs_rows, "some rows' log-softmax at a target each and their k largest, float32");
   m.def("grouped_rows", &grouped_rows, "each group of x's rows times its own w[g].T (a mixture of experts), float32 or bfloat16");
 }

@@ -1,4 +1,4 @@
-// An iteration's sampling step on the CPU, a row per thread and a few passes over each row in cache: the
+// An iteration's sampling step on the CPU, and its log probabilities, a row per thread and a few passes over each row in cache: the
 // finiteness check, the grammar's bitmask, the argmax, and for a drawn row the tempered exponentials, min-p and
 // the inverse CDF. In torch the same is ten vocabulary-wide ops over the rows (unpack the bits, add the mask,
 // amax, amin, argmax, divide, softmax, cumsum, searchsorted...), each a pass through memory: at 17 x 49,152 on
@@ -113,6 +113,43 @@ std::pair<int64_t, bool> sample_row(const float* raw, const float* x, const uint
   return {last >= 0 ? last : arg, true};  // rounding left the block's own sum a little above its scan
 }
 
+// one row's log-softmax at its target and its k largest, most likely first (equal values: the lower id first)
+void log_probs_row(const float* x, int64_t V, int64_t target, int64_t k, float* chosen, float* top_v, int64_t* top_i) {
+  float best = -FLT_MAX;
+#pragma omp simd reduction(max : best)
+  for (int64_t v = 0; v < V; ++v) best = std::max(best, x[v]);
+  double sum = 0;  // float lanes within a block (as torch's), blocks summed in double
+  for (int64_t lo = 0; lo < V; lo += BLOCK) {
+    const int64_t hi = std::min(V, lo + BLOCK);
+    float s = 0.f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t v = lo; v < hi; ++v) s += std::exp(std::max(x[v] - best, EXP_FLOOR));
+    sum += s;
+  }
+  const float log_sum = static_cast<float>(std::log(sum));  // log_softmax(x) = x - max - log(sum): torch's order
+  constexpr int64_t LANES = 64;
+  for (int64_t lo = 0; k > 0 && lo < V; lo += LANES) {
+    const int64_t hi = std::min(V, lo + LANES);
+    float block = -FLT_MAX;  // a block joins the scan only where it beats the k-th so far: rarely, after the start
+#pragma omp simd reduction(max : block)
+    for (int64_t v = lo; v < hi; ++v) block = std::max(block, x[v]);
+    if (lo >= k && block <= top_v[k - 1]) continue;
+    for (int64_t v = lo; v < hi; ++v) {
+      if (v >= k && x[v] <= top_v[k - 1]) continue;
+      int64_t j = std::min(v, k - 1);  // insert, keeping the lower id first among equal values
+      while (j > 0 && top_v[j - 1] < x[v]) {
+        top_v[j] = top_v[j - 1];
+        top_i[j] = top_i[j - 1];
+        --j;
+      }
+      top_v[j] = x[v];
+      top_i[j] = v;
+    }
+  }
+  for (int64_t j = 0; j < k; ++j) top_v[j] = top_v[j] - best - log_sum;
+  *chosen = x[target] - best - log_sum;
+}
+
 }  // namespace
 
 // raw, x [S, V] float32 (x: after the logits processors; may be raw itself); masks [M, >= V / 8 bytes] uint8 and
@@ -153,4 +190,29 @@ torch::Tensor sample_rows(torch::Tensor raw, torch::Tensor x, torch::Tensor mask
     }
   }
   return out;
+}
+
+// x [S, V] float32, rows [R] int64 (the rows asking), targets [R] int64, 0 <= k <= V -> (the targets' log-softmax [R],
+// the k largest [R, k], their ids [R, k]): torch's log_softmax, gather and topk in one pass and a scan per row
+std::vector<torch::Tensor> log_probs_rows(torch::Tensor x, torch::Tensor rows, torch::Tensor targets, int64_t k) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2, "x: [S, V] float32");
+  x = x.contiguous();
+  rows = rows.contiguous();
+  targets = targets.contiguous();
+  const int64_t V = x.size(1), R = rows.numel();
+  TORCH_CHECK(k >= 0 && k <= V && targets.numel() == R, "0 <= k <= V and a target per row");
+  const int64_t* r = rows.data_ptr<int64_t>();
+  const int64_t* t = targets.data_ptr<int64_t>();
+  for (int64_t i = 0; i < R; ++i)
+    TORCH_CHECK(r[i] >= 0 && r[i] < x.size(0) && t[i] >= 0 && t[i] < V, "a row or target out of range");
+  auto chosen = torch::empty({R}, torch::kFloat32);
+  auto top_v = torch::empty({R, k}, torch::kFloat32);
+  auto top_i = torch::empty({R, k}, torch::kInt64);
+  const float* xp = x.data_ptr<float>();
+  float* c = chosen.data_ptr<float>();
+  float* tv = top_v.data_ptr<float>();
+  int64_t* ti = top_i.data_ptr<int64_t>();
+#pragma omp parallel for schedule(static) if (R > 1 && R * V > 65536)
+  for (int64_t i = 0; i < R; ++i) log_probs_row(xp + r[i] * V, V, t[i], k, c + i, tv + i * k, ti + i * k);
+  return {chosen, top_v, top_i};
 }

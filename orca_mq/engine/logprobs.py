@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kernels import cpu_kernels
 from orca_mq.protocol.iteration import IterationResult, PlanArrays
 from orca_mq.protocol.logprobs import TokenLogprobs
 
@@ -95,10 +96,24 @@ class LogprobsOut:
         return out
 
 
-def _compute(logits: Tensor, targets: Tensor, kmax: int) -> tuple[Tensor, Tensor, Tensor]:
+FUSED_K = 64   # the CPU kernel keeps a row's k largest in a sorted array: for at most this many
+
+
+def _compute(logits: Tensor, rows: Tensor | None, targets: Tensor, kmax: int) -> tuple[Tensor, Tensor, Tensor]:
+    """logits' `rows` (None: all) at their targets, and their kmax largest. On the CPU the extension's
+    log_probs_rows: one pass per row for the log-sum-exp and one scan for the k largest, where torch's
+    log_softmax, gather and topk each pass over a new [rows, vocab] tensor."""
+    k = min(kmax, logits.shape[-1])
+    ext = cpu_kernels.load() if logits.device.type == "cpu" and k <= FUSED_K else None
+    if ext is not None:
+        everyone = torch.arange(logits.shape[0]) if rows is None else rows
+        chosen, top_v, top_i = ext.log_probs_rows(logits.float(), everyone, targets, k)
+        return chosen, top_v, top_i
+    if rows is not None:
+        logits = logits.index_select(0, rows)
     lp = torch.log_softmax(logits.float(), dim=-1)   # vLLM: log_softmax of the raw logits in float32
     chosen = lp.gather(1, targets[:, None]).squeeze(1)
-    top_v, top_i = lp.topk(min(kmax, lp.shape[-1]), dim=-1)
+    top_v, top_i = lp.topk(k, dim=-1)
     return chosen, top_v, top_i
 
 
@@ -113,14 +128,14 @@ def sampled_logprobs(logits: Tensor, tokens: Tensor, a: PlanArrays, sampling: np
         return None
     k = ks[asking].tolist()
     idx = torch.from_numpy(asking.astype(np.int64)).to(logits.device)
-    chosen, top_v, top_i = _compute(logits.index_select(0, idx), tokens.index_select(0, idx), max(k))
+    chosen, top_v, top_i = _compute(logits, idx, tokens.index_select(0, idx), max(k))
     return LogprobsOut(sampling[asking].tolist(), [1] * len(k), k, None, chosen, top_v, top_i)
 
 
 def prompt_logprobs(logits: Tensor, positions: PromptPositions) -> LogprobsOut:
     """logits [P, vocab]: the extra LM-head rows, in `positions`' order."""
     targets = torch.from_numpy(positions.targets)
-    chosen, top_v, top_i = _compute(logits, targets.to(logits.device), max(positions.ks))
+    chosen, top_v, top_i = _compute(logits, None, targets.to(logits.device), max(positions.ks))
     return LogprobsOut(positions.rows, positions.counts, positions.ks, targets, chosen, top_v, top_i)
 
 

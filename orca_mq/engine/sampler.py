@@ -19,7 +19,6 @@ raises is reported as failed, and the other rows keep their tokens.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import random
 from dataclasses import dataclass
 from types import ModuleType
@@ -27,6 +26,7 @@ from types import ModuleType
 import numpy as np
 import torch
 
+from kernels import cpu_kernels
 from orca_mq.engine.history import Processors, TokenHistory
 from orca_mq.protocol.iteration import IterationPlan, PlanArrays, SeqWork, mask_bytes, pack
 from orca_mq.protocol.sampling_fields import is_greedy
@@ -98,7 +98,7 @@ def sample(logits: Tensor, rows: SamplingRows, first: Tensor | None = None, hist
     requests' token histories (the last stage's; without it no penalty applies), which the sampled
     tokens join. `logits` is left as it is (the raw logits, for log probabilities)."""
     drawn = np.flatnonzero(~is_greedy(rows.temperature, rows.top_k))
-    kernel = _kernel() if first is None and logits.device.type == "cpu" else None
+    kernel = cpu_kernels.load() if first is None and logits.device.type == "cpu" else None
     if kernel is not None:
         return _sample_fused(kernel, logits, rows, drawn, history)
     first = greedy(logits) if first is None else first
@@ -149,13 +149,6 @@ def _sample_fused(kernel: ModuleType, logits: Tensor, rows: SamplingRows, drawn:
     if procs is not None:
         procs.record(history, tokens)
     return Sampled(tokens, ok, failed, back)
-
-
-@functools.cache
-def _kernel() -> ModuleType | None:
-    from kernels import cpu_kernels
-
-    return cpu_kernels.load()
 
 
 def _draw(logits: Tensor, rows: SamplingRows, group: list[int], tokens: Tensor) -> list[int]:
