@@ -1,11 +1,11 @@
-// An iteration's sampling step on the CPU, and its log probabilities, a row per thread and a few passes over each row in cache: the
-// finiteness check, the grammar's bitmask, the argmax, and for a drawn row the tempered exponentials, min-p and
-// the inverse CDF. In torch the same is ten vocabulary-wide ops over the rows (unpack the bits, add the mask,
-// amax, amin, argmax, divide, softmax, cumsum, searchsorted...), each a pass through memory: at 17 x 49,152 on
-// two cores 2.7-4.6 ms, twice a small model's forward (issue 44).
+// An iteration's sampling step on the CPU, and its log probabilities: a row per thread and a few passes over each
+// row while it is in cache. The step: the finiteness check, the grammar's bitmask, the argmax, and for a drawn row
+// the tempered exponentials, min-p and the inverse CDF. In torch the same is about ten vocabulary-wide ops (unpack
+// the bits, add the mask, amax, amin, argmax, divide, softmax, cumsum, searchsorted...), each a pass over a new
+// tensor: at 17 x 49,152 on two cores 1.0-1.6 ms against 0.2-0.5 (tools/bench_sampler.py; issue 44).
 // Built with -ffast-math: nothing here relies on IEEE infinities or NaN in arithmetic. Non-finite raw logits are
 // found from their exponent bits, and a logit of -inf (a ban, or outside a mask) is left out by a test on its bits,
-// never used in a subtraction or an exponential.
+// never used in a subtraction or an exponential (the log probabilities' exp clamps its argument).
 #include <torch/extension.h>
 
 #include <cfloat>
@@ -162,12 +162,16 @@ torch::Tensor sample_rows(torch::Tensor raw, torch::Tensor x, torch::Tensor mask
   raw = raw.contiguous();
   x = x.contiguous();
   masks = masks.contiguous();
+  mask_index = mask_index.contiguous();
+  temperature = temperature.contiguous();
+  min_p = min_p.contiguous();
+  u = u.contiguous();
   const int64_t S = raw.size(0), V = raw.size(1), W = masks.size(1);
   TORCH_CHECK(masks.dtype() == torch::kUInt8 && masks.dim() == 2 && W >= (V + 7) / 8, "masks: [M, >= V / 8] uint8");
   TORCH_CHECK(mask_index.numel() == S && temperature.numel() == S && min_p.numel() == S && u.numel() == S,
               "a value per row");
   const int64_t* mi = mask_index.data_ptr<int64_t>();
-  for (int64_t r = 0; r < S; ++r) TORCH_CHECK(mi[r] < masks.size(0), "mask_index past the masks");
+  for (int64_t r = 0; r < S; ++r) TORCH_CHECK(mi[r] >= -1 && mi[r] < masks.size(0), "mask_index past the masks");
   const float* t = temperature.data_ptr<float>();
   const float* mp = min_p.data_ptr<float>();
   const double* uu = u.data_ptr<double>();
