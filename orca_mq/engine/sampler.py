@@ -70,6 +70,10 @@ class SamplingRows:
         return cls(rows, a.temperature[rows], a.top_k[rows], a.top_p[rows], a.seeds[rows], seq_lens, masks,
                    Processors.of(a, rows))
 
+    def filtered(self) -> np.ndarray:
+        """Whether each row draws among candidates (top-k / top-p) rather than over the vocabulary in token order."""
+        return (self.top_k > 0) | (self.top_p < 1.0)
+
     def __len__(self) -> int:
         return len(self.temperature)
 
@@ -131,8 +135,8 @@ def _sample_fused(kernel: ModuleType, logits: Tensor, rows: SamplingRows, drawn:
             x, masks = _apply_masks(x, masks)[0], {}   # (a row left all -inf is not usable to the kernel either)
         x = procs.apply(x, history)   # biases and penalties leave -inf where it was: they commute with a mask
     n = len(rows)
-    filtered = [int(b) for b in drawn if rows.top_k[b] > 0 or rows.top_p[b] < 1.0]
-    plain = np.setdiff1d(drawn, filtered)
+    over_candidates = rows.filtered()
+    filtered, plain = drawn[over_candidates[drawn]].tolist(), drawn[~over_candidates[drawn]]
     u = np.full(n, -1.0)
     u[plain] = _uniforms(rows, plain.tolist())
     index = np.full(n, -1, np.int64)
@@ -230,8 +234,9 @@ def _uniforms(rows: SamplingRows, group: list[int]) -> list[float]:
 def _sample_rows(logits: Tensor, rows: SamplingRows, group_rows: list[int], tokens: Tensor) -> None:
     """Rows without top-k / top-p sample over the vocabulary in token order; the others over their
     kept candidates, most likely first."""
-    plain = [b for b in group_rows if rows.top_k[b] <= 0 and rows.top_p[b] >= 1.0]
-    filtered = [b for b in group_rows if b not in plain]
+    over_candidates = rows.filtered()
+    plain = [b for b in group_rows if not over_candidates[b]]
+    filtered = [b for b in group_rows if over_candidates[b]]
     for group in (plain, filtered):
         if not group:
             continue
