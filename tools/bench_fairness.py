@@ -6,7 +6,9 @@ another, and a /health poller. Measured: the bystander's latency p50/p99 idle an
 and /health's. Target: no attack raises the bystander's p99 above 2x its idle p99, nor /health's
 p99 above 100 ms. A benign request of the same size (n = 16 short choices) is the control: what
 sharing the batch costs on this engine, pathology aside. `queue_flood` is many requests (17 x 64
-choices, one API key), reported beside. The server has two API keys, the attacker's and the
+choices, one API key), reported beside. `one_request` is the host's floor: one ordinary request (one
+choice, generating to the context's end) keeps the engine busy, which is what any concurrent client does to
+the bystander's iterations; each attack's p99 is also given against it. The server has two API keys, the attacker's and the
 bystander's (each key one client for the fair shares). `--tiny` serves a random 2-layer Llama with
 the embedded tokenizer: its layers cost little, so what is measured is what each request costs the
 server's loops and queues, and the sampler's passes over the 49,152-token vocabulary for each of its
@@ -52,6 +54,7 @@ def attacks(max_n: int, max_choices: int, max_logprobs: int, max_len: int) -> di
     deep = "[" * 100_000 + "]" * 100_000
     chat = "/v1/chat/completions"
     return {
+        "one_request": [(chat, {"messages": ASK, "max_tokens": max_len - 64, "ignore_eos": True})],
         "benign_n16": [(chat, {"messages": ASK, "n": max_n, "max_tokens": 64, "ignore_eos": True})],
         "pool_n16": [(chat, {"messages": ASK, "n": max_n})],
         "tool_whitespace": [(chat, {"messages": ASK, "tools": [TOOL], "n": max_n, "max_tokens": 400,
@@ -202,6 +205,11 @@ def main() -> None:
                   f"({row['bystander_p99_x_idle']:4.1f}x idle)  /health p99 {row['health_p99_ms']:6.1f} max "
                   f"{row['health_max_ms']:6.1f} ms  /version max {row['version_max_ms']:6.1f} ms  "
                   f"{'met' if row['met'] else 'MISSED'}", flush=True)
+    if (floor := report["attacks"].get("one_request")) is not None:
+        for name, row in report["attacks"].items():
+            row["bystander_p99_x_one_request"] = row["bystander_p99_ms"] / floor["bystander_p99_ms"]
+        print("p99 against one ordinary request's: " + ", ".join(f"{n} {r['bystander_p99_x_one_request']:.1f}x"
+                                                           for n, r in report["attacks"].items() if n != "one_request"))
     report["machine"]["load_avg_end"] = os.getloadavg()
     print(f"{'idle':18} bystander p50 {idle['bystander_p50_ms']:7.0f} ms  p99 {idle['bystander_p99_ms']:7.0f} ms  "
           f"/health p99 {idle['health_p99_ms']:6.1f} max {idle['health_max_ms']:6.1f} ms  /version max {idle['version_max_ms']:6.1f} ms")
