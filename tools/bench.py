@@ -128,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="openai backend: model name to send (default: the first of /v1/models)")
     p.add_argument("--extra-body", type=json.loads, default=None, metavar="JSON",
                    help='openai backend: fields added to every request, e.g. \'{"cache_prompt": true}\' for llama.cpp')
+    p.add_argument("--sampling", type=json.loads, default=None, metavar="JSON",
+                   help='orca-mq backend: every request sampled so, e.g. \'{"temperature": 1.0, "seed": 0, "logprobs": 5}\' '
+                        '(default greedy; the openai backend takes --extra-body)')
     p.add_argument("--burstiness", type=float, default=None, metavar="K",
                    help="Gamma arrivals with shape K (CV = 1/sqrt(K); 1 = Poisson), either trace, as vllm bench serve")
     p.add_argument("--goodput", nargs="+", default=[], metavar="METRIC:MS",
@@ -151,9 +154,10 @@ def build_parser() -> argparse.ArgumentParser:
 def run_replay(address: str, trace: list, args: argparse.Namespace) -> tuple[list[dict], float]:
     from orca_mq.bench.client_procs import replay_in_processes, run_loop
     from orca_mq.bench.openai_backend import OpenAIClient
-    from orca_mq.bench.replay import open_client, replay
+    from orca_mq.bench.replay import SampledClient, open_client, replay
 
-    factory = functools.partial(OpenAIClient, model=args.model, extra=args.extra_body) if args.backend == "openai" else open_client
+    factory = functools.partial(OpenAIClient, model=args.model, extra=args.extra_body) if args.backend == "openai" else \
+        functools.partial(SampledClient, sampling=args.sampling) if args.sampling else open_client
     timeout = args.request_timeout or None
     if args.client_procs > 1:
         return replay_in_processes(address, trace, args.client_procs, warmup=args.warmup, request_timeout=timeout,
@@ -176,6 +180,15 @@ def main(argv: list[str] | None = None) -> int:
         sys.exit("bench: --base-url needs --backend openai")
     if args.client_procs < 1:
         sys.exit("bench: --client-procs must be >= 1")
+    if args.sampling is not None:
+        from orca_mq.protocol.sampling import SamplingParams
+
+        if args.backend == "openai":
+            sys.exit("bench: --sampling is the orca-mq backend's; give the openai backend --extra-body")
+        try:
+            SamplingParams(**{"max_tokens": 1, **args.sampling}).validate()
+        except (TypeError, ValueError) as e:
+            sys.exit(f"bench: bad --sampling: {e}")
     if args.burstiness is not None:
         if not args.burstiness > 0:
             sys.exit("bench: --burstiness must be > 0")
@@ -279,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         "system": cfg.to_dict(),
         "trace_spec": spec_dict(spec),
         "extra_body": args.extra_body,
+        "sampling": args.sampling or "greedy",
         "trace_stats": chat_stats(trace) if chat else trace_stats(trace),
         "started_at": started_at, "wall_start": wall_start, "git_rev": git_rev(), "host": platform.node(),
         "launcher_exit_code": launcher_rc,
@@ -294,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         extra = (f", {spec.system_prompts} system prompts x {spec.system_len} (zipf={args.zipf:g})"
                  + (f", {turns} turns, think {spec.think_s:g} s" if turns > 1 else ""))
     print(f"policy={args.policy} max_bs={args.max_bs} trace={args.trace} rate={rate}{extra} "
-          f"n={args.num_requests} seed={args.seed}")
+          f"n={args.num_requests} seed={args.seed} sampling={json.dumps(args.sampling) if args.sampling else 'greedy'}")
     print(format_table(summary))
     print(f"wrote {out} and {plot}")
     return 0 if summary["n_ok"] > 0 else 1

@@ -6,7 +6,7 @@ turn k + 1 is sent when turn k's final message has come back (plus the think tim
 conversation so far as its messages: every earlier message and the answers the server gave.
 
 All client-API usage is in :func:`open_client` and :func:`stream_request`; adapt those two if the
-client changes. The replayer needs from the client only: ``AsyncClient(address)`` as an async
+client changes. Requests are greedy unless the client is a :class:`SampledClient`. The replayer needs from the client only: ``AsyncClient(address)`` as an async
 context manager, concurrent ``client.stream(...)`` calls on one client (one per in-flight
 request) taking ``prompt_token_ids=`` or ``messages=``, and events with ``request_id``,
 ``token_ids``, ``text``, ``finished``, ``finish_reason``, ``error`` and ``metrics`` attributes.
@@ -32,8 +32,29 @@ def open_client(address: str) -> Any:
     return AsyncClient(address)
 
 
+class SampledClient:
+    """The ZeroMQ client, every request sampled as `sampling` says (SamplingParams' fields, for instance
+    {"temperature": 1.0, "seed": 0, "logprobs": 5}) instead of greedily: the sampler's and the log
+    probabilities' share of an iteration in a replay (tools/bench.py --sampling)."""
+
+    def __init__(self, address: str, sampling: dict[str, Any]) -> None:
+        self.client = open_client(address)
+        self.sampling = sampling
+
+    async def __aenter__(self) -> "SampledClient":
+        await self.client.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.client.__aexit__(*exc)
+
+    def stream(self, **kwargs: Any) -> AsyncIterator[Any]:
+        return self.client.stream(**(kwargs | self.sampling))
+
+
 async def stream_request(client: Any, prompt: dict[str, Any], max_tokens: int) -> AsyncIterator[Any]:
-    """Stream one request (``prompt``: prompt_token_ids= or messages=): greedy, generation forced to max_tokens."""
+    """Stream one request (``prompt``: prompt_token_ids= or messages=): greedy (unless the client
+    samples: SampledClient), generation forced to max_tokens."""
     async for ev in client.stream(**prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True):
         yield ev
 
