@@ -143,8 +143,10 @@ class AsyncClient:
     def stream(self, prompt: str | None = None, *, prompt_token_ids: list[int] | None = None,
                messages: list[dict[str, Any]] | None = None, chat: bool = False,
                chat_template_kwargs: dict[str, Any] | None = None, tools: list[dict[str, Any]] | None = None,
-               request_id: str | None = None, on_behalf_of: str = "", **sampling: Any) -> AsyncIterator[StreamEvent]:
-        """Submit a request and yield its events as tokens are produced; the last has finished=True.
+               request_id: str | None = None, on_behalf_of: str = "", stream: bool = True,
+               **sampling: Any) -> AsyncIterator[StreamEvent]:
+        """Submit a request and yield its events as tokens are produced; the last has finished=True
+        (`stream` False: the server holds them, and the final event carries them all).
         `chat_template_kwargs`: more variables for the chat template (with messages or chat=True); `tools`:
         OpenAI's function tools, which the chat template renders (messages may then hold tool_calls).
         `on_behalf_of`: a gateway's end client the request is for: a client of its own in the server's
@@ -156,7 +158,7 @@ class AsyncClient:
             if isinstance(sampling.get("logit_bias"), dict):   # {token_id: bias}: map keys travel as strings
                 given = {**sampling, "logit_bias": params.logit_bias}
             return encode(Generate(rid, prompt, prompt_token_ids, messages, chat, given, self.api_key, chat_template_kwargs,
-                                   on_behalf_of, tools))
+                                   on_behalf_of, tools, stream=stream))
 
         return self._submit(request_id or uuid.uuid4().hex, frame)
 
@@ -208,7 +210,9 @@ class AsyncClient:
                 self._post(Abort(rid))  # left early: free the request's KV
 
     async def generate(self, prompt: str | None = None, **kwargs: Any) -> RequestOutput:
-        """Run a request to the end and return everything it produced."""
+        """Run a request to the end and return everything it produced (the server sends it at the end:
+        `stream=True` to have it token by token all the same)."""
+        kwargs.setdefault("stream", False)
         text: list[str] = []
         ids: list[int] = []
         logprobs: Logprobs | None = None

@@ -183,6 +183,9 @@ def test_metrics_move_by_what_was_sent(server, oai, model, zmq):
     usages = [oai.completions.create(model=model, prompt=p, max_tokens=n, temperature=0,
                                      extra_body={"ignore_eos": True}).usage
               for p, n in (("Hello", 3), ("The sky is", 5))]
+    streamed = oai.completions.create(model=model, prompt="Hi", max_tokens=4, temperature=0, stream=True,
+                                      stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    usages += [chunk.usage for chunk in streamed if chunk.usage is not None]
     with pytest.raises(openai.BadRequestError):
         oai.completions.create(model=model, prompt="", max_tokens=3)
     time.sleep(STATS_MAX_AGE)  # the engine's figures are read at most once per STATS_MAX_AGE
@@ -193,14 +196,16 @@ def test_metrics_move_by_what_was_sent(server, oai, model, zmq):
         return after[key] - before.get(key, 0.0)
 
     assert delta("vllm:prompt_tokens_total") == sum(u.prompt_tokens for u in usages)
-    assert delta("vllm:generation_tokens_total") == 8
-    assert delta("vllm:request_success_total", finished_reason="length") == 2
+    assert delta("vllm:generation_tokens_total") == 3 + 5 + 4
+    assert delta("vllm:request_success_total", finished_reason="length") == 3
     assert delta("orca_mq:requests_total", outcome="invalid") == 1
-    assert delta("vllm:time_to_first_token_seconds_count") == 2
-    assert delta("vllm:inter_token_latency_seconds_count") == 2 + 4
-    assert delta("vllm:e2e_request_latency_seconds_count") == 2
-    assert delta("orca_mq:batch_size_count") >= 8 and delta("orca_mq:iteration_time_seconds_count") >= 8
-    assert delta("vllm:request_queue_time_seconds_count") == 2
+    assert delta("vllm:time_to_first_token_seconds_count") == 3
+    # gaps between the tokens' arrivals: the streamed request's only (the others' tokens came with their finals)
+    assert delta("vllm:inter_token_latency_seconds_count") == 4 - 1
+    assert delta("vllm:request_time_per_output_token_seconds_count") == 3
+    assert delta("vllm:e2e_request_latency_seconds_count") == 3
+    assert delta("orca_mq:batch_size_count") >= 12 and delta("orca_mq:iteration_time_seconds_count") >= 12
+    assert delta("vllm:request_queue_time_seconds_count") == 3
     assert after[("vllm:num_requests_running", ())] == 0 and after[("vllm:kv_cache_usage_perc", ())] == 0
     assert ("vllm:num_requests_waiting", ()) in after and ("orca_mq:engine_restarts_total", ()) in after
 

@@ -31,13 +31,14 @@ from pydantic import BaseModel
 from starlette.requests import Request
 
 from orca_mq.api.errors import ApiError, error_body
-from orca_mq.api.logprobs import Shaper, entries
+from orca_mq.api.logprobs import Shaper
 from orca_mq.api.metrics import ApiMetrics
 from orca_mq.api.offload import Builder, dump, encoded, weight
 from orca_mq.api.schemas import ChatCompletionRequest, CompletionRequest, PromptTokensDetails, Usage
 from orca_mq.api.stream import Generation, StopStrings, until_disconnect
 from orca_mq.client import AsyncClient
 from orca_mq.config import ServerConfig
+from orca_mq.protocol.logprobs import entries
 from orca_mq.protocol.sampling_fields import INT64_MAX
 
 Body = CompletionRequest | ChatCompletionRequest
@@ -108,6 +109,7 @@ class Fanout:
         self.n = body.n or 1
         self.builder = builder
         sampling, base, seed = body.sampling(), uuid.uuid4().hex, body.seed
+        stream = body.stream or bool(body.stop_strings)   # else the server holds the tokens: stop strings are looked for here
         later = {k: v for k, v in sampling.items() if k != "prompt_logprobs"}   # a prompt's are its first choice's
         self.choices: list[Choice] = []
         for p, prompt in enumerate(prompts_of(body)):
@@ -116,7 +118,7 @@ class Fanout:
                 own = sampling if j == 0 else later
                 own = own if seed is None else own | {"seed": (seed + j) % (INT64_MAX + 1)}
                 gen = Generation(client, prompt, own, StopStrings(body.stop_strings), metrics, request_id=f"{base}-{index}",
-                                 on_behalf_of=end_client)
+                                 on_behalf_of=end_client, stream=stream)
                 gen.echo_only = isinstance(body, CompletionRequest) and body.echo_only
                 lead = gen if j == 0 else self.choices[p * self.n].gen
                 self.choices.append(Choice(index, gen, _shaper(body, prompt, lead)))

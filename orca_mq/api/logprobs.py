@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
-from orca_mq.protocol.logprobs import Logprobs
+from orca_mq.protocol.logprobs import Logprobs, entries
 
 if TYPE_CHECKING:
     from orca_mq.api.stream import Generation
@@ -48,11 +48,6 @@ class CompletionLogprobs(BaseModel):
     token_logprobs: list[float | None]
     top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
-
-
-def entries(lp: Logprobs | None) -> int:
-    """Its log probabilities: one per position and one per alternative (the work and size of their JSON)."""
-    return 0 if lp is None else len(lp) + sum(map(len, lp.top_ids))
 
 
 # The shapes are written as JSON text, in ChatLogprobs' and CompletionLogprobs' form, and spliced into

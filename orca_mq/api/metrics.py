@@ -23,7 +23,8 @@ class Finished(Protocol):
     arrival: float
     prompt_tokens: int
     completion_tokens: int
-    token_times: list[float]
+    first_token: float | None   # time.monotonic() of the first token and of the last
+    last_token: float | None
 
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -70,8 +71,8 @@ class ApiMetrics:
         self.gen_len.observe(gen.completion_tokens)
         self.prompt_tokens.inc(gen.prompt_tokens)
         self.generation_tokens.inc(gen.completion_tokens)
-        if gen.completion_tokens > 1:
-            self.tpot.observe((gen.token_times[-1] - gen.token_times[0]) / (gen.completion_tokens - 1))
+        if gen.completion_tokens > 1 and gen.first_token is not None and gen.last_token is not None:
+            self.tpot.observe((gen.last_token - gen.first_token) / (gen.completion_tokens - 1))
 
 
 @dataclass(slots=True, eq=False)  # hashable: the registry keys collectors by identity

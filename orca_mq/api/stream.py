@@ -75,7 +75,9 @@ class Generation:
     cached_tokens: int = 0            # of those, taken from the prefix cache (the scheduler's count)
     completion_tokens: int = 0
     finish_reason: str | None = None
-    token_times: list[float] = field(default_factory=list)
+    first_token: float | None = None          # time.monotonic() of its first token and its last
+    last_token: float | None = None
+    stream: bool = True                       # False: the server holds its tokens until its final (orca_mq.server.held_rows)
     echo_only: bool = False                   # completions' echo with max_tokens 0: the one generated token is dropped
     logprobs: Logprobs | None = None          # the generated tokens' (up to a stop string's), when asked
     prompt_logprobs: Logprobs | None = None   # the prompt's, when asked (echo)
@@ -84,8 +86,8 @@ class Generation:
 
     async def pieces(self) -> AsyncIterator[str]:
         """Text deltas (possibly empty, one per server event); raises ApiError if the server refuses."""
-        stream = self.client.stream(request_id=self.request_id, on_behalf_of=self.on_behalf_of, **self.prompt_args,
-                                    **self.sampling)
+        stream = self.client.stream(request_id=self.request_id, on_behalf_of=self.on_behalf_of, stream=self.stream,
+                                    **self.prompt_args, **self.sampling)
         stopped = False
         try:
             async for ev in stream:
@@ -134,16 +136,26 @@ class Generation:
         return fresh
 
     def _tokens(self, n: int) -> None:
-        now = time.monotonic()
-        if n and not self.token_times:
-            self.metrics.ttft.observe(now - self.arrival)
-        elif n:
-            self.metrics.itl.observe(now - self.token_times[-1])
-        self.token_times.extend([now] * n)
         self.completion_tokens += n
+        if n and self.stream:   # held: its times come with its final
+            now = time.monotonic()
+            self._timed(now, now)
+
+    def _timed(self, first: float, last: float) -> None:
+        """Tokens that arrived from `first` to `last`: TTFT with the first ever, the gap since the last ones."""
+        if self.first_token is None:
+            self.first_token = first
+            self.metrics.ttft.observe(first - self.arrival)
+        else:
+            self.metrics.itl.observe(first - self.last_token)   # type: ignore[operator]
+        self.last_token = last
 
     def _finish(self, ev: StreamEvent, stopped: bool) -> None:
         reason, metrics = ev.finish_reason, ev.metrics or {}
+        first, end = metrics.get("first_token_time"), metrics.get("finish_time")
+        if not self.stream and self.completion_tokens and isinstance(first, float) and isinstance(end, float):
+            now = time.monotonic()   # the frontend's times on this clock, the final's arrival their anchor
+            self._timed(now - (end - first), now)
         self.prompt_tokens = int(metrics.get("prompt_tokens", 0))
         self.cached_tokens = int((metrics.get("scheduler") or {}).get("cached_tokens", 0))
         if stopped or reason in ("stop", "length"):

@@ -17,7 +17,8 @@ iteration, client_msgs); version 5 added log probabilities to `output` and `outp
 (orca_mq.protocol.logprobs); version 6 added `generate`'s chat_template_kwargs; version 7 added
 `output`'s param (the request field a refusal blames); version 8 `generate`'s on_behalf_of (a
 gateway's end client); version 9 `generate`'s tools and `output`'s prompt_tail; version 10 embeddings
-(`generate`'s pooling, `output`'s embedding and the same column of `outputs`: orca_mq.protocol.pooling).
+(`generate`'s pooling, `output`'s embedding and the same column of `outputs`: orca_mq.protocol.pooling);
+version 11 `generate`'s stream (False: the rows come together at the end).
 An older frame still decodes, with the newer fields' defaults (a field its version does not have is
 refused: an older client cannot ask for what it would not understand), and `encode(msg, version)` writes
 a frame an older peer reads: without the fields added after it.
@@ -36,8 +37,8 @@ import msgpack
 
 from orca_mq.short_repr import short_repr
 
-PROTOCOL_VERSION = 10
-SUPPORTED_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10)
+PROTOCOL_VERSION = 11
+SUPPORTED_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11)
 MAX_FRAME_BYTES = 64 << 20
 
 Conv = Callable[[Any, str], Any]

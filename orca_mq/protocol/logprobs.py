@@ -77,3 +77,8 @@ class Logprobs:
         if rest is not None:
             out.extend(cls.decoded(rest, text))
         return out
+
+
+def entries(lp: Logprobs | None) -> int:
+    """Its log probabilities: one per position and one per alternative (the work and size of their JSON)."""
+    return 0 if lp is None else len(lp) + sum(map(len, lp.top_ids))

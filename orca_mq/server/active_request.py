@@ -9,6 +9,7 @@ from orca_mq.assembly import Assembly
 from orca_mq.protocol.client_msgs import Generate
 from orca_mq.protocol.pooling import PoolingParams
 from orca_mq.protocol.sampling import SamplingParams
+from orca_mq.server.held_rows import HeldRows
 
 
 @dataclass(slots=True)
@@ -28,3 +29,4 @@ class ActiveRequest:
     out: Assembly             # its output so far (orca_mq.assembly: the offline LLM's too)
     version: int
     prompt_tail: str | None = None   # a chat prompt's end, until its first row is sent
+    held: HeldRows | None = None     # a request that does not stream: its rows until its final

@@ -41,6 +41,7 @@ from orca_mq.errors import InvalidRequest
 from orca_mq.fair_share import client_name
 from orca_mq.protocol.sampling import SamplingParams
 from orca_mq.server.active_request import ActiveRequest, Admission
+from orca_mq.server.held_rows import HeldRows
 from orca_mq.server.outbox import Outbox
 from orca_mq.server.process import process_main
 from orca_mq.server.request_ids import RequestIds
@@ -195,7 +196,7 @@ class Frontend:
         params = self.model.fit(prompt_ids, adm.params, shortest) if adm.pooling is None else self.model.fit_embedding(prompt_ids)
         rid = adm.msg.request_id
         self.active[iid] = ActiveRequest(adm.client, rid, self.assembler.start(prompt_ids, params, time.time()), adm.version,
-                                         prompt_tail=tail)
+                                         prompt_tail=tail, held=None if adm.msg.stream else HeldRows())
         share = client_name(adm.client, adm.msg.api_key, adm.msg.on_behalf_of)   # the broker put the key's index there
         self.log.info("request admitted", request_id=iid, client_request_id=rid, prompt_tokens=len(prompt_ids),
                       max_tokens=params.max_tokens, client=share)
@@ -209,10 +210,13 @@ class Frontend:
         await self.link.to_client(client, Output(rid, [], "", True, "error", str(e), code=code, param=e.param), version)
 
     async def _on_tokens(self, batch: TokenBatch) -> None:
-        """One step's tokens: a row per request (orca_mq.assembly), a frame per client."""
+        """One step's tokens: a row per request (orca_mq.assembly), a frame per client; a request that
+        does not stream gets its rows with its final (orca_mq.server.held_rows)."""
         out = Outbox()
-        for iid, _, row in self.assembler.rows(batch, time.time(), self._output):
+        for iid, _, step in self.assembler.rows(batch, time.time(), self._output):
             req = self.active[iid]
+            if (row := step if req.held is None else req.held.add(step)) is None:
+                continue
             if row.final is not None:
                 self._forget(iid)
                 self.log.info("request finished", request_id=iid, finish_reason=row.final.finish_reason,
