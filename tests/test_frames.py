@@ -2,12 +2,16 @@
 (TokenBatch) and an iteration's rows for a client (Outputs), with long prompts' log probabilities, are
 split into frames that each fit, rows in order, and decode to what one frame would have held; a
 receiver refuses a larger frame (codec.unpack), which dropped every token and final it held. One
-request's row always fits: admission refuses prompt log probabilities one message cannot carry."""
+request's row always fits: admission refuses prompt log probabilities one message cannot carry. Beside
+the byte bound, a frame carries at most FRAME_ENTRIES tokens and log probabilities (a heavier row alone),
+so that held finals arriving together are decoded a frame per turn of the receiver's loop."""
 from __future__ import annotations
 
 import asyncio
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from orca_mq.admission.limits import fit
 from orca_mq.errors import InvalidRequest
@@ -16,7 +20,8 @@ from orca_mq.protocol import PROTOCOL_VERSION, codec, decode
 from orca_mq.protocol.client_msgs import TO_CLIENT, Final, Outputs
 from orca_mq.protocol.codec import channel
 from orca_mq.protocol.engine_msgs import TokenBatch
-from orca_mq.protocol.frames import FrameTooLarge, frames
+import orca_mq.protocol.frames as frames_module
+from orca_mq.protocol.frames import FrameTooLarge, frames, spans
 from orca_mq.protocol.logprobs import Logprobs, TokenLogprobs
 from orca_mq.protocol.sampling import SamplingParams
 from orca_mq.sched import TokenEvent
@@ -101,3 +106,30 @@ def test_admission_refuses_prompt_log_probabilities_one_message_cannot_carry():
     assert fit([5] * 100, params, 4096, 1000, pool, None, 100 * (1 + K)).prompt_logprobs == K
     with pytest.raises(InvalidRequest, match="prompt_logprobs"):
         fit([5] * 101, params, 4096, 1000, pool, None, 100 * (1 + K))
+
+
+@given(st.lists(st.integers(0, 30)), st.integers(1, 40))
+def test_spans_are_greedy_runs_within_the_limit(weights, limit):
+    out = spans(weights, limit)
+    assert [i for lo, hi in out for i in range(lo, hi)] == list(range(len(weights)))
+    for k, (lo, hi) in enumerate(out):
+        assert sum(weights[lo:hi]) <= limit or hi - lo == 1
+        if k + 1 < len(out):   # the next row did not fit beside these
+            assert sum(weights[lo:hi + 1]) > limit
+
+
+def test_held_finals_with_log_probabilities_go_in_frames_of_bounded_entries(monkeypatch):
+    monkeypatch.setattr(frames_module, "FRAME_ENTRIES", 100)
+    sent: list[tuple[bytes, bytes]] = []
+
+    class Link:
+        async def to_clients(self, frames: list[tuple[bytes, bytes]]) -> None:
+            sent.extend(frames)
+
+    box = Outbox()
+    for i in range(9):   # rows of 1 token + 6 positions x (1 + 5 alternatives) = 37 entries; one of 1
+        lp = None if i == 4 else Logprobs.decoded(_prompt(6), str)
+        box.add(ActiveRequest(b"c", f"q{i}", None, PROTOCOL_VERSION), [i], "x", Final("length"), lp)   # type: ignore[arg-type]
+    asyncio.run(box.send(Link()))   # type: ignore[arg-type]
+    rows = [[r.request_id for r in decode(p, TO_CLIENT).rows()] for _, p in sent]
+    assert rows == [["q0", "q1"], ["q2", "q3", "q4"], ["q5", "q6"], ["q7", "q8"]]

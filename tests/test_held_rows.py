@@ -81,7 +81,7 @@ def _row(ids: list[int], final: Final | None = None, k: int = 0, prompt: Logprob
 
 
 def test_the_hold_goes_at_its_bound_and_keeps_the_prompts(monkeypatch):
-    monkeypatch.setattr(held_rows, "HELD_MAX", 10)
+    monkeypatch.setattr(held_rows, "FRAME_ENTRIES", 10)
     hold, prompt = HeldRows(), Logprobs([7], ["7"], [None], [[]], [[]], [[]])
     assert hold.add(_row([1], k=2, prompt=prompt)) is None            # 1 token + 1 position + 2 alternatives + 1
     assert hold.add(_row([2], k=2)) is None                            # 8

@@ -5,6 +5,11 @@ long prompts' log probabilities finishing in one iteration, would be dropped wit
 final it held. Rows are independent (a request's rows keep their order), so the rows are halved
 until each part fits. One row alone always fits: admission bounds what a request's row can hold
 (orca_mq.admission.limits.fit, its prompt's log probabilities).
+
+Beside that bound, a frame carries at most FRAME_ENTRIES tokens and log probabilities (`spans`): a
+receiver decodes a frame in one turn of its event loop, so many held requests' finals with their log
+probabilities arriving together (orca_mq.server.held_rows) go as frames of ~10 ms each to decode, the
+loop free between them, not as one of 10 MB. A row alone may carry more.
 """
 from __future__ import annotations
 
@@ -13,6 +18,9 @@ from typing import Any
 
 from orca_mq.protocol import codec
 from orca_mq.protocol.codec import PROTOCOL_VERSION, encode
+
+
+FRAME_ENTRIES = 1 << 14   # tokens and log probabilities a frame carries at most (a row alone may carry more)
 
 
 class FrameTooLarge(ValueError):
@@ -25,6 +33,21 @@ def frames(build: Callable[[int, int], Any], n: int, version: int = PROTOCOL_VER
     parts: list[bytes] = []
     _split(build, 0, n, version, codec.MAX_FRAME_BYTES, parts)
     return parts
+
+
+def spans(weights: list[int], limit: int | None = None) -> list[tuple[int, int]]:
+    """Consecutive ranges [lo, hi) of rows whose weights add up to at most `limit` (FRAME_ENTRIES by
+    default; a heavier row alone)."""
+    limit = FRAME_ENTRIES if limit is None else limit
+    out, lo, held = [], 0, 0
+    for i, w in enumerate(weights):
+        if i > lo and held + w > limit:
+            out.append((lo, i))
+            lo, held = i, 0
+        held += w
+    if lo < len(weights):
+        out.append((lo, len(weights)))
+    return out
 
 
 def _split(build: Callable[[int, int], Any], lo: int, hi: int, version: int, limit: int, out: list[bytes]) -> None:

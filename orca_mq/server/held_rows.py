@@ -1,16 +1,15 @@
 """A request that does not stream (`generate.stream` False, protocol v11): the frontend holds its rows
 and sends them with its final, one row with every token, text and log probability, so its tokens cost
 no frame through the broker and its client each iteration (SGLang sends such a request's output once,
-at its end). A hold that reaches HELD_MAX entries (tokens and log probabilities) goes at once, so a
-row stays far within the frame bound however long the request runs."""
+at its end). A hold that reaches a frame's worth of tokens and log probabilities (FRAME_ENTRIES) goes
+at once: a row stays a frame a receiver decodes in one short turn, however long the request runs."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from orca_mq.assembly import Row
+from orca_mq.protocol.frames import FRAME_ENTRIES
 from orca_mq.protocol.logprobs import Logprobs, entries
-
-HELD_MAX = 1 << 16   # ~2 MB of a row's frame at 20 alternatives a token
 
 
 @dataclass(slots=True)
@@ -31,7 +30,7 @@ class HeldRows:
             self.logprobs.extend(row.logprobs)
         self.prompt_logprobs = row.prompt_logprobs or self.prompt_logprobs
         self.weight += len(row.token_ids) + entries(row.logprobs) + entries(row.prompt_logprobs)
-        if row.final is None and self.weight < HELD_MAX:
+        if row.final is None and self.weight < FRAME_ENTRIES:
             return None
         out = Row(self.token_ids, "".join(self.texts), row.final, self.logprobs, self.prompt_logprobs, row.embedding)
         self.token_ids, self.texts, self.logprobs, self.prompt_logprobs, self.weight = [], [], None, None, 0

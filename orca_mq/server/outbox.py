@@ -4,7 +4,7 @@ A client that wrote its request in protocol v4 or later gets one `outputs` frame
 a row for each of its requests the iteration moved (one encode per client, not per token). An older
 client knows only `output`: it gets one per request, in its own version. All of them leave in one
 message to the broker, which sends each client its frame (several, in order, where one would exceed
-the frame bound: orca_mq.protocol.frames).
+the frame bound or carry more than FRAME_ENTRIES tokens and log probabilities: orca_mq.protocol.frames).
 """
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import dataclasses
 
 from orca_mq.protocol import encode
 from orca_mq.protocol.client_msgs import Final, Output, Outputs, as_output
-from orca_mq.protocol.frames import frames
-from orca_mq.protocol.logprobs import Logprobs
+from orca_mq.protocol.frames import frames, spans
+from orca_mq.protocol.logprobs import Logprobs, entries
 from orca_mq.server.active_request import ActiveRequest
 from orca_mq.server.zmq_queue import BrokerLink
 
@@ -25,6 +25,7 @@ NO_EXTRAS = (None,) * sum(map(len, OPTIONAL))   # a row without any
 class Outbox:
     def __init__(self) -> None:
         self.batches: dict[bytes, Outputs] = {}                # v4 clients: their one frame...
+        self.weights: dict[bytes, list[int]] = {}              # ...its rows' tokens and log probabilities...
         self.versions: dict[bytes, int] = {}                   # ...in the oldest version of their requests
         self.singles: list[tuple[bytes, int, Output]] = []     # older clients: (client, version, frame)
 
@@ -38,6 +39,7 @@ class Outbox:
         if batch is None:
             batch = self.batches[req.client] = Outputs([], [], [], [])
             self.versions[req.client] = req.version
+            self.weights[req.client] = []
         elif req.version < self.versions[req.client]:
             self.versions[req.client] = req.version
         extras = (logprobs, prompt_logprobs, prompt_tail, embedding)
@@ -47,11 +49,12 @@ class Outbox:
         batch.token_ids.append(token_ids)
         batch.texts.append(text)
         batch.finals.append(final)
+        self.weights[req.client].append(len(token_ids) + entries(logprobs) + entries(prompt_logprobs))
 
     async def send(self, link: BrokerLink) -> None:
         await link.to_clients([(client, frame) for client, batch in self.batches.items()
-                               for frame in frames(lambda lo, hi: rows(batch, lo, hi), len(batch.request_ids),
-                                                   self.versions[client])]
+                               for lo, hi in spans(self.weights[client])
+                               for frame in frames(lambda a, b, lo=lo: rows(batch, lo + a, lo + b), hi - lo, self.versions[client])]
                               + [(client, encode(single, version)) for client, version, single in self.singles])
 
 
