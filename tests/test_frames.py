@@ -133,3 +133,19 @@ def test_held_finals_with_log_probabilities_go_in_frames_of_bounded_entries(monk
     asyncio.run(box.send(Link()))   # type: ignore[arg-type]
     rows = [[r.request_id for r in decode(p, TO_CLIENT).rows()] for _, p in sent]
     assert rows == [["q0", "q1"], ["q2", "q3", "q4"], ["q5", "q6"], ["q7", "q8"]]
+    sent.clear()
+    monkeypatch.setattr(codec, "MAX_FRAME_BYTES", max(map(len, (p for _, p in sent_once(box)))) - 1)   # and the bytes' bound
+    asyncio.run(box.send(Link()))   # type: ignore[arg-type]
+    rows = [[r.request_id for r in decode(p, TO_CLIENT).rows()] for _, p in sent]
+    assert [i for part in rows for i in part] == [f"q{i}" for i in range(9)] and len(rows) > 4
+
+
+def sent_once(box: Outbox) -> list[tuple[bytes, bytes]]:
+    out: list[tuple[bytes, bytes]] = []
+
+    class Link:
+        async def to_clients(self, frames: list[tuple[bytes, bytes]]) -> None:
+            out.extend(frames)
+
+    asyncio.run(box.send(Link()))   # type: ignore[arg-type]
+    return out

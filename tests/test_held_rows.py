@@ -1,11 +1,14 @@
-"""A request that does not stream (protocol v11 `generate.stream` False): the frontend holds its rows and
-its final carries them all (orca_mq.server.held_rows). Over a real server (a tiny random Llama with the
-embedded tokenizer): one event, with the same tokens, text, log probabilities and prompt log probabilities
-as the same request streamed; an abort still ends it with what it had. The hold's bound, unit-tested."""
+"""A request that does not stream (protocol v11 `generate.stream` False): the frontend sends its first row
+at once and holds the rest for its final (orca_mq.server.held_rows). Over a real server (a tiny random Llama
+with the embedded tokenizer): the same tokens, text, log probabilities and prompt log probabilities as the
+same request streamed, in two events; an abort still ends it once with what it had; an HTTP request's
+choices of one prompt still run together. The hold's bounds (entries, time), unit-tested."""
 from __future__ import annotations
 
 import asyncio
+import json
 
+import httpx
 import pytest
 
 import orca_mq.server.held_rows as held_rows
@@ -14,14 +17,17 @@ from orca_mq.client import AsyncClient
 from orca_mq.protocol.client_msgs import Final
 from orca_mq.protocol.logprobs import Logprobs
 from orca_mq.server.held_rows import HeldRows
-from serving_harness import start_server
+from serving_harness import free_port, start_server
 
 PROMPT = list(range(300, 316))
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, tiny_served_dir):
-    srv = start_server(tmp_path_factory.mktemp("held"), **{"model.path": str(tiny_served_dir), "model.max_model_len": 256})
+    port = free_port()
+    srv = start_server(tmp_path_factory.mktemp("held"), **{"model.path": str(tiny_served_dir), "model.max_model_len": 256,
+                                                           "server.http_address": f"127.0.0.1:{port}"})
+    srv.base_url = f"http://127.0.0.1:{port}"
     yield srv
     assert srv.stop() == 0, srv.stderr()[-3000:]
 
@@ -43,35 +49,41 @@ def _joined(events: list) -> tuple:
 def test_a_held_request_gets_everything_with_its_final(served):
     ask = {"max_tokens": 24, "temperature": 0.0, "ignore_eos": True, "logprobs": 3, "prompt_logprobs": 2}
     streamed, held = (asyncio.run(_events(served.address, s, **ask)) for s in (True, False))
-    assert len(streamed) > 1 and len(held) == 1 and held[0].finished and held[0].finish_reason == "length"
+    assert len(streamed) == 24 and 2 <= len(held) < 24 and held[-1].finish_reason == "length"   # a row a second at most
+    assert not held[0].finished and held[0].prompt_logprobs is not None
     assert _joined(held) == _joined(streamed)
-    assert len(_joined(held)[0]) == 24 and held[0].metrics["completion_tokens"] == 24
+    assert len(_joined(held)[0]) == 24 and held[-1].metrics["completion_tokens"] == 24
 
 
 def test_an_aborted_held_request_ends_once_with_what_it_had(served):
-    async def run() -> list:
+    async def abort_after_the_first_row() -> list:
         async with AsyncClient(served.address) as client:
             events = []
-            async for ev in client.stream(prompt_token_ids=PROMPT, stream=False, max_tokens=200, ignore_eos=True):
+            async for ev in client.stream(prompt_token_ids=PROMPT, stream=False, max_tokens=240, ignore_eos=True,
+                                          request_id="held-abort"):
+                if not events:
+                    await client.abort("held-abort")   # 240 tokens take ~0.4 s here: it is running
                 events.append(ev)
             return events
 
-    async def abort_soon() -> list:
-        async with AsyncClient(served.address) as client:
-            gen = client.stream(prompt_token_ids=PROMPT, stream=False, max_tokens=240, ignore_eos=True, request_id="held-abort")
-            task = asyncio.create_task(_drain(gen))
-            await asyncio.sleep(0.05)   # 240 tokens take ~0.4 s here
-            await client.abort("held-abort")
-            return await task
-
-    events = asyncio.run(abort_soon())
-    assert len(events) == 1 and events[0].finish_reason == "abort"
-    assert len(events[0].token_ids) == (events[0].metrics or {}).get("completion_tokens", 0) < 240
-    assert len(asyncio.run(run())[0].token_ids) == 200   # the server is whole
+    events = asyncio.run(abort_after_the_first_row())
+    assert [ev.finished for ev in events] == [False] * (len(events) - 1) + [True] and events[-1].finish_reason == "abort"
+    assert 0 < sum(len(ev.token_ids) for ev in events) == events[-1].metrics["completion_tokens"] < 240
+    assert sum(len(ev.token_ids) for ev in asyncio.run(_events(served.address, False, max_tokens=240, ignore_eos=True))) == 240
 
 
-async def _drain(gen) -> list:
-    return [ev async for ev in gen]
+def test_an_http_requests_choices_of_one_prompt_run_together(served):
+    """Its later choices wait for the first one's first row (to read the prompt from the prefix cache):
+    held, that row still comes at once, so every choice is admitted before any has finished."""
+    body = {"model": None, "prompt": PROMPT, "n": 3, "max_tokens": 120, "ignore_eos": True}
+    r = httpx.post(served.base_url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 3
+    lines = [json.loads(line) for line in (served.log_dir / "frontend.log").read_text().splitlines()]
+    ids = {line["request_id"] for line in lines if line.get("event") == "request admitted" and line.get("max_tokens") == 120}
+    assert len(ids) == 3
+    events = [(line["ts"], line["event"]) for line in lines if line.get("request_id") in ids]
+    first_finish = min(ts for ts, event in events if event == "request finished")
+    assert all(ts < first_finish for ts, event in events if event == "request admitted")
 
 
 def _row(ids: list[int], final: Final | None = None, k: int = 0, prompt: Logprobs | None = None) -> Row:
@@ -80,14 +92,19 @@ def _row(ids: list[int], final: Final | None = None, k: int = 0, prompt: Logprob
     return Row(ids, "".join(map(str, ids)), final, lp, prompt, None)
 
 
-def test_the_hold_goes_at_its_bound_and_keeps_the_prompts(monkeypatch):
+def test_the_hold_goes_at_its_bounds_and_keeps_the_prompts(monkeypatch):
     monkeypatch.setattr(held_rows, "FRAME_ENTRIES", 10)
     hold, prompt = HeldRows(), Logprobs([7], ["7"], [None], [[]], [[]], [[]])
-    assert hold.add(_row([1], k=2, prompt=prompt)) is None            # 1 token + 1 position + 2 alternatives + 1
-    assert hold.add(_row([2], k=2)) is None                            # 8
-    out = hold.add(_row([3], k=2))                                     # 12: past the bound, sent without a final
-    assert out is not None and out.final is None and out.token_ids == [1, 2, 3] and out.text == "123"
-    assert out.prompt_logprobs is prompt and out.logprobs.token_ids == [1, 2, 3] and hold.weight == 0
+    first = hold.add(_row([1], k=2, prompt=prompt), 0.0)                # the first row goes at once
+    assert first is not None and first.token_ids == [1] and first.prompt_logprobs is prompt and hold.weight == 0
+    assert hold.add(_row([2], k=2), 0.1) is None                          # 1 token + 1 position + 2 alternatives: 4
+    assert hold.add(_row([3], k=2), 0.2) is None                          # 8
+    out = hold.add(_row([4], k=2), 0.3)                                   # 12: past the bound, sent without a final
+    assert out is not None and out.final is None and out.token_ids == [2, 3, 4] and out.text == "234"
+    assert out.prompt_logprobs is None and out.logprobs.token_ids == [2, 3, 4] and hold.weight == 0
+    assert hold.add(_row([5]), 0.4) is None
+    late = hold.add(_row([6]), 0.3 + held_rows.HOLD_S)                   # a second after the last send
+    assert late is not None and late.token_ids == [5, 6] and late.final is None
     final = Final("length")
-    last = hold.add(_row([4], final, k=2))
-    assert last.final is final and last.token_ids == [4] and last.prompt_logprobs is None and last.logprobs.token_ids == [4]
+    last = hold.add(_row([7], final, k=2), 1.4)
+    assert last.final is final and last.token_ids == [7] and last.logprobs.token_ids == [7]

@@ -185,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
 
         if args.backend == "openai":
             sys.exit("bench: --sampling is the orca-mq backend's; give the openai backend --extra-body")
+        if "temperature" not in args.sampling or {"max_tokens", "ignore_eos"} & set(args.sampling):
+            sys.exit("bench: --sampling needs a temperature (without one the replay is greedy) and takes no max_tokens "
+                     "or ignore_eos (the trace sets them)")
         try:
             SamplingParams(**{"max_tokens": 1, **args.sampling}).validate()
         except (TypeError, ValueError) as e:

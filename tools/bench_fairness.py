@@ -205,7 +205,7 @@ def main() -> None:
                   f"({row['bystander_p99_x_idle']:4.1f}x idle)  /health p99 {row['health_p99_ms']:6.1f} max "
                   f"{row['health_max_ms']:6.1f} ms  /version max {row['version_max_ms']:6.1f} ms  "
                   f"{'met' if row['met'] else 'MISSED'}", flush=True)
-    if (floor := report["attacks"].get("one_request")) is not None:
+    if (floor := report["attacks"].get("one_request")) is not None and floor["bystander_p99_ms"] > 0:
         for name, row in report["attacks"].items():
             row["bystander_p99_x_one_request"] = row["bystander_p99_ms"] / floor["bystander_p99_ms"]
         print("p99 against one ordinary request's: " + ", ".join(f"{n} {r['bystander_p99_x_one_request']:.1f}x"

@@ -212,10 +212,10 @@ class Frontend:
     async def _on_tokens(self, batch: TokenBatch) -> None:
         """One step's tokens: a row per request (orca_mq.assembly), a frame per client; a request that
         does not stream gets its rows with its final (orca_mq.server.held_rows)."""
-        out = Outbox()
-        for iid, _, step in self.assembler.rows(batch, time.time(), self._output):
+        out, now = Outbox(), time.time()
+        for iid, _, step in self.assembler.rows(batch, now, self._output):
             req = self.active[iid]
-            if (row := step if req.held is None else req.held.add(step)) is None:
+            if (row := step if req.held is None else req.held.add(step, now)) is None:
                 continue
             if row.final is not None:
                 self._forget(iid)

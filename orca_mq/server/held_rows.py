@@ -1,8 +1,11 @@
 """A request that does not stream (`generate.stream` False, protocol v11): the frontend holds its rows
-and sends them with its final, one row with every token, text and log probability, so its tokens cost
-no frame through the broker and its client each iteration (SGLang sends such a request's output once,
-at its end). A hold that reaches a frame's worth of tokens and log probabilities (FRAME_ENTRIES) goes
-at once: a row stays a frame a receiver decodes in one short turn, however long the request runs."""
+and sends them together, so its tokens cost no frame through the broker and its client each iteration
+(SGLang sends such a request's output at its end). Its first row goes at once: it tells the client the
+prompt is in (an HTTP request's other choices of that prompt start then, on its prefix cache). After
+it, what is held goes with the final, or once it holds a frame's worth of tokens and log probabilities
+(FRAME_ENTRIES: a receiver decodes a row in one short turn however long the request runs), or HOLD_S
+after the last send: the broker finds a vanished client only when a send to it fails, and its requests
+end then (a held request would otherwise run to its max_tokens for nobody)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -11,17 +14,21 @@ from orca_mq.assembly import Row
 from orca_mq.protocol.frames import FRAME_ENTRIES
 from orca_mq.protocol.logprobs import Logprobs, entries
 
+HOLD_S = 1.0   # seconds a held row waits at most
+
 
 @dataclass(slots=True)
 class HeldRows:
     token_ids: list[int] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)
     logprobs: Logprobs | None = None
-    prompt_logprobs: Logprobs | None = None   # with the first row (its prompt's)
+    prompt_logprobs: Logprobs | None = None
     weight: int = 0
+    sent: float | None = None   # when the last row went (None: none yet)
 
-    def add(self, row: Row) -> Row | None:
-        """The row to send now: None while held; what is held, `row` included, at the final or the bound."""
+    def add(self, row: Row, now: float) -> Row | None:
+        """The row to send now (`now`: time.time()): the first at once, then None while held, and what is
+        held, `row` included, at the final, the bound or HOLD_S after the last."""
         self.token_ids += row.token_ids
         self.texts.append(row.text)
         if row.logprobs is not None:
@@ -30,8 +37,8 @@ class HeldRows:
             self.logprobs.extend(row.logprobs)
         self.prompt_logprobs = row.prompt_logprobs or self.prompt_logprobs
         self.weight += len(row.token_ids) + entries(row.logprobs) + entries(row.prompt_logprobs)
-        if row.final is None and self.weight < FRAME_ENTRIES:
+        if row.final is None and self.sent is not None and self.weight < FRAME_ENTRIES and now - self.sent < HOLD_S:
             return None
         out = Row(self.token_ids, "".join(self.texts), row.final, self.logprobs, self.prompt_logprobs, row.embedding)
-        self.token_ids, self.texts, self.logprobs, self.prompt_logprobs, self.weight = [], [], None, None, 0
+        self.token_ids, self.texts, self.logprobs, self.prompt_logprobs, self.weight, self.sent = [], [], None, None, 0, now
         return out
