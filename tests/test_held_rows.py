@@ -49,7 +49,7 @@ def _joined(events: list) -> tuple:
 def test_a_held_request_gets_everything_with_its_final(served):
     ask = {"max_tokens": 24, "temperature": 0.0, "ignore_eos": True, "logprobs": 3, "prompt_logprobs": 2}
     streamed, held = (asyncio.run(_events(served.address, s, **ask)) for s in (True, False))
-    assert len(streamed) == 24 and 2 <= len(held) < 24 and held[-1].finish_reason == "length"   # a row a second at most
+    assert len(streamed) == 24 and 2 <= len(held) < 24 and held[-1].finish_reason == "length"   # and an empty row a second
     assert not held[0].finished and held[0].prompt_logprobs is not None
     assert _joined(held) == _joined(streamed)
     assert len(_joined(held)[0]) == 24 and held[-1].metrics["completion_tokens"] == 24
@@ -103,8 +103,9 @@ def test_the_hold_goes_at_its_bounds_and_keeps_the_prompts(monkeypatch):
     assert out is not None and out.final is None and out.token_ids == [2, 3, 4] and out.text == "234"
     assert out.prompt_logprobs is None and out.logprobs.token_ids == [2, 3, 4] and hold.weight == 0
     assert hold.add(_row([5]), 0.4) is None
-    late = hold.add(_row([6]), 0.3 + held_rows.HOLD_S)                   # a second after the last send
-    assert late is not None and late.token_ids == [5, 6] and late.final is None
+    alive = hold.add(_row([6]), 0.3 + held_rows.HOLD_S)                  # a second after the last send: an empty row
+    assert alive is not None and (alive.token_ids, alive.text, alive.final, alive.logprobs) == ([], "", None, None)
+    assert hold.add(_row([7]), 0.4 + held_rows.HOLD_S) is None
     final = Final("length")
-    last = hold.add(_row([7], final, k=2), 1.4)
-    assert last.final is final and last.token_ids == [7] and last.logprobs.token_ids == [7]
+    last = hold.add(_row([8], final, k=2), 1.5)
+    assert last.final is final and last.token_ids == [5, 6, 7, 8] and last.text == "5678" and last.logprobs.token_ids == [8]

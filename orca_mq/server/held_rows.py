@@ -3,9 +3,11 @@ and sends them together, so its tokens cost no frame through the broker and its 
 (SGLang sends such a request's output at its end). Its first row goes at once: it tells the client the
 prompt is in (an HTTP request's other choices of that prompt start then, on its prefix cache). After
 it, what is held goes with the final, or once it holds a frame's worth of tokens and log probabilities
-(FRAME_ENTRIES: a receiver decodes a row in one short turn however long the request runs), or HOLD_S
-after the last send: the broker finds a vanished client only when a send to it fails, and its requests
-end then (a held request would otherwise run to its max_tokens for nobody)."""
+(FRAME_ENTRIES: a receiver decodes a row in one short turn however long the request runs). A row with
+nothing in it goes HOLD_S after the last send: the broker finds a vanished client only when a send to it
+fails, and ends its requests then (a held request would otherwise run to its max_tokens for nobody). Not
+the held tokens: n choices started together would flush together every HOLD_S, a burst the client's
+loop decodes at once (16 choices' top-20 log probabilities: the bystander's p99 60 -> 99 ms)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -14,7 +16,7 @@ from orca_mq.assembly import Row
 from orca_mq.protocol.frames import FRAME_ENTRIES
 from orca_mq.protocol.logprobs import Logprobs, entries
 
-HOLD_S = 1.0   # seconds a held row waits at most
+HOLD_S = 1.0   # seconds between a held request's sends at most (an empty row when nothing else is due)
 
 
 @dataclass(slots=True)
@@ -27,8 +29,8 @@ class HeldRows:
     sent: float | None = None   # when the last row went (None: none yet)
 
     def add(self, row: Row, now: float) -> Row | None:
-        """The row to send now (`now`: time.time()): the first at once, then None while held, and what is
-        held, `row` included, at the final, the bound or HOLD_S after the last."""
+        """The row to send now (`now`: time.time()): the first at once; then what is held, `row` included,
+        at the final or the bound; else an empty row HOLD_S after the last send, else None."""
         self.token_ids += row.token_ids
         self.texts.append(row.text)
         if row.logprobs is not None:
@@ -37,8 +39,11 @@ class HeldRows:
             self.logprobs.extend(row.logprobs)
         self.prompt_logprobs = row.prompt_logprobs or self.prompt_logprobs
         self.weight += len(row.token_ids) + entries(row.logprobs) + entries(row.prompt_logprobs)
-        if row.final is None and self.sent is not None and self.weight < FRAME_ENTRIES and now - self.sent < HOLD_S:
-            return None
+        if row.final is None and self.sent is not None and self.weight < FRAME_ENTRIES:
+            if now - self.sent < HOLD_S:
+                return None
+            self.sent = now
+            return Row([], "", None, None, None, None)
         out = Row(self.token_ids, "".join(self.texts), row.final, self.logprobs, self.prompt_logprobs, row.embedding)
         self.token_ids, self.texts, self.logprobs, self.prompt_logprobs, self.weight, self.sent = [], [], None, None, 0, now
         return out
