@@ -93,7 +93,7 @@ def _row(ids: list[int], final: Final | None = None, k: int = 0, prompt: Logprob
 
 
 def test_the_hold_goes_at_its_bounds_and_keeps_the_prompts(monkeypatch):
-    monkeypatch.setattr(held_rows, "FRAME_ENTRIES", 10)
+    monkeypatch.setattr(held_rows, "HOLD_ENTRIES", 10)
     hold, prompt = HeldRows(), Logprobs([7], ["7"], [None], [[]], [[]], [[]])
     first = hold.add(_row([1], k=2, prompt=prompt), 0.0)                # the first row goes at once
     assert first is not None and first.token_ids == [1] and first.prompt_logprobs is prompt and hold.weight == 0

@@ -2,8 +2,10 @@
 and sends them together, so its tokens cost no frame through the broker and its client each iteration
 (SGLang sends such a request's output at its end). Its first row goes at once: it tells the client the
 prompt is in (an HTTP request's other choices of that prompt start then, on its prefix cache). After
-it, what is held goes with the final, or once it holds a frame's worth of tokens and log probabilities
-(FRAME_ENTRIES: a receiver decodes a row in one short turn however long the request runs). A row with
+it, what is held goes with the final, or once it holds HOLD_ENTRIES tokens and log probabilities: a
+client's decoding stays spread over the request (16 choices' top-20 log probabilities finishing together
+were otherwise one burst of 262,080 entries at the end, which the HTTP process decoded while the other
+clients' answers waited), and a row stays far within a frame's FRAME_ENTRIES. A row with
 nothing in it goes HOLD_S after the last send: the broker finds a vanished client only when a send to it
 fails, and ends its requests then (a held request would otherwise run to its max_tokens for nobody). Not
 the held tokens: n choices started together would flush together every HOLD_S, a burst the client's
@@ -13,9 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from orca_mq.assembly import Row
-from orca_mq.protocol.frames import FRAME_ENTRIES
 from orca_mq.protocol.logprobs import Logprobs, entries
 
+HOLD_ENTRIES = 1 << 11   # tokens and log probabilities a hold keeps at most (~100 positions at top-20)
 HOLD_S = 1.0   # seconds between a held request's sends at most (an empty row when nothing else is due)
 
 
@@ -39,7 +41,7 @@ class HeldRows:
             self.logprobs.extend(row.logprobs)
         self.prompt_logprobs = row.prompt_logprobs or self.prompt_logprobs
         self.weight += len(row.token_ids) + entries(row.logprobs) + entries(row.prompt_logprobs)
-        if row.final is None and self.sent is not None and self.weight < FRAME_ENTRIES:
+        if row.final is None and self.sent is not None and self.weight < HOLD_ENTRIES:
             if now - self.sent < HOLD_S:
                 return None
             self.sent = now
