@@ -22,9 +22,9 @@ Version 10 adds embeddings: a `generate` with `pooling`
 (orca_mq.protocol.pooling.PoolingParams' fields) embeds its prompt instead of generating, and its final
 carries the vector (`output.embedding`, a column of `outputs`: little-endian float32 bytes, hidden_size
 x 4 of them); an older client's frame cannot hold `pooling` (refused, naming the version it needs).
-Version 11 adds `generate`'s stream: False holds the request's rows at the server until its final, which
-carries them all (or until they reach the frontend's bound, orca_mq.server.held_rows), as SGLang sends a
-request that does not stream.
+Version 11 adds `generate`'s stream: False sends the request's first row at once and holds the rest at
+the server, sent with its final or each time they reach a bound (orca_mq.server.held_rows), as SGLang
+sends a request that does not stream at its end.
 """
 from __future__ import annotations
 
@@ -52,8 +52,8 @@ class Generate:
     tools: list[dict[str, Any]] | None = added(9, default=None)   # OpenAI's function tools, for the chat template
     # an embedding request (PoolingParams' fields; {} for the server's defaults): a prompt in, a vector out
     pooling: dict[str, Any] | None = added(10, default=None)
-    # False: the server holds the request's rows and sends them with its final (a client that reads only the
-    # end: its tokens cost no frame through the broker each iteration), or when they grow past a bound
+    # False: after its first row the server holds the request's rows for its final or a bound (a client that
+    # reads only the end: its tokens cost no frame through the broker each iteration)
     stream: bool = added(11, default=True)
 
 
