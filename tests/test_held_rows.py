@@ -1,12 +1,15 @@
 """A request that does not stream (protocol v11 `generate.stream` False): the frontend sends its first row
 at once and holds the rest for its final (orca_mq.server.held_rows). Over a real server (a tiny random Llama
 with the embedded tokenizer): the same tokens, text, log probabilities and prompt log probabilities as the
-same request streamed, in two events; an abort still ends it once with what it had; an HTTP request's
-choices of one prompt still run together. The hold's bounds (entries, time), unit-tested."""
+same request streamed, in a few events; an abort still ends it once with what it had; an HTTP request's
+choices of one prompt still run together; a client killed mid-request is found within about a second (its
+request's empty row each second is the send that fails). The hold's bounds (entries, time), unit-tested."""
 from __future__ import annotations
 
 import asyncio
 import json
+import time
+from datetime import datetime
 
 import httpx
 import pytest
@@ -17,7 +20,7 @@ from orca_mq.client import AsyncClient
 from orca_mq.protocol.client_msgs import Final
 from orca_mq.protocol.logprobs import Logprobs
 from orca_mq.server.held_rows import HeldRows
-from serving_harness import free_port, start_server
+from serving_harness import free_port, settled, start_server
 
 PROMPT = list(range(300, 316))
 
@@ -109,3 +112,43 @@ def test_the_hold_goes_at_its_bounds_and_keeps_the_prompts(monkeypatch):
     final = Final("length")
     last = hold.add(_row([8], final, k=2), 1.5)
     assert last.final is final and last.token_ids == [5, 6, 7, 8] and last.text == "5678" and last.logprobs.token_ids == [8]
+
+
+def test_a_vanished_clients_held_request_ends_soon(tmp_path):
+    """The broker finds a vanished client when a send to it fails: a held request's empty row each second
+    is that send, so a client killed mid-request has its request aborted, not run to max_tokens for nobody."""
+    import subprocess
+    import sys
+
+    from orca_mq.bench.random_models import random_llama
+
+    model = random_llama(tmp_path / "model", layers=2, max_positions=4096)
+    srv = start_server(tmp_path / "srv", **{"model.path": str(model), "model.max_model_len": 4096})
+    try:
+        script = ("import asyncio, sys, time\nfrom orca_mq.client import AsyncClient\n"
+                  "async def main():\n"
+                  f"    async with AsyncClient({srv.address!r}) as c:\n"
+                  "        async for ev in c.stream(prompt_token_ids=[5, 6, 7], stream=False, max_tokens=4000, ignore_eos=True,\n"
+                  "                                 request_id='vanishing'):\n"
+                  "            print('first', flush=True)\n"
+                  "            time.sleep(600)\n"
+                  "asyncio.run(main())\n")
+        proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+        try:
+            assert proc.stdout.readline().strip() == "first"   # running: 4,000 tokens take several seconds here
+        finally:
+            proc.kill()
+            proc.wait(30)
+        killed = time.time()
+        log = srv.log_dir / "frontend.log"
+        gone: list = []
+        while not gone and time.time() < killed + 60:
+            time.sleep(0.1)
+            gone = [line for line in map(json.loads, log.read_text().splitlines())
+                    if line.get("event") == "client disconnected; aborting its requests"]
+        assert gone and gone[0]["requests"] == 1
+        found = datetime.fromisoformat(gone[0]["ts"].replace("Z", "+00:00")).timestamp() - killed
+        assert found < 2 * held_rows.HOLD_S, found   # its next empty row; not its 2,048-token row (~2.8 s here) nor its end
+        settled(srv.address)
+    finally:
+        assert srv.stop() == 0, srv.stderr()[-3000:]
