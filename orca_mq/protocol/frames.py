@@ -39,6 +39,8 @@ def spans(weights: list[int], limit: int | None = None) -> list[tuple[int, int]]
     """Consecutive ranges [lo, hi) of rows whose weights add up to at most `limit` (FRAME_ENTRIES by
     default; a heavier row alone)."""
     limit = FRAME_ENTRIES if limit is None else limit
+    if sum(weights) <= limit:   # most iterations: one frame, no walk
+        return [(0, len(weights))] if weights else []
     out, lo, held = [], 0, 0
     for i, w in enumerate(weights):
         if i > lo and held + w > limit:

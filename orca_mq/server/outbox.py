@@ -25,7 +25,6 @@ NO_EXTRAS = (None,) * sum(map(len, OPTIONAL))   # a row without any
 class Outbox:
     def __init__(self) -> None:
         self.batches: dict[bytes, Outputs] = {}                # v4 clients: their one frame...
-        self.weights: dict[bytes, list[int]] = {}              # ...its rows' tokens and log probabilities...
         self.versions: dict[bytes, int] = {}                   # ...in the oldest version of their requests
         self.singles: list[tuple[bytes, int, Output]] = []     # older clients: (client, version, frame)
 
@@ -39,7 +38,6 @@ class Outbox:
         if batch is None:
             batch = self.batches[req.client] = Outputs([], [], [], [])
             self.versions[req.client] = req.version
-            self.weights[req.client] = []
         elif req.version < self.versions[req.client]:
             self.versions[req.client] = req.version
         extras = (logprobs, prompt_logprobs, prompt_tail, embedding)
@@ -49,13 +47,22 @@ class Outbox:
         batch.token_ids.append(token_ids)
         batch.texts.append(text)
         batch.finals.append(final)
-        self.weights[req.client].append(len(token_ids) + entries(logprobs) + entries(prompt_logprobs))
 
     async def send(self, link: BrokerLink) -> None:
         await link.to_clients([(client, frame) for client, batch in self.batches.items()
-                               for lo, hi in spans(self.weights[client])
+                               for lo, hi in spans(weights(batch))
                                for frame in frames(lambda a, b, lo=lo: rows(batch, lo + a, lo + b), hi - lo, self.versions[client])]
                               + [(client, encode(single, version)) for client, version, single in self.singles])
+
+
+def weights(batch: Outputs) -> list[int]:
+    """Each row's tokens and log probabilities (what a frame is cut by), from the batch's columns: only a batch
+    with log probabilities walks them."""
+    out = list(map(len, batch.token_ids))
+    for column in (batch.logprobs, batch.prompt_logprobs):   # empty, or a value per row
+        if column:
+            out = [w + entries(lp) for w, lp in zip(out, column)]
+    return out
 
 
 def rows(batch: Outputs, lo: int, hi: int) -> Outputs:
