@@ -146,7 +146,8 @@ class AsyncClient:
                request_id: str | None = None, on_behalf_of: str = "", stream: bool = True,
                **sampling: Any) -> AsyncIterator[StreamEvent]:
         """Submit a request and yield its events as tokens are produced; the last has finished=True
-        (`stream` False: the server holds them, and the final event carries them all).
+        (`stream` False: the server sends the first at once and holds the rest for a few events,
+        orca_mq.server.held_rows).
         `chat_template_kwargs`: more variables for the chat template (with messages or chat=True); `tools`:
         OpenAI's function tools, which the chat template renders (messages may then hold tool_calls).
         `on_behalf_of`: a gateway's end client the request is for: a client of its own in the server's
@@ -210,8 +211,8 @@ class AsyncClient:
                 self._post(Abort(rid))  # left early: free the request's KV
 
     async def generate(self, prompt: str | None = None, **kwargs: Any) -> RequestOutput:
-        """Run a request to the end and return everything it produced (the server sends it at the end:
-        `stream=True` to have it token by token all the same)."""
+        """Run a request to the end and return everything it produced (the server holds its tokens for a
+        few events: `stream=True` to have them token by token all the same)."""
         kwargs.setdefault("stream", False)
         text: list[str] = []
         ids: list[int] = []

@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
             sys.exit("bench: --sampling needs a temperature (without one the replay is greedy) and takes no max_tokens "
                      "or ignore_eos (the trace sets them)")
         try:
-            SamplingParams(**{"max_tokens": 1, **args.sampling}).validate()
+            SamplingParams.from_dict({"max_tokens": 1, **args.sampling}).validate()   # as the client checks it
         except (TypeError, ValueError) as e:
             sys.exit(f"bench: bad --sampling: {e}")
     if args.burstiness is not None:

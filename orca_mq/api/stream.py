@@ -77,7 +77,7 @@ class Generation:
     finish_reason: str | None = None
     first_token: float | None = None          # time.monotonic() of its first token and its last
     last_token: float | None = None
-    stream: bool = True                       # False: the server holds its tokens until its final (orca_mq.server.held_rows)
+    stream: bool = True                       # False: the server holds its tokens for a few events (orca_mq.server.held_rows)
     echo_only: bool = False                   # completions' echo with max_tokens 0: the one generated token is dropped
     logprobs: Logprobs | None = None          # the generated tokens' (up to a stop string's), when asked
     prompt_logprobs: Logprobs | None = None   # the prompt's, when asked (echo)
