@@ -48,8 +48,8 @@ def _mask(kind: str, gen: torch.Generator) -> bytes | None:
 
 row = st.fixed_dictionaries({
     "temperature": st.sampled_from([0.0, 1e-3, 0.05, 0.7, 1.0, 2.0, 100.0, float("nan")]),   # the API's bounds; NaN: a bad plan
-    "top_k": st.sampled_from([0, 0, 1, 5]),
-    "top_p": st.sampled_from([1.0, 1.0, 0.5]),
+    "top_k": st.sampled_from([0, 0, 1, 5, 300, 2000]),   # 2000: past the vocabulary
+    "top_p": st.sampled_from([1.0, 1.0, 0.5, 0.9, 0.999, float("nan")]),   # NaN: a bad plan, the row fails
     "mask": st.sampled_from(["none", "none", "random", "one", "nothing", "malformed"]),
     "min_p": st.sampled_from([0.0, 0.05, 0.3]),
     "bias": st.sampled_from(["none", "none", "add", "ban", "ban_all_but"]),

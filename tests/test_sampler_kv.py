@@ -68,6 +68,20 @@ def test_sampled_tokens_follow_the_distribution():
     kept = logits[0].softmax(-1)
     kept = torch.where(torch.tensor([True, True, True, False, True, False]), kept, 0)   # top_p 0.9: .56+.21+.13 < .9 keeps .08
     assert (frequencies(temperature=1.0, top_p=0.9) - kept / kept.sum()).abs().max() < 0.015
+    # top-p over what top-k kept, renormalized (vLLM's and transformers' order): top 3 = .56, .21, .13 of .89, so
+    # .63 + .23 reach 0.8 and keep two (without renormalizing, .56 + .21 < .8 would keep three)
+    kept = torch.where(torch.tensor([True, True, False, False, False, False]), logits[0].softmax(-1), 0)
+    assert (frequencies(temperature=1.0, top_k=3, top_p=0.8) - kept / kept.sum()).abs().max() < 0.015
+
+
+def test_cuts_are_by_value_so_equal_tokens_share_a_fate():
+    """top-k keeps every token equal to its k-th, top-p every one equal to its last: which of equal tokens
+    stays does not depend on the sort (or the radix select) that found them."""
+    logits = torch.tensor([[0.0, 3.0, 1.0, 3.0, 1.0, 1.0, -2.0, 1.0]])
+    for params, support in (({"top_k": 2}, {1, 3}), ({"top_k": 3}, {1, 3, 2, 4, 5, 7}),
+                            ({"top_p": 0.5}, {1, 3}), ({"top_p": 0.95}, {1, 3, 2, 4, 5, 7})):
+        drawn = {sample(logits, [seq(temperature=1.0, seed=i, **params)])[0] for i in range(400)}
+        assert drawn == support, params
 
 
 def bitmask(vocab: int, allowed: list[int]) -> bytes:

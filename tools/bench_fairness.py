@@ -65,6 +65,9 @@ def attacks(max_n: int, max_choices: int, max_logprobs: int, max_len: int) -> di
                                                  "echo": True, "logprobs": 20, "max_tokens": 0})],
         "response_logprobs": [(chat, {"messages": ASK, "n": max_n, "logprobs": True, "top_logprobs": 20,
                                       "max_tokens": per_choice, "ignore_eos": True})],
+        # a nucleus of most of the vocabulary: each choice's top-p over a nearly flat distribution at every step
+        "nucleus": [(chat, {"messages": ASK, "n": max_n, "temperature": 2.0, "top_p": 0.99,
+                            "max_tokens": max_len - 64, "ignore_eos": True})],
         "nested_args": [(chat, {"messages": [*ASK, {"role": "assistant", "content": None, "tool_calls": [
             {"id": "c", "type": "function", "function": {"name": "get_time", "arguments": deep}}]}], "tools": [TOOL]})],
         "queue_flood": [("/v1/completions", {"prompt": ["Count:"] * max_choices, "max_tokens": 64, "ignore_eos": True})] * 17,

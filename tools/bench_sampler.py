@@ -3,8 +3,9 @@
 log probabilities over [rows, vocab] logits, the extension's fused kernels (kernels/csrc/sample_cpu.cpp)
 against torch's ops (the path a device takes, and the CPU's where the extension cannot be built),
 interleaved round by round; medians in ms. Cases: greedy rows, greedy under a grammar's bitmask,
-drawn rows (temperature 1), drawn under bitmasks, drawn with logit biases, and log probabilities with the
-top 20. The default shape is an n = 16 request beside a bystander on the embedded model's vocabulary.
+drawn rows (temperature 1), drawn under bitmasks, drawn with logit biases, top-k, top-p (and a
+nucleus of most of the vocabulary), and log probabilities with the top 20. The default shape is an
+n = 16 request beside a bystander on the embedded model's vocabulary.
 Prints a table and writes JSON (--out).
 
     python tools/bench_sampler.py --out results/bench_sampler.json [--rows 17] [--vocab 49152] [--rounds 5]
@@ -43,6 +44,8 @@ def cases(rows: int, vocab: int) -> dict[str, Case]:
     return {"greedy": step(temperature=0.0), "greedy, masked": step(temperature=0.0, allowed_token_bitmask=mask),
             "drawn": step(temperature=1.0), "drawn, masked": step(temperature=1.0, allowed_token_bitmask=mask),
             "drawn, logit_bias": step(temperature=1.0, extra=bias),
+            "top_k 50": step(temperature=1.0, top_k=50), "top_p 0.9": step(temperature=1.0, top_p=0.9),
+            "top_p 0.99, T 2": step(temperature=2.0, top_p=0.99),   # a nucleus of most of the vocabulary
             "logprobs top 20": lambda: logprobs._compute(logits, everyone, targets, 20)}
 
 

@@ -10,7 +10,8 @@ torch::Tensor silu_mul(torch::Tensor gate_up);
 torch::Tensor linear_rows(torch::Tensor x, torch::Tensor w);
 torch::Tensor grouped_rows(torch::Tensor x, torch::Tensor w, torch::Tensor ends, int64_t stream_rows);
 torch::Tensor sample_rows(torch::Tensor raw, torch::Tensor x, torch::Tensor masks, torch::Tensor mask_index,
-                          torch::Tensor temperature, torch::Tensor min_p, torch::Tensor u);
+                          torch::Tensor temperature, torch::Tensor min_p, torch::Tensor top_k, torch::Tensor top_p,
+                          torch::Tensor u);
 std::vector<torch::Tensor> log_probs_rows(torch::Tensor x, torch::Tensor rows, torch::Tensor targets, int64_t k);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

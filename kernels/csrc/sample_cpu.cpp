@@ -1,6 +1,6 @@
 // An iteration's sampling step on the CPU, and its log probabilities: a row per thread and a few passes over each
 // row while it is in cache. The step: the finiteness check, the grammar's bitmask, the argmax, and for a drawn row
-// the tempered exponentials, min-p and the inverse CDF. In torch the same is about ten vocabulary-wide ops (unpack
+// the tempered exponentials, min-p, top-k and top-p and the inverse CDF. In torch the same is about ten vocabulary-wide ops (unpack
 // the bits, add the mask, amax, amin, argmax, divide, softmax, cumsum, searchsorted...), each a pass over a new
 // tensor: at 17 x 49,152 on two cores 1.0-1.6 ms against 0.2-0.5 (tools/bench_sampler.py; issue 44).
 // Built with -ffast-math: nothing here relies on IEEE infinities or NaN in arithmetic. Non-finite raw logits are
@@ -56,10 +56,118 @@ void allowed(const uint8_t* mask, const float* x, int64_t V, uint8_t* a) {
   for (int64_t v = 0; v < V; ++v) a[v] &= bits(x[v]) != NEG_INF;
 }
 
+// a finite float's bits as an integer in the float's order (-0 as +0): a radix select's key
+inline uint32_t order_key(float x) {
+  uint32_t u = bits(x);
+  u = (u & 0x7fffffffu) == 0 ? 0 : u;
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// a row's scratch beside its bytes and exponentials: the tokens still in a select (logit key, exponential), and a
+// radix level's histogram
+struct Radix {
+  struct Bucket {
+    double mass;
+    int64_t count;
+  };
+  std::vector<std::pair<uint32_t, float>> left;
+  Bucket at[2048];
+};
+
+// the bucket of a histogram (w wide) the walk down from its top stops in: where the tokens at or above it first number
+// `count` or sum to `mass`; -1 where none does. `above`: what the buckets above it hold, moved past it.
+int64_t walk(const Radix& r, uint32_t w, int64_t count, double mass, int64_t& above_n, double& above_m) {
+  for (int64_t b = w - 1; b >= 0; --b) {
+    if (above_n + r.at[b].count >= count || above_m + r.at[b].mass >= mass) return b;
+    above_n += r.at[b].count;
+    above_m += r.at[b].mass;
+  }
+  return -1;
+}
+
+// Of the tokens with an exponential whose logit's key is at least `least`: the least key at which those at or above
+// it first number `count` or sum to `p` of their exponentials' sum, walking down from the largest; 0 where all of
+// them do not. A radix select: a histogram of the row by key bits 31-21, then of the bucket the walk stops in by
+// bits 20-10, then 9-0: a few passes over the row where sorting it took 4 ms at 49,152 tokens (issue 44).
+uint32_t select_key(const float* x, const float* e, int64_t V, uint32_t least, int64_t count, double p, Radix& r) {
+  constexpr int SHIFT[3] = {21, 10, 0};
+  constexpr uint32_t WIDTH[3] = {2048, 2048, 1024};
+  std::fill(r.at, r.at + WIDTH[0], Radix::Bucket{0.0, 0});
+  for (int64_t v = 0; v < V; ++v) {
+    const uint32_t k = order_key(x[v]);
+    if (e[v] > 0.f && k >= least) {
+      Radix::Bucket& h = r.at[k >> SHIFT[0]];
+      h.mass += e[v];
+      ++h.count;
+    }
+  }
+  double total = 0;
+  for (uint32_t b = 0; b < WIDTH[0]; ++b) total += r.at[b].mass;
+  int64_t above_n = 0;
+  double above_m = 0;
+  const double mass = p * total;
+  int64_t b = walk(r, WIDTH[0], count, mass, above_n, above_m);
+  if (b < 0) return 0;
+  r.left.clear();
+  for (int64_t v = 0; v < V; ++v) {
+    const uint32_t k = order_key(x[v]);
+    if (e[v] > 0.f && k >= least && (k >> SHIFT[0]) == static_cast<uint32_t>(b)) r.left.emplace_back(k, e[v]);
+  }
+  for (int level = 1; level < 3; ++level) {
+    const int s = SHIFT[level];
+    const uint32_t w = WIDTH[level];
+    std::fill(r.at, r.at + w, Radix::Bucket{0.0, 0});
+    for (const auto& [k, ek] : r.left) {
+      Radix::Bucket& h = r.at[(k >> s) & (w - 1)];
+      h.mass += ek;
+      ++h.count;
+    }
+    const int64_t n = above_n;
+    const double m = above_m;
+    b = walk(r, w, count, mass, above_n, above_m);
+    if (b < 0) {  // a finer grouping's sums fell a rounding short of the coarser one's: all of its bucket stays
+      above_n = n;
+      above_m = m;
+      b = 0;
+      while (r.at[b].count == 0) ++b;
+    }
+    const uint32_t at = static_cast<uint32_t>(b);
+    r.left.erase(std::remove_if(r.left.begin(), r.left.end(), [&](const auto& t) { return ((t.first >> s) & (w - 1)) != at; }),
+                 r.left.end());
+  }
+  return r.left.front().first;  // every token left has this key
+}
+
+// top-k, then top-p over what top-k kept (vLLM's and transformers' order and renormalization), as cuts on the logits
+// so that equal logits share a fate (their exponentials may differ in the last bit: a vector lane's exp and a
+// scalar's): the k largest and any equal to the k-th; then the largest whose exponentials reach top_p of theirs,
+// and any equal to the last. The least logit's key kept (0: no cut).
+uint32_t cut(const float* x, const float* e, int64_t V, int64_t top_k, float top_p, Radix& r) {
+  const uint32_t least = top_k > 0 ? select_key(x, e, V, 0, top_k, 2.0, r) : 0;
+  return top_p < 1.f ? std::max(least, select_key(x, e, V, least, INT64_MAX, top_p, r)) : least;
+}
+
+// e's blocks' sums after zeroing the tokens whose logit's key is below `least`; their total
+double zero_below(const float* x, float* e, int64_t V, uint32_t least, double* block) {
+  double total = 0;
+  for (int64_t lo = 0, b = 0; lo < V; lo += BLOCK, ++b) {
+    const int64_t hi = std::min(V, lo + BLOCK);
+    double s = 0;
+    for (int64_t v = lo; v < hi; ++v) {
+      e[v] = order_key(x[v]) < least ? 0.f : e[v];
+      s += e[v];
+    }
+    block[b] = s;
+    total += s;
+  }
+  return total;
+}
+
 // one row: (token, ok); ok false where the raw logits are not all finite, nothing is allowed or a drawn row's
 // parameters are not numbers
 std::pair<int64_t, bool> sample_row(const float* raw, const float* x, const uint8_t* mask, int64_t V, float temperature,
-                                    float min_p, double u, uint8_t* a, float* e, double* block) {
+                                    float min_p, int64_t top_k, float top_p, double u, uint8_t* a, float* e,
+                                    double* block, Radix& r) {
   uint32_t worst = 0;  // any exponent all ones: inf or NaN
 #pragma omp simd reduction(| : worst)
   for (int64_t v = 0; v < V; ++v) worst |= ((bits(raw[v]) & EXPONENT) == EXPONENT);
@@ -77,9 +185,11 @@ std::pair<int64_t, bool> sample_row(const float* raw, const float* x, const uint
   while (!((a[arg] != 0) & (x[arg] == best))) ++arg;   // mask is a coin toss to a branch predictor)
   if (u < 0) return {arg, true};
   // a temperature that is not a number, not positive or too small to divide by (the API takes 1e-3 and up) fails
-  // the row, as softmax's NaN does on a device, and so does a min-p that is not a number
+  // the row, as softmax's NaN does on a device, and so do a min-p that is not a number and a top-p that is not positive
   const float inv_t = 1.f / temperature;
-  if (is_nan(temperature) || temperature <= 0.f || !finite(inv_t) || !finite(min_p)) return {arg, false};
+  if (is_nan(temperature) || temperature <= 0.f || !finite(inv_t) || !finite(min_p) || is_nan(top_p) ||
+      top_p <= 0.f)
+    return {arg, false};
   const int64_t n_blocks = (V + BLOCK - 1) / BLOCK;
   double total = 0;
   for (int64_t b = 0; b < n_blocks; ++b) {
@@ -96,6 +206,10 @@ std::pair<int64_t, bool> sample_row(const float* raw, const float* x, const uint
     }
     block[b] = s;
     total += s;
+  }
+  if (top_k > 0 || top_p < 1.f) {
+    const uint32_t least = cut(x, e, V, top_k, top_p, r);
+    if (least > 0) total = zero_below(x, e, V, least, block);
   }
   // the first token whose cumulative probability exceeds u * total (< total, as the argmax's term is 1): a block's
   // sum first, then the tokens of the block it falls in; a token of probability 0 never crosses
@@ -153,10 +267,11 @@ void log_probs_row(const float* x, int64_t V, int64_t target, int64_t k, float* 
 }  // namespace
 
 // raw, x [S, V] float32 (x: after the logits processors; may be raw itself); masks [M, >= V / 8 bytes] uint8 and
-// mask_index [S] int64 (-1: no mask); temperature, min_p [S] float32; u [S] float64 (< 0: greedy) -> [2, S]
-// int64: each row's token over whether it is usable
+// mask_index [S] int64 (-1: no mask); temperature, min_p, top_p [S] float32; top_k [S] int64 (0: none); u [S] float64
+// (< 0: greedy) -> [2, S] int64: each row's token over whether it is usable
 torch::Tensor sample_rows(torch::Tensor raw, torch::Tensor x, torch::Tensor masks, torch::Tensor mask_index,
-                          torch::Tensor temperature, torch::Tensor min_p, torch::Tensor u) {
+                          torch::Tensor temperature, torch::Tensor min_p, torch::Tensor top_k, torch::Tensor top_p,
+                          torch::Tensor u) {
   TORCH_CHECK(raw.dtype() == torch::kFloat32 && x.dtype() == torch::kFloat32 && raw.sizes() == x.sizes() && raw.dim() == 2,
               "raw and x: [S, V] float32");
   raw = raw.contiguous();
@@ -165,15 +280,22 @@ torch::Tensor sample_rows(torch::Tensor raw, torch::Tensor x, torch::Tensor mask
   mask_index = mask_index.contiguous();
   temperature = temperature.contiguous();
   min_p = min_p.contiguous();
+  top_k = top_k.contiguous();
+  top_p = top_p.contiguous();
   u = u.contiguous();
   const int64_t S = raw.size(0), V = raw.size(1), W = masks.size(1);
   TORCH_CHECK(masks.dtype() == torch::kUInt8 && masks.dim() == 2 && W >= (V + 7) / 8, "masks: [M, >= V / 8] uint8");
-  TORCH_CHECK(mask_index.numel() == S && temperature.numel() == S && min_p.numel() == S && u.numel() == S,
-              "a value per row");
+  TORCH_CHECK(mask_index.numel() == S && temperature.numel() == S && min_p.numel() == S && top_k.numel() == S &&
+              top_p.numel() == S && u.numel() == S, "a value per row");
+  TORCH_CHECK(temperature.dtype() == torch::kFloat32 && min_p.dtype() == torch::kFloat32 && top_p.dtype() == torch::kFloat32 &&
+              top_k.dtype() == torch::kInt64 && mask_index.dtype() == torch::kInt64 && u.dtype() == torch::kFloat64,
+              "temperature, min_p, top_p float32; top_k, mask_index int64; u float64");
   const int64_t* mi = mask_index.data_ptr<int64_t>();
   for (int64_t r = 0; r < S; ++r) TORCH_CHECK(mi[r] >= -1 && mi[r] < masks.size(0), "mask_index past the masks");
   const float* t = temperature.data_ptr<float>();
   const float* mp = min_p.data_ptr<float>();
+  const int64_t* tk = top_k.data_ptr<int64_t>();
+  const float* tp = top_p.data_ptr<float>();
   const double* uu = u.data_ptr<double>();
   const float* rp = raw.data_ptr<float>();
   const float* xp = x.data_ptr<float>();
@@ -185,10 +307,11 @@ torch::Tensor sample_rows(torch::Tensor raw, torch::Tensor x, torch::Tensor mask
     std::vector<uint8_t> a(V);
     std::vector<float> e(V);
     std::vector<double> block((V + BLOCK - 1) / BLOCK);
+    Radix radix;
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < S; ++r) {
       const auto [token, ok] = sample_row(rp + r * V, xp + r * V, mi[r] >= 0 ? mk + mi[r] * W : nullptr, V, t[r], mp[r],
-                                          uu[r], a.data(), e.data(), block.data());
+                                          tk[r], tp[r], uu[r], a.data(), e.data(), block.data(), radix);
       o[r] = token;
       o[S + r] = ok;
     }

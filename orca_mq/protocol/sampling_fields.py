@@ -84,10 +84,10 @@ FIELDS: dict[str, SamplingField] = {f.name: f for f in (
                   "admission)", 1, INT32_MAX, nullable=True),
     SamplingField("temperature", float, 1.0, "0: greedy; below 0.001 float32 logits / temperature overflow",
                   1e-3, 100.0, zero=True),
-    SamplingField("top_k", int, 0, "sample among the k most likely tokens; 0 (or more than the vocabulary): off; "
-                  "1: greedy", 0, INT32_MAX),
-    SamplingField("top_p", float, 1.0, "sample among the most likely tokens whose probability reaches p; 1: off",
-                  0, 1, low_open=True),
+    SamplingField("top_k", int, 0, "after min_p, sample among the k most likely tokens (and any as likely as the "
+                  "k-th); 0 (or more than the vocabulary): off; 1: greedy", 0, INT32_MAX),
+    SamplingField("top_p", float, 1.0, "after top_k, among the most likely whose probability (over what top_k kept) "
+                  "reaches p, and any as likely as the last; 1: off", 0, 1, low_open=True),
     SamplingField("min_p", float, 0.0, "vLLM's: a sampled row drops tokens less likely than min_p x its most likely",
                   0.0, 1.0),
     SamplingField("seed", int, None, "a seeded draw depends only on the seed and the position, whatever the batch",
