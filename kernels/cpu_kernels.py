@@ -24,7 +24,7 @@ from types import ModuleType
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = [CSRC / "paged_decode_cpu.cpp", CSRC / "layer_ops_cpu.cpp", CSRC / "linear_rows_cpu.cpp", CSRC / "sample_cpu.cpp",
-           CSRC / "bindings.cpp"]   # bindings last
+           CSRC / "processors_cpu.cpp", CSRC / "bindings.cpp"]   # bindings last
 # -ffast-math lets gcc vectorize exp and the dot-product reductions; the kernel keeps its
 # arithmetic finite (no inf sentinel) so that flag is safe
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
@@ -67,7 +67,8 @@ def load() -> ModuleType | None:
     """The extension (None if it cannot be built here): paged_decode_attention(q [B,H,d], k_cache,
     v_cache [NB,bs,kvh,d], block_tables [B,nb], seq_lens [B] int32, scale) -> [B,H,d]; rms_norm,
     rotary_, silu_mul (orca_mq/engine/layer_ops.py); float32 or bfloat16 CPU tensors; linear_rows
-    (orca_mq/engine/gemm.py), float32; sample_rows (orca_mq/engine/sampler.py)."""
+    (orca_mq/engine/gemm.py), float32; sample_rows (orca_mq/engine/sampler.py); process_rows
+    (orca_mq/engine/history.py)."""
     from torch.utils.cpp_extension import _get_build_directory, load_inline
 
     try:

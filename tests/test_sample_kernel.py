@@ -3,6 +3,7 @@ device takes: the same token for every row and the same failures, over rows of e
 same log probabilities and ids."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -10,7 +11,7 @@ from hypothesis import strategies as st
 
 from kernels import cpu_kernels
 from orca_mq.engine import logprobs, sampler
-from orca_mq.protocol.iteration import RowExtras, SeqWork, mask_bytes
+from orca_mq.protocol.iteration import Biases, RowExtras, SeqWork, mask_bytes
 
 VOCAB = 1003   # not a multiple of 8: the bitmask's last byte is read bit by bit
 
@@ -49,7 +50,7 @@ def _mask(kind: str, gen: torch.Generator) -> bytes | None:
 row = st.fixed_dictionaries({
     "temperature": st.sampled_from([0.0, 1e-3, 0.05, 0.7, 1.0, 2.0, 100.0, float("nan")]),   # the API's bounds; NaN: a bad plan
     "top_k": st.sampled_from([0, 0, 1, 5, 300, 2000]),   # 2000: past the vocabulary
-    "top_p": st.sampled_from([1.0, 1.0, 0.5, 0.9, 0.999, float("nan")]),   # NaN: a bad plan, the row fails
+    "top_p": st.sampled_from([1.0, 1.0, 0.5, 0.9, 0.999, 5e-324, float("nan")]),   # 5e-324: 0 in float32; NaN: a bad plan, the row fails
     "mask": st.sampled_from(["none", "none", "random", "one", "nothing", "malformed"]),
     "min_p": st.sampled_from([0.0, 0.05, 0.3]),
     "bias": st.sampled_from(["none", "none", "add", "ban", "ban_all_but"]),
@@ -72,7 +73,7 @@ def test_the_fused_step_draws_what_the_ops_draw(kernel, monkeypatch, rows, seed,
         bias = {"none": [], "add": [(5, 4.0), (900, -2.5), (37, 1.0)],
                 "ban": [(int(logits[b].argmax()), float("-inf"))],
                 "ban_all_but": [(t, float("-inf")) for t in range(VOCAB) if t != 37]}[r["bias"]]
-        extra = RowExtras(min_p=r["min_p"], bias=bias) if r["min_p"] or bias else None
+        extra = RowExtras(min_p=r["min_p"], bias=Biases.of(bias)) if r["min_p"] or bias else None
         seqs.append(SeqWork(f"r{b}", [1], 9 + b, [0], temperature=r["temperature"], top_k=r["top_k"], top_p=r["top_p"],
                             seed=seed + b, allowed_token_bitmask=_mask(r["mask"], gen), extra=extra))
     if bf16:
@@ -114,3 +115,36 @@ def test_the_fused_log_probabilities_are_the_ops(kernel, monkeypatch, n, k, seed
     else:   # equal values in either order: each id's own value is the one listed
         lp = torch.log_softmax(logits if rows is None else logits[rows], -1)
         assert torch.allclose(lp.gather(1, fused[2]), ops[1], rtol=0, atol=tol)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(n=st.integers(1, 5), seed=st.integers(0, 2**31), scale=st.sampled_from([0.1, 3.0, 30.0]),
+       biases=st.lists(st.tuples(st.integers(0, 4), st.integers(0, VOCAB - 1),
+                                 st.sampled_from([1.0, -2.5, 100.0, -100.0, 0.3, float("-inf")])), max_size=40),
+       ban_all=st.booleans(), penalized=st.lists(st.booleans(), min_size=5, max_size=5),
+       penalty=st.tuples(st.sampled_from([0.0, -2.0, 0.7, 2.0]), st.sampled_from([0.0, -1.3, 0.3, 2.0]),
+                         st.sampled_from([1.0, 0.01, 1.3, 100.0])))
+def test_the_fused_processors_are_the_ops_to_the_bit(kernel, n, seed, scale, biases, ban_all, penalized, penalty):
+    """logit_bias, min_tokens' bans (a row they would leave with no token keeps its logits) and the penalties over a
+    history: the extension's one call (kernels/csrc/processors_cpu.cpp) gives the ops' logits exactly, -inf included."""
+    from orca_mq.engine.history import Processors, TokenHistory
+
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(n, VOCAB, generator=gen) * scale
+    entries = [(r, t, v) for r, t, v in biases if r < n]
+    if ban_all:   # every token of row 0 banned: the row keeps what it had
+        entries += [(0, t, float("-inf")) for t in range(VOCAB)]
+    history = TokenHistory(VOCAB, torch.device("cpu"))
+    pen_rows = [r for r in range(n) if penalized[r]]
+    for r in pen_rows:
+        history._alloc(f"r{r}")
+    history.counts = torch.randint(0, 3, history.counts.shape, generator=gen, dtype=torch.int32)
+    history.seen = torch.rand(history.seen.shape, generator=gen) < 0.2
+    procs = Processors(np.array([e[0] for e in entries], np.int64), np.array([e[1] for e in entries], np.int64),
+                       np.array([e[2] for e in entries], np.float32), np.array(pen_rows, np.int64),
+                       [f"r{r}" for r in pen_rows], np.array([penalty] * len(pen_rows), np.float32).reshape(-1, 3),
+                       np.zeros(n, np.float32))
+    fused, ops = procs.apply(logits, history, kernel), procs.apply(logits, history)
+    assert torch.equal(fused, ops)
+    if ban_all:
+        assert torch.isfinite(fused[0]).any()

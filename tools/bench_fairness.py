@@ -68,6 +68,10 @@ def attacks(max_n: int, max_choices: int, max_logprobs: int, max_len: int) -> di
         # a nucleus of most of the vocabulary: each choice's top-p over a nearly flat distribution at every step
         "nucleus": [(chat, {"messages": ASK, "n": max_n, "temperature": 2.0, "top_p": 0.99,
                             "max_tokens": max_len - 64, "ignore_eos": True})],
+        # every logits processor at its bound on each choice: penalties over a growing history, 1,024 biases, min-p
+        "processors": [(chat, {"messages": ASK, "n": max_n, "presence_penalty": 2.0, "frequency_penalty": 2.0,
+                               "repetition_penalty": 100.0, "min_p": 0.5, "logit_bias": {str(t): 1.0 for t in range(1024)},
+                               "max_tokens": max_len - 64, "ignore_eos": True})],
         "nested_args": [(chat, {"messages": [*ASK, {"role": "assistant", "content": None, "tool_calls": [
             {"id": "c", "type": "function", "function": {"name": "get_time", "arguments": deep}}]}], "tools": [TOOL]})],
         "queue_flood": [("/v1/completions", {"prompt": ["Count:"] * max_choices, "max_tokens": 64, "ignore_eos": True})] * 17,

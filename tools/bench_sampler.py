@@ -24,7 +24,7 @@ import torch
 
 from kernels import cpu_kernels
 from orca_mq.engine import logprobs, sampler
-from orca_mq.protocol.iteration import IterationPlan, RowExtras, SeqWork, mask_bytes, pack
+from orca_mq.protocol.iteration import Biases, IterationPlan, RowExtras, SeqWork, mask_bytes, pack
 
 Case = Callable[[], object]
 
@@ -33,7 +33,7 @@ def cases(rows: int, vocab: int) -> dict[str, Case]:
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(rows, vocab, generator=gen) * 3
     mask = bytes(np.random.default_rng(0).integers(0, 256, mask_bytes(vocab), dtype=np.uint8))
-    bias = RowExtras(bias=[(t, 1.5) for t in range(0, vocab, 97)])
+    bias = RowExtras(bias=Biases.of((t, 1.5) for t in range(0, vocab, 97)))
 
     def step(**kw: object) -> Case:
         seqs = [SeqWork(f"r{b}", [1], 9, [0], seed=b, **kw) for b in range(rows)]   # type: ignore[arg-type]

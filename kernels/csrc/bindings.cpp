@@ -12,6 +12,9 @@ torch::Tensor grouped_rows(torch::Tensor x, torch::Tensor w, torch::Tensor ends,
 torch::Tensor sample_rows(torch::Tensor raw, torch::Tensor x, torch::Tensor masks, torch::Tensor mask_index,
                           torch::Tensor temperature, torch::Tensor min_p, torch::Tensor top_k, torch::Tensor top_p,
                           torch::Tensor u);
+void process_rows(torch::Tensor x, torch::Tensor bias_rows, torch::Tensor bias_ids, torch::Tensor bias_vals,
+                  torch::Tensor pen_rows, torch::Tensor slots, torch::Tensor counts, torch::Tensor seen,
+                  torch::Tensor params);
 std::vector<torch::Tensor> log_probs_rows(torch::Tensor x, torch::Tensor rows, torch::Tensor targets, int64_t k);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -23,6 +26,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up of [gate | up] rows");
   m.def("linear_rows", &linear_rows, "x [M, K] @ w.T for a few rows, float32 or bfloat16, the weights streamed once");
   m.def("sample_rows", &sample_rows, "each row's token (argmax, or a draw by inverse CDF) over whether it is usable, float32");
+  m.def("process_rows", &process_rows, "logit biases, bans and penalties into [S, V] float32 logits, in place");
   m.def("log_probs_rows", &log_probs_rows, "some rows' log-softmax at a target each and their k largest, float32");
   m.def("grouped_rows", &grouped_rows, "each group of x's rows times its own w[g].T (a mixture of experts), float32 or bfloat16");
 }

@@ -74,10 +74,11 @@ struct Radix {
   Bucket at[2048];
 };
 
-// the bucket of a histogram (w wide) the walk down from its top stops in: where the tokens at or above it first number
-// `count` or sum to `mass`; -1 where none does. `above`: what the buckets above it hold, moved past it.
+// the bucket of a histogram (w wide) the walk down from its top stops in: the first holding a token where those at or
+// above it number `count` or sum to `mass`; -1 where none does. `above`: what the buckets above it hold, moved past it.
 int64_t walk(const Radix& r, uint32_t w, int64_t count, double mass, int64_t& above_n, double& above_m) {
   for (int64_t b = w - 1; b >= 0; --b) {
+    if (r.at[b].count == 0) continue;
     if (above_n + r.at[b].count >= count || above_m + r.at[b].mass >= mass) return b;
     above_n += r.at[b].count;
     above_m += r.at[b].mass;
@@ -185,10 +186,10 @@ std::pair<int64_t, bool> sample_row(const float* raw, const float* x, const uint
   while (!((a[arg] != 0) & (x[arg] == best))) ++arg;   // mask is a coin toss to a branch predictor)
   if (u < 0) return {arg, true};
   // a temperature that is not a number, not positive or too small to divide by (the API takes 1e-3 and up) fails
-  // the row, as softmax's NaN does on a device, and so do a min-p that is not a number and a top-p that is not positive
+  // the row, as softmax's NaN does on a device, and so do a min-p and a top-p that are not numbers (a top-p of 0, as
+  // float32 rounds the API's least: the most likely token)
   const float inv_t = 1.f / temperature;
-  if (is_nan(temperature) || temperature <= 0.f || !finite(inv_t) || !finite(min_p) || is_nan(top_p) ||
-      top_p <= 0.f)
+  if (is_nan(temperature) || temperature <= 0.f || !finite(inv_t) || !finite(min_p) || is_nan(top_p))
     return {arg, false};
   const int64_t n_blocks = (V + BLOCK - 1) / BLOCK;
   double total = 0;

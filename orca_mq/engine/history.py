@@ -20,6 +20,7 @@ tokens come from the plan's own token ids, plus, once, those a prefix-cache hit 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 
 import numpy as np
 import torch
@@ -145,15 +146,27 @@ class Processors:
     def bans(self) -> bool:
         return bool(np.isneginf(self.bias_vals).any())
 
-    def apply(self, logits: Tensor, history: TokenHistory | None) -> Tensor:
-        """The biases, bans and penalties applied (a new tensor; `logits` is left as it is)."""
-        if not len(self.bias_rows) and not (len(self.pen_rows) and history is not None):
+    def apply(self, logits: Tensor, history: TokenHistory | None, kernel: ModuleType | None = None) -> Tensor:
+        """The biases, bans and penalties applied (a new tensor; `logits` is left as it is). `kernel`: the CPU
+        extension, which does it all in one call (kernels/csrc/processors_cpu.cpp) on float32 logits."""
+        penalized = len(self.pen_rows) > 0 and history is not None
+        if not len(self.bias_rows) and not penalized:
             return logits
         logits = logits.clone()
         dev = logits.device
 
         def t(v: np.ndarray) -> Tensor:
             return torch.from_numpy(np.ascontiguousarray(v)).to(dev, non_blocking=True)
+
+        if kernel is not None:
+            if penalized:
+                assert history is not None
+                pen = (t(self.pen_rows), history.rows(self.pen_requests), history.counts, history.seen, t(self.penalties))
+            else:
+                pen = (t(np.zeros(0, np.int64)), t(np.zeros(0, np.int64)), torch.zeros(0, 0, dtype=torch.int32),
+                       torch.zeros(0, 0, dtype=torch.bool), t(np.zeros((0, 3), np.float32)))
+            kernel.process_rows(logits, t(self.bias_rows), t(self.bias_ids), t(self.bias_vals), *pen)
+            return logits
 
         ban = np.isneginf(self.bias_vals)
         if (~ban).any():

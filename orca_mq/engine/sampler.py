@@ -134,7 +134,7 @@ def _sample_fused(kernel: ModuleType, logits: Tensor, rows: SamplingRows, drawn:
     if procs is not None:
         if masks and procs.bans():   # a ban is undone where it leaves nothing the mask allows: the masks go first
             x, masks = _apply_masks(x, masks)[0], {}   # (a row left all -inf is not usable to the kernel either)
-        x = procs.apply(x, history)   # biases and penalties leave -inf where it was: they commute with a mask
+        x = procs.apply(x, history, kernel)   # biases and penalties leave -inf where it was: they commute with a mask
     n = len(rows)
     u = np.full(n, -1.0)
     u[drawn] = _uniforms(rows, drawn.tolist())
@@ -264,8 +264,8 @@ def _cut(x: Tensor, probs: Tensor, top_k: np.ndarray, top_p: np.ndarray) -> Tens
     to the last. The cuts come from a partial top-k of CANDIDATES logits, widened only while a row's nucleus
     reaches past them (a whole-vocabulary sort took 4 ms a row at 49,152 on 2 cores; the CPU's extension
     selects by radix instead: kernels/csrc/sample_cpu.cpp)."""
-    if not (top_p > 0).all():   # not a number either: the row fails, as in the extension
-        raise ValueError("top_p must be positive")
+    if np.isnan(top_p).any():   # the row fails, as in the extension (a top-p of 0, as float32 rounds the API's
+        raise ValueError("top_p is not a number")   # least, keeps the most likely token)
     dev, vocab = x.device, x.shape[-1]
     cuts = (top_k > 0) & (top_k < vocab)
     k = torch.from_numpy(np.where(cuts, top_k, 1).astype(np.int64)).to(dev)[:, None]

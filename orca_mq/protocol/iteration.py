@@ -10,7 +10,7 @@ and derives every per-token input with array arithmetic (orca_mq/engine/step_inp
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from itertools import chain
 
@@ -29,6 +29,33 @@ def mask_bytes(vocab_size: int) -> int:
     return -(-vocab_size // MASK_WORD_BITS) * MASK_WORD_BITS // 8
 
 
+I32, I64, F32, U8 = np.dtype("<i4"), np.dtype("<i8"), np.dtype("<f4"), np.dtype("u1")
+
+
+@dataclass(frozen=True, slots=True)
+class Biases:
+    """A row's logit biases as columns: token ids (int32) and what is added (float32; -inf: a ban). A request's
+    are made once and shared by its rows: a plan's are concatenated, never rebuilt from pairs each iteration
+    (16 rows of 1,024 biases: 1.3 ms of the scheduler's loop an iteration as lists of pairs)."""
+
+    ids: np.ndarray
+    vals: np.ndarray
+
+    @classmethod
+    def of(cls, pairs: Iterable[tuple[int, float]]) -> "Biases":
+        pairs = list(pairs)
+        return cls(np.array([t for t, _ in pairs], I32), np.array([b for _, b in pairs], F32))
+
+    def __add__(self, other: "Biases") -> "Biases":
+        return Biases(np.concatenate((self.ids, other.ids)), np.concatenate((self.vals, other.vals)))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+NO_BIASES = Biases.of([])
+
+
 @dataclass(slots=True)
 class RowExtras:
     """A row's logits processors beyond temperature / top-k / top-p (SamplingParams' penalties, min_p,
@@ -39,7 +66,7 @@ class RowExtras:
     frequency: float = 0.0
     repetition: float = 1.0
     min_p: float = 0.0
-    bias: list[tuple[int, float]] = field(default_factory=list)  # added to the logits: logit_bias, -inf for min_tokens' bans
+    bias: Biases = NO_BIASES  # added to the logits: logit_bias, -inf for min_tokens' bans
     history: int = HISTORY_NONE
     seen: list[int] = field(default_factory=list)  # repetition_penalty: prompt tokens the history has not seen and token_ids does not carry (prefix cache hits)
 
@@ -113,9 +140,6 @@ class IterationPlan:
         if self.rows is None:
             return self.packed.num_tokens   # type: ignore[union-attr]
         return sum(len(s.token_ids) for s in self.rows)
-
-
-I32, I64, F32, U8 = np.dtype("<i4"), np.dtype("<i8"), np.dtype("<f4"), np.dtype("u1")
 
 
 @dataclass(slots=True)
@@ -326,8 +350,8 @@ def _pack_extras(plan: IterationPlan) -> dict[str, bytes | list[str]]:
         "x_params": np.array([(x.presence, x.frequency, x.repetition, x.min_p) for x in xs], F32).tobytes(),
         "x_history": np.array([x.history for x in xs], U8).tobytes(),
         "x_bias_lens": np.array([len(x.bias) for x in xs], I32).tobytes(),
-        "bias_ids": np.array([t for x in xs for t, _ in x.bias], I32).tobytes(),
-        "bias_vals": np.array([b for x in xs for _, b in x.bias], F32).tobytes(),
+        "bias_ids": np.concatenate([x.bias.ids for x in xs]).tobytes(),
+        "bias_vals": np.concatenate([x.bias.vals for x in xs]).tobytes(),
         "x_seen_lens": np.array([len(x.seen) for x in xs], I32).tobytes(),
         "seen_ids": np.array([t for x in xs for t in x.seen], I32).tobytes(),
         "released": list(plan.released),

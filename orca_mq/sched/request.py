@@ -17,6 +17,7 @@ from orca_mq.protocol.sampling import SamplingParams
 if TYPE_CHECKING:
     from orca_mq.structured.grammar import Grammar
     from orca_mq.sched.spec_state import SpecState
+    from orca_mq.protocol.iteration import Biases
     from orca_mq.protocol.logprobs import TokenLogprobs
 
 
@@ -78,7 +79,7 @@ class Request:
     swaps: SwapCounts = field(default_factory=SwapCounts)
     grammar: "Grammar | None" = None   # structured outputs: its matcher, advanced by each accepted token
     history_fed: int = -1          # penalties: prompt tokens its token history on the last stage has seen (-1: none started)
-    logit_bias: list[tuple[int, float]] | None = None   # params.logit_bias as (token id, bias), parsed at its first row
+    logit_bias: Biases | None = None   # params.logit_bias as columns, parsed at its first row
     prompt_logprobs: "TokenLogprobs | None" = None   # its prompt's log probabilities so far, until its first token carries them
     spec: "SpecState | None" = None   # speculative decoding: its n-gram index and adaptive k (None: it does not speculate)
     draft: int = 0                 # draft tokens its iteration in flight verifies
