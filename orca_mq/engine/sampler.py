@@ -241,7 +241,9 @@ def _sample_rows(logits: Tensor, rows: SamplingRows, group: list[int], tokens: T
         min_p = torch.from_numpy(rows.processors.min_p[group]).to(dev)
         probs = probs.masked_fill(probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True), 0.0)
     at = np.flatnonzero(rows.filtered()[group])
-    if len(at):
+    if len(at) == len(group):
+        probs = _cut(scaled, probs, rows.top_k[group], rows.top_p[group])
+    elif len(at):
         of = np.asarray(group)[at]
         where = torch.from_numpy(at).to(dev)
         probs = probs.index_copy(0, where, _cut(scaled.index_select(0, where), probs.index_select(0, where),
@@ -270,13 +272,18 @@ def _cut(x: Tensor, probs: Tensor, top_k: np.ndarray, top_p: np.ndarray) -> Tens
     cuts = (top_k > 0) & (top_k < vocab)
     k = torch.from_numpy(np.where(cuts, top_k, 1).astype(np.int64)).to(dev)[:, None]
     p = torch.from_numpy(top_p.astype(np.float64)).to(dev)[:, None]
+    cut = torch.from_numpy(cuts).to(dev)[:, None]
+    whole = probs.sum(dim=-1, keepdim=True, dtype=torch.float64) if (~cuts & (top_p < 1)).any() else None
     width = min(vocab, max([CANDIDATES, *top_k[cuts].tolist()]))   # where every row's k-th is
     while True:
         xs, order = x.topk(width, dim=-1)
-        least = torch.where(torch.from_numpy(cuts).to(dev)[:, None], xs.gather(1, k - 1), float("-inf"))
-        total = probs.double().masked_fill(x < least, 0.0).sum(dim=-1, keepdim=True)   # what top-k keeps
+        least = torch.where(cut, xs.gather(1, k - 1), float("-inf"))
         cum = probs.gather(1, order).double().masked_fill(xs < least, 0.0).cumsum(dim=-1)
-        if width == vocab or bool(((p >= 1) | (cum[:, -1:] >= p * total)).all()):
+        # settled where all that top-k keeps is among the candidates (equal logits may run past them), and
+        # top-p's share of it too
+        total = cum[:, -1:] if whole is None else torch.where(cut, cum[:, -1:], whole)
+        settled = (~cut | (xs[:, -1:] < least)) & ((p >= 1) | (cum[:, -1:] >= p * total))
+        if width == vocab or bool(settled.all()):
             break
         width = min(vocab, width * 16)
     reach = torch.searchsorted(cum, p * total).clamp_(max=width - 1)
