@@ -2,7 +2,8 @@
 tools/bench_reliability.py: a fuzz of undecodable client frames, and a soak of well-behaved
 clients mixed with aborts, garbage frames and clients that vanish mid-request, and with issue 44's
 shapes: requests for a gateway's end clients (`on_behalf_of`), prompt and token log probabilities,
-short constraints of many-byte letters (a closing plan each step).
+short constraints of many-byte letters (a closing plan each step), a nucleus of most of the vocabulary
+and every logits processor at once.
 
 Everything is counted so that a caller can assert the contract: every garbage frame gets one
 `error` reply, every request of a client that stays gets exactly one final message. Every request
@@ -30,7 +31,11 @@ from orca_mq.protocol.common_msgs import Error
 PROMPTS = ["Hello", "The capital of France is", "Write a haiku about the sea.", "1, 2, 3,", "Once upon a time"]
 SHAPES = [{"logprobs": 5, "prompt_logprobs": 5}, {"logprobs": 20},
           {"structured_outputs": {"regex": "[\u0400-\u04ff]{1,3}"}, "max_tokens": 8},
-          {"structured_outputs": {"regex": "[a-z]{1,3}"}, "max_tokens": 8}]
+          {"structured_outputs": {"regex": "[a-z]{1,3}"}, "max_tokens": 8},
+          {"temperature": 2.0, "top_p": 0.99},
+          {"presence_penalty": 2.0, "frequency_penalty": 2.0, "repetition_penalty": 1.3, "min_p": 0.05,
+           "logit_bias": {str(t): 1.0 for t in range(1024)}}]
+REPLAYED = {"max_tokens", "ignore_eos", "temperature", "seed", "logprobs", "prompt_logprobs"}   # what `reproduce` sends, and what leaves tokens as they are
 
 
 def _value(rng: random.Random, depth: int = 0) -> Any:
@@ -190,7 +195,7 @@ async def _client(ctx: zmq.asyncio.Context, address: str, name: str, rng: random
                 prompt, shaped = rng.choice(PROMPTS), rng.random() < cfg.shaped_rate
                 if shaped:
                     sampling |= rng.choice(SHAPES)
-                if "structured_outputs" not in sampling:   # its tokens are the constraint's: not replayed alone
+                if set(sampling) <= REPLAYED:   # a constraint's, a nucleus's or a processor's tokens: not replayed alone
                     sent_as[rid] = (prompt, sampling["temperature"], sampling["seed"])
                 tokens[rid] = []
                 await sock.send(encode(Generate(rid, prompt=prompt, sampling=sampling,
