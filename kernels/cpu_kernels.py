@@ -25,8 +25,9 @@ from types import ModuleType
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = [CSRC / "paged_decode_cpu.cpp", CSRC / "layer_ops_cpu.cpp", CSRC / "linear_rows_cpu.cpp", CSRC / "sample_cpu.cpp",
            CSRC / "processors_cpu.cpp", CSRC / "bindings.cpp"]   # bindings last
-# -ffast-math lets gcc vectorize exp and the dot-product reductions; the kernel keeps its
-# arithmetic finite (no inf sentinel) so that flag is safe
+# -ffast-math lets gcc vectorize exp and the dot-product reductions; the kernels keep their
+# arithmetic finite (no inf sentinel) so that flag is safe, and processors_cpu.cpp turns it off for
+# itself (a pragma), where the logits must be torch's to the bit
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
 LDFLAGS = ["-fopenmp"]
 

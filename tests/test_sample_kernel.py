@@ -54,7 +54,7 @@ row = st.fixed_dictionaries({
     "mask": st.sampled_from(["none", "none", "random", "one", "nothing", "malformed"]),
     "min_p": st.sampled_from([0.0, 0.05, 0.3]),
     "bias": st.sampled_from(["none", "none", "add", "ban", "ban_all_but"]),
-    "logits": st.sampled_from(["finite", "finite", "finite", "nan", "inf", "-inf", "ties"]),
+    "logits": st.sampled_from(["finite", "finite", "finite", "nan", "inf", "-inf", "ties", "adjacent"]),
 })
 
 
@@ -68,6 +68,9 @@ def test_the_fused_step_draws_what_the_ops_draw(kernel, monkeypatch, rows, seed,
     for b, r in enumerate(rows):
         if r["logits"] == "ties":
             logits[b] = logits[b].round().clamp(max=1.0)   # many tokens at the maximum: the first is the argmax
+        elif r["logits"] == "adjacent":   # pairs a float apart, which a temperature may round to one value
+            grid = logits[b].round()
+            logits[b] = torch.where(torch.arange(VOCAB) % 2 == 0, grid, torch.nextafter(grid, torch.tensor(9.0)))
         elif r["logits"] != "finite":
             logits[b, 11 * b + 3] = float(r["logits"])
         bias = {"none": [], "add": [(5, 4.0), (900, -2.5), (37, 1.0)],
@@ -148,3 +151,22 @@ def test_the_fused_processors_are_the_ops_to_the_bit(kernel, n, seed, scale, bia
     assert torch.equal(fused, ops)
     if ban_all:
         assert torch.isfinite(fused[0]).any()
+
+
+@pytest.mark.parametrize("path", ["kernel", "ops"])
+def test_a_malformed_plans_values_fail_their_rows_alone(kernel, monkeypatch, path):
+    """Values the API never sends (a min-p past 1, biases that overflow to +inf, a negative temperature) fail
+    their own rows on both paths, the other rows drawn; a bias outside the vocabulary is refused before it
+    reaches an index (on a device, an out-of-range index is an assert that ends the process)."""
+    if path == "ops":
+        monkeypatch.setattr(cpu_kernels, "load", lambda: None)
+    logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(0))
+    seqs = [SeqWork("ok", [1], 9, [0], temperature=1.0, seed=1),
+            SeqWork("min_p", [1], 9, [0], temperature=1.0, seed=2, extra=RowExtras(min_p=2.0)),
+            SeqWork("inf", [1], 9, [0], temperature=1.0, seed=3, extra=RowExtras(bias=Biases.of([(5, 3e38), (5, 3e38)]))),
+            SeqWork("cold", [1], 9, [0], temperature=-1.0, seed=4)]
+    tokens, failed = sampler.sample_seqs(logits, seqs)
+    assert failed == [1, 2, 3] and 0 <= tokens[0] < VOCAB
+    far = [SeqWork("far", [1], 9, [0], temperature=1.0, extra=RowExtras(bias=Biases.of([(VOCAB, 1.0)])))]
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        sampler.sample_seqs(logits[:1], far)

@@ -4,12 +4,24 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels import cpu_kernels
+
 from orca_mq.kv.block_manager import BlockManager, KVAllocationError, Match
 from orca_mq.kv.pool import PoolSize
 from orca_mq.protocol.iteration import SeqWork
 from orca_mq.engine import sampler
 from orca_mq.protocol.sampling import SamplingParams
 from orca_mq.sched.request import Request
+
+
+@pytest.fixture(params=["kernel", "ops"])
+def path(request, monkeypatch):
+    """The CPU extension's step, or torch's ops (a device's path)."""
+    if request.param == "ops":
+        monkeypatch.setattr(cpu_kernels, "load", lambda: None)
+    elif cpu_kernels.load() is None:
+        pytest.skip("the CPU kernels cannot be built here")
+    return request.param
 
 
 def sample(logits: torch.Tensor, seqs: list[SeqWork]) -> list[int]:
@@ -28,7 +40,7 @@ def test_greedy_is_argmax():
     assert sample(logits, [seq(temperature=1.0, top_k=1)] * 4) == logits.argmax(-1).tolist()
 
 
-def test_top_k_and_top_p_restrict_the_support():
+def test_top_k_and_top_p_restrict_the_support(path):
     torch.manual_seed(0)
     logits = torch.randn(1, 100) * 3
     top5 = set(logits[0].topk(5).indices.tolist())
@@ -50,7 +62,7 @@ def test_seed_gives_same_token_regardless_of_batch_row():
     assert batched[1] == alone[0] and batched[2] == logits[2].argmax().item()
 
 
-def test_sampled_tokens_follow_the_distribution():
+def test_sampled_tokens_follow_the_distribution(path):
     """Inverse-CDF draws over many seeds, one batch of rows (each its own seed): each token's frequency
     is its probability, top-p and a temperature included (a wrong CDF or an off-by-one in the search
     would fail this)."""
@@ -74,7 +86,7 @@ def test_sampled_tokens_follow_the_distribution():
     assert (frequencies(temperature=1.0, top_k=3, top_p=0.8) - kept / kept.sum()).abs().max() < 0.015
 
 
-def test_cuts_are_by_value_so_equal_tokens_share_a_fate():
+def test_cuts_are_by_value_so_equal_tokens_share_a_fate(path):
     """top-k keeps every token equal to its k-th, top-p every one equal to its last: which of equal tokens
     stays does not depend on the sort (or the radix select) that found them."""
     logits = torch.tensor([[0.0, 3.0, 1.0, 3.0, 1.0, 1.0, -2.0, 1.0]])

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """What one request's rows cost every other row's iteration (issue 44): a bystander's decode row alone, then
-beside 16 decode rows of one kind (an n = 16 request), each iteration planned, packed into columns (the
-scheduler's part) and run by the engine in this process (the worker's: forward, LM head, sampling, log
+beside 16 decode rows of one kind (an n = 16 request), each iteration's rows built here, packed into columns
+(the scheduler's last part; no scheduler runs) and run by the engine in this process (the worker's: forward, LM head, sampling, log
 probabilities, logits processors). The model is a random Llama (2 layers by default) with the embedded
 model's 49,152-token vocabulary: its layers cost little, so what a row asks of the sampler shows. Kinds
 interleaved round by round; medians in ms. Prints a table and writes JSON.

@@ -2,8 +2,8 @@
 // the penalties in one call, the penalties one pass over each penalized row, where torch's ops made about ten passes
 // over [rows, vocab] tensors (16 penalized rows at 49,152 tokens: 3.6 ms an iteration, which every other client's
 // iteration waited on; issue 44). The arithmetic is torch's, operation by operation and rounded as its ops round:
-// fast-math is off here (no contraction into fused multiply-adds, no reciprocal for a division), so that a row's
-// logits are the ops' to the bit and a device and this host draw the same tokens.
+// fast-math is off here (no contraction into fused multiply-adds, no reciprocal for a division), so that the
+// logits a row draws from are the ops' to the bit (the draw's own arithmetic is sample_cpu.cpp's).
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -90,8 +90,9 @@ void process_rows(torch::Tensor x, torch::Tensor bias_rows, torch::Tensor bias_i
   if (P == 0) return;
   const int64_t* pr = pen_rows.data_ptr<int64_t>();
   const int64_t* sl = slots.data_ptr<int64_t>();
-  for (int64_t i = 0; i < P; ++i)
-    TORCH_CHECK(pr[i] >= 0 && pr[i] < S && sl[i] >= 0 && sl[i] < counts.size(0), "a penalized row or slot out of range");
+  for (int64_t i = 0; i < P; ++i)  // ascending: one thread a row
+    TORCH_CHECK(pr[i] >= 0 && pr[i] < S && (i == 0 || pr[i] > pr[i - 1]) && sl[i] >= 0 && sl[i] < counts.size(0),
+                "penalized rows not ascending, or a row or slot out of range");
   const int32_t* cp = counts.data_ptr<int32_t>();
   const bool* sp = seen.data_ptr<bool>();
   const float* pp = params.data_ptr<float>();

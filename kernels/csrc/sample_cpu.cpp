@@ -130,13 +130,13 @@ uint32_t select_key(const float* x, const float* e, int64_t V, uint32_t least, i
       above_n = n;
       above_m = m;
       b = 0;
-      while (r.at[b].count == 0) ++b;
+      while (b + 1 < static_cast<int64_t>(w) && r.at[b].count == 0) ++b;
     }
     const uint32_t at = static_cast<uint32_t>(b);
     r.left.erase(std::remove_if(r.left.begin(), r.left.end(), [&](const auto& t) { return ((t.first >> s) & (w - 1)) != at; }),
                  r.left.end());
   }
-  return r.left.front().first;  // every token left has this key
+  return r.left.empty() ? 0 : r.left.front().first;  // every token left has this key (none: no cut)
 }
 
 // top-k, then top-p over what top-k kept (vLLM's and transformers' order and renormalization), as cuts on the logits
@@ -164,14 +164,16 @@ double zero_below(const float* x, float* e, int64_t V, uint32_t least, double* b
   return total;
 }
 
-// one row: (token, ok); ok false where the raw logits are not all finite, nothing is allowed or a drawn row's
-// parameters are not numbers
+// one row: (token, ok); ok false where the raw logits are not all finite, the processed ones hold NaN or +inf (a
+// malformed plan's bias or penalty), nothing is allowed, or a drawn row's parameters are not numbers or leave it
+// nothing
 std::pair<int64_t, bool> sample_row(const float* raw, const float* x, const uint8_t* mask, int64_t V, float temperature,
                                     float min_p, int64_t top_k, float top_p, double u, uint8_t* a, float* e,
                                     double* block, Radix& r) {
-  uint32_t worst = 0;  // any exponent all ones: inf or NaN
+  uint32_t worst = 0;  // any exponent all ones: inf or NaN (in x, -inf is a ban)
 #pragma omp simd reduction(| : worst)
-  for (int64_t v = 0; v < V; ++v) worst |= ((bits(raw[v]) & EXPONENT) == EXPONENT);
+  for (int64_t v = 0; v < V; ++v)
+    worst |= ((bits(raw[v]) & EXPONENT) == EXPONENT) | (((bits(x[v]) & EXPONENT) == EXPONENT) & (bits(x[v]) != NEG_INF));
   allowed(mask, x, V, a);
   float best = -FLT_MAX;
   uint32_t any = 0;
@@ -183,7 +185,8 @@ std::pair<int64_t, bool> sample_row(const float* raw, const float* x, const uint
   }
   if (worst || !any) return {0, false};
   int64_t arg = 0;  // the first allowed token at the maximum, as torch's argmax (no short circuit: a grammar's
-  while (!((a[arg] != 0) & (x[arg] == best))) ++arg;   // mask is a coin toss to a branch predictor)
+  while (arg < V && !((a[arg] != 0) & (x[arg] == best))) ++arg;   // mask is a coin toss to a branch predictor)
+  if (arg == V) return {0, false};
   if (u < 0) return {arg, true};
   // a temperature that is not a number, not positive or too small to divide by (the API takes 1e-3 and up) fails
   // the row, as softmax's NaN does on a device, and so do a min-p and a top-p that are not numbers (a top-p of 0, as
@@ -208,6 +211,7 @@ std::pair<int64_t, bool> sample_row(const float* raw, const float* x, const uint
     block[b] = s;
     total += s;
   }
+  if (!(total > 0.0)) return {arg, false};  // a min-p past 1 (a malformed plan) left nothing, as on a device
   if (top_k > 0 || top_p < 1.f) {
     const uint32_t least = cut(x, e, V, top_k, top_p, r);
     if (least > 0) total = zero_below(x, e, V, least, block);

@@ -152,6 +152,8 @@ class Processors:
         penalized = len(self.pen_rows) > 0 and history is not None
         if not len(self.bias_rows) and not penalized:
             return logits
+        if len(self.bias_ids) and int(self.bias_ids.max()) >= logits.shape[-1]:   # a malformed plan: on a device
+            raise ValueError(f"plan logit-bias token ids outside the vocabulary [0, {logits.shape[-1]})")   # an assert
         logits = logits.clone()
         dev = logits.device
 

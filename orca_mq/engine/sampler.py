@@ -117,6 +117,7 @@ def sample(logits: Tensor, rows: SamplingRows, first: Tensor | None = None, hist
         ok = ok & usable
     if procs is not None:   # greedy rows with processors alone wait for nothing either
         logits = procs.apply(logits, history)
+        ok = ok & ~(logits.isnan() | logits.isposinf()).any(dim=-1)   # a malformed plan's bias or penalty
     tokens = logits.argmax(dim=-1) if rows.masks or procs is not None else tokens.clone()
     good = ok.tolist() if len(drawn) else []
     failed = _draw(logits, rows, [int(b) for b in drawn if good[b]], tokens)
@@ -232,21 +233,23 @@ def _uniforms(rows: SamplingRows, group: list[int]) -> list[float]:
 
 def _sample_rows(logits: Tensor, rows: SamplingRows, group: list[int], tokens: Tensor) -> None:
     """Draws the group's rows over the vocabulary in token order, what top-k / top-p drop left out (_cut)."""
+    if not (rows.temperature[group] > 0).all():   # a malformed plan's (NaN too): the row fails, as in the extension
+        raise ValueError("a drawn row's temperature must be positive")
     dev = logits.device
     idx = torch.tensor(group, device=dev)
     temps = torch.from_numpy(rows.temperature[group]).to(dev)
-    scaled = logits.index_select(0, idx) / temps[:, None]
-    probs = scaled.softmax(dim=-1)
+    x = logits.index_select(0, idx)
+    probs = (x / temps[:, None]).softmax(dim=-1)
     if rows.processors is not None and rows.processors.min_p[group].any():   # vLLM's min-p, after the temperature
         min_p = torch.from_numpy(rows.processors.min_p[group]).to(dev)
         probs = probs.masked_fill(probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True), 0.0)
     at = np.flatnonzero(rows.filtered()[group])
-    if len(at) == len(group):
-        probs = _cut(scaled, probs, rows.top_k[group], rows.top_p[group])
+    if len(at) == len(group):   # the cuts are on the logits before the temperature, which may round two to one
+        probs = _cut(x, probs, rows.top_k[group], rows.top_p[group])
     elif len(at):
         of = np.asarray(group)[at]
         where = torch.from_numpy(at).to(dev)
-        probs = probs.index_copy(0, where, _cut(scaled.index_select(0, where), probs.index_select(0, where),
+        probs = probs.index_copy(0, where, _cut(x.index_select(0, where), probs.index_select(0, where),
                                                  rows.top_k[of], rows.top_p[of]))
     cum = probs.cumsum(dim=-1)
     total = cum[:, -1:]
@@ -260,7 +263,7 @@ def _sample_rows(logits: Tensor, rows: SamplingRows, group: list[int], tokens: T
 
 
 def _cut(x: Tensor, probs: Tensor, top_k: np.ndarray, top_p: np.ndarray) -> Tensor:
-    """`probs` (of the logits `x`) with what top-k, then top-p over what top-k kept, drop set to 0 (vLLM's and
+    """`probs` (of the logits `x`, before the temperature) with what top-k, then top-p over what top-k kept, drop set to 0 (vLLM's and
     transformers' order and renormalization), as cuts on the logits so that equal logits share a fate: the k
     largest and any equal to the k-th; then the largest whose probabilities reach top_p of theirs, and any equal
     to the last. The cuts come from a partial top-k of CANDIDATES logits, widened only while a row's nucleus
@@ -282,7 +285,7 @@ def _cut(x: Tensor, probs: Tensor, top_k: np.ndarray, top_p: np.ndarray) -> Tens
         # settled where all that top-k keeps is among the candidates (equal logits may run past them), and
         # top-p's share of it too
         total = cum[:, -1:] if whole is None else torch.where(cut, cum[:, -1:], whole)
-        settled = (~cut | (xs[:, -1:] < least)) & ((p >= 1) | (cum[:, -1:] >= p * total))
+        settled = (~cut | (xs[:, -1:] < least) | least.isneginf()) & ((p >= 1) | (cum[:, -1:] >= p * total))
         if width == vocab or bool(settled.all()):
             break
         width = min(vocab, width * 16)

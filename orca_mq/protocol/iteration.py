@@ -32,11 +32,12 @@ def mask_bytes(vocab_size: int) -> int:
 I32, I64, F32, U8 = np.dtype("<i4"), np.dtype("<i8"), np.dtype("<f4"), np.dtype("u1")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class Biases:
-    """A row's logit biases as columns: token ids (int32) and what is added (float32; -inf: a ban). A request's
-    are made once and shared by its rows: a plan's are concatenated, never rebuilt from pairs each iteration
-    (16 rows of 1,024 biases: 1.3 ms of the scheduler's loop an iteration as lists of pairs)."""
+    """A row's logit biases as columns: token ids (int32) and what is added (float32; -inf: a ban), read-only.
+    A request's logit_bias is made once and shared by its rows, and a plan's are concatenated: not rebuilt
+    from 1,024 pairs a row each iteration (16 such rows: 1.3 ms of the scheduler's loop). min_tokens' bans,
+    while they last, are a few more appended."""
 
     ids: np.ndarray
     vals: np.ndarray
@@ -44,10 +45,17 @@ class Biases:
     @classmethod
     def of(cls, pairs: Iterable[tuple[int, float]]) -> "Biases":
         pairs = list(pairs)
-        return cls(np.array([t for t, _ in pairs], I32), np.array([b for _, b in pairs], F32))
+        return cls.columns(np.array([t for t, _ in pairs], I32), np.array([b for _, b in pairs], F32))
+
+    @classmethod
+    def columns(cls, ids: np.ndarray, vals: np.ndarray) -> "Biases":
+        ids, vals = ids.astype(I32), vals.astype(F32)   # copies, then frozen: rows and requests share them
+        ids.setflags(write=False)
+        vals.setflags(write=False)
+        return cls(ids, vals)
 
     def __add__(self, other: "Biases") -> "Biases":
-        return Biases(np.concatenate((self.ids, other.ids)), np.concatenate((self.vals, other.vals)))
+        return Biases.columns(np.concatenate((self.ids, other.ids)), np.concatenate((self.vals, other.vals)))
 
     def __len__(self) -> int:
         return len(self.ids)
