@@ -184,8 +184,18 @@ std::pair<int64_t, bool> sample_row(const float* raw, const float* x, const uint
     best = std::max(best, in ? x[v] : -FLT_MAX);
   }
   if (worst || !any) return {0, false};
-  int64_t arg = 0;  // the first allowed token at the maximum, as torch's argmax (no short circuit: a grammar's
-  while (arg < V && !((a[arg] != 0) & (x[arg] == best))) ++arg;   // mask is a coin toss to a branch predictor)
+  int64_t arg = V;  // the first allowed token at the maximum, as torch's argmax: a vector test a block of 64, then
+  for (int64_t lo = 0; lo < V && arg == V; lo += 64) {   // the block it is in (no short circuit: a grammar's mask
+    const int64_t hi = std::min(V, lo + 64);              // is a coin toss to a branch predictor)
+    uint32_t hit = 0;
+#pragma omp simd reduction(| : hit)
+    for (int64_t v = lo; v < hi; ++v) hit |= (a[v] != 0) & (x[v] == best);
+    for (int64_t v = lo; hit && v < hi; ++v)
+      if ((a[v] != 0) & (x[v] == best)) {
+        arg = v;
+        break;
+      }
+  }
   if (arg == V) return {0, false};
   if (u < 0) return {arg, true};
   // a temperature that is not a number, not positive or too small to divide by (the API takes 1e-3 and up) fails
