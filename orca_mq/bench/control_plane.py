@@ -89,13 +89,15 @@ def served(model: Path, setup: Setup, trace: list[TraceRequest], work: Path) -> 
         before: dict[str, CpuTime] = {}
         marks: list[tuple[int, dict[str, float]]] = []   # (iterations, the scheduler's turn CPU) at start and end
 
+        # the processes' CPU is read outside the scheduler's marks (whose stats request it answers on its main
+        # thread): its main thread's window then lies within the process's, whatever answering costs
         def start() -> None:
-            marks.append(_marks(handle))
             before.update({role: cpu_time(pid) for role, pid in pids.items()})
+            marks.append(_marks(handle))
 
         records, _, client_cpu = replay_in_processes(handle.address, trace, setup.client_procs, warmup=1, on_start=start)
-        cpu = {role: cpu_time(pid) - before[role] for role, pid in pids.items()}
         marks.append(_marks(handle))
+        cpu = {role: cpu_time(pid) - before[role] for role, pid in pids.items()}
     finally:
         handle.stop(60)
     failed = [r["error"] for r in records if r["error"] is not None]
