@@ -1,10 +1,10 @@
 #!/usr/bin/env python
 """What one request's rows cost every other row's iteration (issue 44): a bystander's decode row alone, then
 beside 16 decode rows of one kind (an n = 16 request), each iteration's rows built here, packed into columns
-(the scheduler's last part; no scheduler runs) and run by the engine in this process (the worker's: forward, LM head, sampling, log
-probabilities, logits processors). The model is a random Llama (2 layers by default) with the embedded
-model's 49,152-token vocabulary: its layers cost little, so what a row asks of the sampler shows. Kinds
-interleaved round by round; medians in ms. Prints a table and writes JSON.
+(the scheduler's last part; no scheduler runs) and run by the engine in this process (the worker's: forward,
+LM head, sampling, log probabilities, logits processors). The model is a random Llama (2 layers by default)
+with the embedded model's 49,152-token vocabulary: its layers cost little, so what a row asks of the sampler
+shows. Kinds interleaved round by round; medians in ms. Prints a table and writes JSON.
 
     python tools/bench_row_costs.py --out results/bench_row_costs.json [--rows 16] [--context 300] [--layers 2]
 """
@@ -42,7 +42,8 @@ def kinds() -> dict[str, Callable[[int], dict]]:
         "top_p 0.99, T 2": lambda s: {"temperature": 2.0, "top_p": 0.99},
         "logprobs 20": lambda s: {"temperature": 1.0, "logprobs": 20},
         "1,024 biases": lambda s: {"temperature": 1.0, "extra": RowExtras(bias=BIASES)},
-        "penalties": lambda s: {"temperature": 1.0, "extra": RowExtras(presence=2.0, frequency=2.0, repetition=1.3, history=s)},
+        "penalties": lambda s: {"temperature": 1.0,
+                                "extra": RowExtras(presence=2.0, frequency=2.0, repetition=1.3, history=s)},
         "every processor": lambda s: {"temperature": 1.0, "extra": every(s)},
     }
 

@@ -35,7 +35,8 @@ SHAPES = [{"logprobs": 5, "prompt_logprobs": 5}, {"logprobs": 20},
           {"temperature": 2.0, "top_p": 0.99},
           {"presence_penalty": 2.0, "frequency_penalty": 2.0, "repetition_penalty": 1.3, "min_p": 0.05,
            "logit_bias": {str(t): 1.0 for t in range(1024)}}]
-REPLAYED = {"max_tokens", "ignore_eos", "temperature", "seed", "logprobs", "prompt_logprobs"}   # what `reproduce` sends, and what leaves tokens as they are
+# what `reproduce` sends, and what leaves a request's tokens as they are
+REPLAYED = {"max_tokens", "ignore_eos", "temperature", "seed", "logprobs", "prompt_logprobs"}
 
 
 def _value(rng: random.Random, depth: int = 0) -> Any:

@@ -263,12 +263,12 @@ def _sample_rows(logits: Tensor, rows: SamplingRows, group: list[int], tokens: T
 
 
 def _cut(x: Tensor, probs: Tensor, top_k: np.ndarray, top_p: np.ndarray) -> Tensor:
-    """`probs` (of the logits `x`, before the temperature) with what top-k, then top-p over what top-k kept, drop set to 0 (vLLM's and
-    transformers' order and renormalization), as cuts on the logits so that equal logits share a fate: the k
-    largest and any equal to the k-th; then the largest whose probabilities reach top_p of theirs, and any equal
-    to the last. The cuts come from a partial top-k of CANDIDATES logits, widened only while a row's nucleus
-    reaches past them (a whole-vocabulary sort took 4 ms a row at 49,152 on 2 cores; the CPU's extension
-    selects by radix instead: kernels/csrc/sample_cpu.cpp)."""
+    """`probs` (of the logits `x`, before the temperature) with what top-k, then top-p over what top-k kept,
+    drop set to 0 (vLLM's and transformers' order and renormalization), as cuts on the logits so that equal
+    logits share a fate: the k largest and any equal to the k-th; then the largest whose probabilities reach
+    top_p of theirs, and any equal to the last. The cuts come from a partial top-k of CANDIDATES logits,
+    widened only while a row's nucleus reaches past them (a whole-vocabulary sort took 4 ms a row at 49,152 on
+    2 cores; the CPU's extension selects by radix instead: kernels/csrc/sample_cpu.cpp)."""
     if np.isnan(top_p).any():   # the row fails, as in the extension (a top-p of 0, as float32 rounds the API's
         raise ValueError("top_p is not a number")   # least, keeps the most likely token)
     dev, vocab = x.device, x.shape[-1]
