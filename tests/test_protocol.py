@@ -21,6 +21,7 @@ from orca_mq.protocol.codec import channel
 from orca_mq.protocol.control_msgs import AbortAll, ClientGone, Drain, Drained, Fatal, Ready
 from orca_mq.protocol.engine_msgs import (AbortRequest, AddRequest, ControlFrame, IterationDone, StatsQuery,
                                           StatsResult, TokenBatch, WorkerStats, WorkerStatsQuery)
+from orca_mq.protocol.logprobs import Logprobs
 
 PLAN = IterationPlan(7, [SeqWork("a", [1, 2, 3], 0, [0], 0.0, 0, 1.0, None),
                          SeqWork("b", [9], 41, [3, 4, 5], 0.7, 40, 0.9, 1234)], swap_out=[(1, 100)], swap_in=[(101, 2)])
@@ -178,3 +179,22 @@ def test_columnar_messages_round_trip(rows: list[tuple[Any, ...]], finals: dict[
     assert decode(encode(out), TO_CLIENT) == out
     batch = TokenBatch(3, [r[0] for r in rows], [len(r[1]) for r in rows], finals)
     assert decode(encode(batch), channel(TokenBatch)) == batch
+
+
+def test_float_columns_take_ints_and_refuse_the_rest():
+    """A float column's fast path keeps floats as they are; an int is converted, a bool or a string refused,
+    in a column of lists too (log probabilities' alternatives)."""
+    lp = Logprobs([5], ["a"], [-0.5], [[5, 6]], [["a", "b"]], [[-0.5, -1.0]])
+    body = unpack(encode(Outputs(["r"], [[5]], ["a"], [None], [lp])))
+    assert decode(msgpack.packb(body), TO_CLIENT).logprobs == [lp]
+    body["logprobs"][0][2], body["logprobs"][0][5] = [-1], [[0, -2.0]]
+    got = decode(msgpack.packb(body), TO_CLIENT).logprobs[0]
+    assert got.logprobs == [-1.0] and type(got.logprobs[0]) is float and got.top_logprobs == [[0.0, -2.0]]
+    assert all(type(x) is float for x in got.top_logprobs[0])
+    for bad in ([True], ["-1"], [[-1.0]]):
+        body["logprobs"][0][2] = bad
+        with pytest.raises(ProtocolError, match="logprobs"):
+            decode(msgpack.packb(body), TO_CLIENT)
+    body["logprobs"][0][2], body["logprobs"][0][5] = [-1.0], [[-1.0, False]]
+    with pytest.raises(ProtocolError, match="top_logprobs"):
+        decode(msgpack.packb(body), TO_CLIENT)

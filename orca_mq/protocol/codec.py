@@ -284,24 +284,28 @@ def _converter(tp: Any) -> Conv:
 
         return to_float
     if origin is list:
-        exact = _exact_types(args[0])
-        if exact is not None:  # fast path, one C loop: token ids, block tables, request ids, columns
-            def scalars(v: Any, p: str) -> list[Any]:   # map(type) and the set test run in C: ~40 ns an item less
-                if type(v) is not list or not exact.issuperset(map(type, v)):
-                    raise _fail(p, str(tp), v)
-                return v
-
-            return scalars
-        inner = _exact_types(typing.get_args(args[0])[0]) if typing.get_origin(args[0]) is list else None
-        if inner is not None:  # a column of lists of scalars (new tokens per request): one loop too
-            def nested_scalars(v: Any, p: str) -> list[Any]:
-                if type(v) is not list or not _LIST.issuperset(map(type, v)) or not inner.issuperset(map(type, chain.from_iterable(v))):
-                    raise _fail(p, str(tp), v)
-                return v
-
-            return nested_scalars
         item = _converter(args[0])
-        return lambda v, p: [item(x, p) for x in _seq(v, p)]
+
+        def each(v: Any, p: str) -> list[Any]:
+            return [item(x, p) for x in _seq(v, p)]
+
+        kept = _kept_types(args[0])
+        inner = _kept_types(typing.get_args(args[0])[0]) if typing.get_origin(args[0]) is list else None
+        if kept is None and inner is None:
+            return each
+        # fast path, one C loop (map(type) and the set test run in C: ~40 ns an item less): token ids, block
+        # tables, request ids, columns, new tokens per request, log probabilities
+        converts = float in (kept or inner)   # type: ignore[operator]
+
+        def scalars(v: Any, p: str) -> list[Any]:
+            if type(v) is list and (kept.issuperset(map(type, v)) if kept is not None else _LIST.issuperset(map(type, v))
+                                    and inner.issuperset(map(type, chain.from_iterable(v)))):  # type: ignore[union-attr]
+                return v
+            if converts:   # an int where a float goes: converted (or refused) one by one
+                return each(v, p)
+            raise _fail(p, str(tp), v)
+
+        return scalars
     if origin is tuple:
         items = [_converter(a) for a in args]
 
@@ -324,21 +328,26 @@ def _converter(tp: Any) -> Conv:
     if dataclasses.is_dataclass(tp):
         spec = _decoders(tp)
 
+        convs = [c for c, _ in spec.values()]
+
         def nested(v: Any, p: str) -> Any:
             v = _seq(v, p)
             if len(v) != len(spec):
                 raise _fail(p, f"{tp.__name__} as {len(spec)} items", v)
-            return tp(*(c(x, f"{p}.{n}") for (n, (c, _)), x in zip(spec.items(), v)))
+            try:   # each field's path is made only for a refusal's message (a row's log probabilities: 16% less)
+                return tp(*[c(x, p) for c, x in zip(convs, v)])
+            except ProtocolError:
+                return tp(*[c(x, f"{p}.{n}") for (n, (c, _)), x in zip(spec.items(), v)])   # raises, naming the field
 
         return nested
     raise TypeError(f"unsupported annotation in a message: {tp!r}")
 
 
-def _exact_types(tp: Any) -> frozenset[type] | None:
+def _kept_types(tp: Any) -> frozenset[type] | None:
     """The types a value of `tp` may have when each is checked by `type(v) is` and kept as it is
-    (bool, int, str, bytes, and unions of them with None); None for any other annotation."""
+    (bool, int, str, bytes, float, and unions of them with None); None for any other annotation."""
     members = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
-    return frozenset(members) if all(m in _SCALARS for m in members) else None
+    return frozenset(members) if all(m in _SCALARS or m is float for m in members) else None
 
 
 def _exact(kind: type) -> Conv:
