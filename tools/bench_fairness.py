@@ -13,7 +13,9 @@ bystander's (each key one client for the fair shares). `--tiny` serves a random 
 the embedded tokenizer: its layers cost little, so what is measured is what each request costs the
 server's loops and queues, and the sampler's passes over the 49,152-token vocabulary for each of its
 rows (on a CPU, twice the 2-layer forward when 16 choices sample under a mask; with the embedded
-model the layers cost the bystander compute of their own). Prints a table and writes JSON (--out).
+model the layers cost the bystander compute of their own). Beside each attack, what each server process
+spent per worker iteration while it ran (CPU ms: the worker's two threads share the cores with the rest).
+Prints a table and writes JSON (--out).
 
     python tools/bench_fairness.py --tiny --out results/fairness_tiny.json
     python tools/bench_fairness.py --out results/fairness.json
@@ -35,6 +37,8 @@ from typing import Any
 import httpx
 
 from orca_mq.bench.bench_server import Server
+from orca_mq.bench.steady import ROLES
+from orca_mq.bench.timing import CpuTime, cpu_time
 from orca_mq.client import Client
 from orca_mq.config import load_config
 from orca_mq.percentile import percentile
@@ -168,6 +172,13 @@ def _ms(name: str, xs: list[float]) -> dict[str, float]:
             f"{name}_max_ms": max(xs, default=0.0) * 1e3}
 
 
+def usage(address: str, pids: dict[str, int]) -> tuple[int, dict[str, CpuTime]]:
+    """The worker's iterations so far and each server process's CPU time."""
+    with Client(address, api_key=BYSTANDER) as c:
+        iterations = int(c.stats()["workers"][0]["iterations"])
+    return iterations, {role: cpu_time(pid) for role, pid in pids.items()}
+
+
 def settle(address: str, timeout: float = 300) -> None:
     """Until no request is active and no KV slot held (the last attack's aborts done)."""
     deadline = time.monotonic() + timeout
@@ -202,9 +213,15 @@ def main() -> None:
         base = f"http://127.0.0.1:{port}"
         asyncio.run(measure(base, None, 3.0))   # warm-up: the first requests load the template and the caches
         report["idle"] = idle = asyncio.run(measure(base, None, args.idle))
+        pids = {role: server.pid_of(f"-m {module} ") for role, module in ROLES.items()}
         for name in names:
             settle(server.address)
+            (it0, cpu0) = usage(server.address, pids)
             row = asyncio.run(measure(base, plan[name], args.window))
+            (it1, cpu1) = usage(server.address, pids)
+            # what each process spent per iteration while the bystander and the attack ran (the worker's two
+            # threads share the host's cores with all of them)
+            row["cpu_ms_per_iteration"] = {role: (cpu1[role] - cpu0[role]) * 1e3 / max(1, it1 - it0) for role in pids}
             row["bystander_p99_x_idle"] = row["bystander_p99_ms"] / idle["bystander_p99_ms"]
             row["met"] = row["bystander_p99_x_idle"] <= 2.0 and row["health_p99_ms"] <= 100.0
             report["attacks"][name] = row
@@ -212,6 +229,8 @@ def main() -> None:
                   f"({row['bystander_p99_x_idle']:4.1f}x idle)  /health p99 {row['health_p99_ms']:6.1f} max "
                   f"{row['health_max_ms']:6.1f} ms  /version max {row['version_max_ms']:6.1f} ms  "
                   f"{'met' if row['met'] else 'MISSED'}", flush=True)
+            print(f"{'':18} CPU ms an iteration: " + ", ".join(f"{r} {v:.2f}" for r, v in row["cpu_ms_per_iteration"].items()),
+                  flush=True)
     if (floor := report["attacks"].get("one_request")) is not None and floor["bystander_p99_ms"] > 0:
         for name, row in report["attacks"].items():
             row["bystander_p99_x_one_request"] = row["bystander_p99_ms"] / floor["bystander_p99_ms"]
