@@ -10,7 +10,7 @@ from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from orca_mq.detokenizer import IncrementalDetokenizer, ends_on_eos, plain_texts
+from orca_mq.detokenizer import IncrementalDetokenizer, alone_texts, ends_on_eos, plain_texts
 from orca_mq.outputs import output_metrics
 from orca_mq.protocol.client_msgs import Final
 from orca_mq.protocol.common_msgs import ABORTED, INTERNAL
@@ -52,8 +52,8 @@ class Assembler:
     def __init__(self, tokenizer: Tokenizer, eos_token_ids: Collection[int]) -> None:
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)   # the one that ends a request is not shown
-        self.token_texts: dict[int, str] = {}            # a token id decoded alone (log probabilities), at most the vocabulary
-        self.plain = plain_texts(tokenizer)              # what the detokenizers look up instead of streaming
+        self.token_texts = alone_texts(tokenizer)        # each id decoded alone (log probabilities' tokens), by id
+        self.plain = plain_texts(tokenizer, self.token_texts)   # what the detokenizers look up instead of streaming
 
     def start(self, prompt_ids: list[int], params: SamplingParams, arrival: float) -> Assembly:
         """An admitted request's output, before its first token."""
@@ -103,10 +103,9 @@ class Assembler:
         return None if sampled is None else Logprobs.decoded(sampled, self.text), head
 
     def text(self, token_id: int) -> str:
-        """A token decoded alone, special tokens kept (as vLLM shows a log probability's token)."""
-        if (text := self.token_texts.get(token_id)) is None:
-            text = self.token_texts[token_id] = self.tokenizer.decode([token_id]) or ""
-        return text
+        """A token decoded alone, special tokens kept (as vLLM shows a log probability's token); an id past the
+        tokenizer's vocabulary (a model's LM head may be padded beyond it) as its decoder makes it."""
+        return self.token_texts[token_id] if token_id < len(self.token_texts) else self.tokenizer.decode([token_id])
 
 
 def _per_request(batch: TokenBatch) -> dict[str, TokenLogprobs]:

@@ -34,16 +34,22 @@ def ends_on_eos(ids: list[int], finish_reason: str | None, eos_token_ids: Collec
     return finish_reason == "stop" and bool(ids) and ids[-1] in eos_token_ids
 
 
-def plain_texts(tokenizer: Tokenizer) -> list[str | None] | None:
-    """Under a byte-level decoder, each token's text where its bytes are whole characters (None for added and
-    special tokens and parts of a character: a lossy decode's U+FFFD, or a token that holds one); None for
-    any other decoder. One Rust call over the vocabulary (tens of milliseconds), once per tokenizer."""
+def alone_texts(tokenizer: Tokenizer) -> list[str]:
+    """Each token of the vocabulary decoded alone, special tokens kept (as a log probability's token shows):
+    one Rust call (tens of milliseconds), once per tokenizer."""
+    backend = tokenizer.backend
+    return backend.decode_batch([[t] for t in range(backend.get_vocab_size(with_added_tokens=True))], skip_special_tokens=False)
+
+
+def plain_texts(tokenizer: Tokenizer, alone: list[str]) -> list[str | None] | None:
+    """Under a byte-level decoder, each token's text (`alone`: alone_texts) where its bytes are whole
+    characters (None for added and special tokens and parts of a character: a lossy decode's U+FFFD, or a
+    token that holds one); None for any other decoder."""
     backend = tokenizer.backend
     if not isinstance(backend.decoder, ByteLevel):
         return None
     added = backend.get_added_tokens_decoder()
-    texts = backend.decode_batch([[t] for t in range(backend.get_vocab_size(with_added_tokens=True))], skip_special_tokens=False)
-    return [None if t in added or "\ufffd" in text else text for t, text in enumerate(texts)]
+    return [None if t in added or "\ufffd" in text else text for t, text in enumerate(alone)]
 
 
 class IncrementalDetokenizer:

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orca_mq.detokenizer import IncrementalDetokenizer, plain_texts
+from orca_mq.detokenizer import IncrementalDetokenizer, alone_texts, plain_texts
 from orca_mq.tokenizer import load_tokenizer
 
 TOKENIZER = load_tokenizer("")
@@ -86,7 +86,7 @@ def test_batched_steps_join_to_the_full_decode(seqs: list[list[int]], seed: int)
             assert not any("\ufffd" in p for p in got)
 
 
-PLAIN = plain_texts(TOKENIZER)
+PLAIN = plain_texts(TOKENIZER, alone_texts(TOKENIZER))
 
 
 @settings(max_examples=300, deadline=None)
@@ -113,3 +113,16 @@ def test_plain_tokens_are_looked_up_until_one_is_not(tokenizer):
     emoji = tokenizer.encode("🎉")
     assert detok.step(emoji[:1]) == "" and detok.plain is None   # part of a character: the stream from here
     assert "".join(detok.step([i]) for i in emoji[1:]) + detok.finish() == "🎉"
+
+
+def test_a_log_probabilitys_token_is_its_id_decoded_alone() -> None:
+    """The frontend's table of every id decoded alone (one call at start) gives what decoding the id alone gives,
+    special and partial-character tokens too; an id past the tokenizer's vocabulary (a padded LM head) is decoded."""
+    from orca_mq.assembly import Assembler
+
+    assembler = Assembler(TOKENIZER, [0])
+    vocab = len(TOKENIZER)
+    ids = [0, 1, 2, vocab - 1, *random.Random(7).sample(range(vocab), 300)]
+    assert [assembler.text(t) for t in ids] == [TOKENIZER.decode([t]) for t in ids]
+    assert any("\ufffd" in assembler.text(t) for t in range(vocab)) and assembler.text(1) == "<|im_start|>"
+    assert assembler.text(vocab + 5) == TOKENIZER.decode([vocab + 5])

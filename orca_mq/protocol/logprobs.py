@@ -67,8 +67,8 @@ class Logprobs:
     @classmethod
     def decoded(cls, lp: TokenLogprobs, text: Callable[[int], str]) -> "Logprobs":
         """`lp` with each token's text (`text`: an id decoded alone)."""
-        return cls(list(lp.token_ids), [text(t) for t in lp.token_ids], list(lp.logprobs), list(lp.top_ids),
-                   [[text(t) for t in top] for top in lp.top_ids], list(lp.top_logprobs))
+        return cls(list(lp.token_ids), list(map(text, lp.token_ids)), list(lp.logprobs), list(lp.top_ids),
+                   [list(map(text, top)) for top in lp.top_ids], list(lp.top_logprobs))
 
     @classmethod
     def prompt(cls, first: int, rest: TokenLogprobs | None, text: Callable[[int], str]) -> "Logprobs":
