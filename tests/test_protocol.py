@@ -198,3 +198,19 @@ def test_float_columns_take_ints_and_refuse_the_rest():
     body["logprobs"][0][2], body["logprobs"][0][5] = [-1.0], [[-1.0, False]]
     with pytest.raises(ProtocolError, match="top_logprobs"):
         decode(msgpack.packb(body), TO_CLIENT)
+
+
+def test_a_relay_checks_the_columns_it_reads():
+    """The broker settles requests from an outputs frame's request_ids and finals alone (codec.columns): each
+    checked as a full decode checks it; a frame whose columns are missing, mistyped or uneven is refused."""
+    from orca_mq.protocol.codec import columns
+
+    body = unpack(encode(Outputs(["r1", "r2"], [[1], [2]], ["a", "b"], [None, Final("stop")])))
+    assert columns(body, Outputs, "request_ids", "finals") == [["r1", "r2"], [None, Final("stop")]]
+    for change, why in ((lambda b: b.pop("finals"), "missing field 'finals'"), (lambda b: b.update(finals=[None, 3]), "finals"),
+                        (lambda b: b.update(request_ids=["r1"]), "differ in length"),
+                        (lambda b: b.update(request_ids=["r1", 2]), "request_ids")):
+        bad = dict(body)
+        change(bad)
+        with pytest.raises(ProtocolError, match=why):
+            columns(bad, Outputs, "request_ids", "finals")

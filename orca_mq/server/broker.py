@@ -42,7 +42,7 @@ from orca_mq.config import Config
 from orca_mq.logs import setup_logging
 from orca_mq.protocol import PROTOCOL_VERSION, ProtocolError, encode, unpack
 from orca_mq.protocol.client_msgs import TO_CLIENT, TO_SERVER, Generate, Output, Outputs, Ping, Pong, Stats, StatsReply
-from orca_mq.protocol.codec import channel, from_dict
+from orca_mq.protocol.codec import channel, columns, from_dict
 from orca_mq.protocol.common_msgs import INVALID_REQUEST, OVERLOADED, PROTOCOL, UNAUTHORIZED, UNAVAILABLE, Error
 from orca_mq.admission.limits import check_request_id
 from orca_mq.errors import InvalidRequest
@@ -52,7 +52,6 @@ from orca_mq.server.process import process_main
 from orca_mq.server.zmq_queue import BROKER, CLIENT, PEER, parse_to_broker, serve
 
 FRONTEND = b"frontend"
-OUTPUTS = channel(Outputs)
 _GONE_MEMORY = 4096   # vanished clients remembered, so the frontend hears of each once
 
 
@@ -227,8 +226,7 @@ class Broker:
         if self.fatal is not None:
             return  # every waiting request already got its final error
         if body["type"] == Outputs.TYPE:  # type: ignore[attr-defined]
-            batch = from_dict(body, OUTPUTS)
-            for rid, final in zip(batch.request_ids, batch.finals):
+            for rid, final in zip(*columns(body, Outputs, "request_ids", "finals")):
                 if final is not None:
                     self._settle(client, rid)
         elif body.get("finished") or body["type"] == Error.TYPE:  # type: ignore[attr-defined]
