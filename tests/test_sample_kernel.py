@@ -54,7 +54,7 @@ row = st.fixed_dictionaries({
     "mask": st.sampled_from(["none", "none", "random", "one", "nothing", "malformed"]),
     "min_p": st.sampled_from([0.0, 0.05, 0.3]),
     "bias": st.sampled_from(["none", "none", "add", "ban", "ban_all_but"]),
-    "logits": st.sampled_from(["finite", "finite", "finite", "nan", "inf", "-inf", "ties", "adjacent"]),
+    "logits": st.sampled_from(["finite", "finite", "finite", "nan", "inf", "-inf", "ties", "adjacent", "peaked", "peaked"]),
 })
 
 
@@ -71,6 +71,9 @@ def test_the_fused_step_draws_what_the_ops_draw(kernel, monkeypatch, rows, seed,
         elif r["logits"] == "adjacent":   # pairs a float apart, which a temperature may round to one value
             grid = logits[b].round()
             logits[b] = torch.where(torch.arange(VOCAB) % 2 == 0, grid, torch.nextafter(grid, torch.tensor(9.0)))
+        elif r["logits"] == "peaked":   # a model's row: a few dozen logits far above the rest (the kernel's near list)
+            logits[b] /= 10
+            logits[b, (7 * torch.arange(30) + b) % VOCAB] += torch.linspace(1, 16, 30)
         elif r["logits"] != "finite":
             logits[b, 11 * b + 3] = float(r["logits"])
         bias = {"none": [], "add": [(5, 4.0), (900, -2.5), (37, 1.0)],
@@ -83,6 +86,17 @@ def test_the_fused_step_draws_what_the_ops_draw(kernel, monkeypatch, rows, seed,
         logits = logits.bfloat16()
     fused, ops = _both(monkeypatch, logits, seqs)
     assert fused == ops
+
+
+@pytest.mark.parametrize(("top_k", "top_p"), [(5, 1.0), (0, 0.9), (12, 0.95), (0, 0.999), (40, 1.0)])
+def test_a_models_peaked_rows_draw_what_the_ops_draw(kernel, monkeypatch, top_k, top_p):
+    """A model's row, a few dozen logits far above the rest: the kernel's cuts read their list, not the row (and
+    the row again where the list holds too few for top_k, 40). 64 draws of each cut land where the ops' land."""
+    logits = torch.randn(64, VOCAB, generator=torch.Generator().manual_seed(3)) / 10
+    logits[:, (7 * torch.arange(30)) % VOCAB] += torch.linspace(1, 16, 30)
+    seqs = [SeqWork(f"r{b}", [1], 9, [0], temperature=1.0, top_k=top_k, top_p=top_p, seed=b) for b in range(64)]
+    fused, ops = _both(monkeypatch, logits, seqs)
+    assert fused == ops and len(set(fused[0])) >= 3
 
 
 def test_a_row_in_a_wide_vocabulary_draws_past_its_first_block(kernel, monkeypatch):

@@ -4,7 +4,8 @@ log probabilities over [rows, vocab] logits, the extension's fused kernels (kern
 against torch's ops (the path a device takes, and the CPU's where the extension cannot be built),
 interleaved round by round; medians in ms. Cases: greedy rows, greedy under a grammar's bitmask,
 drawn rows (temperature 1), drawn under bitmasks, drawn with logit biases, top-k, top-p (and a
-nucleus of most of the vocabulary), and log probabilities with the top 20. The default shape is an
+nucleus of most of the vocabulary), the cuts on rows shaped like a model's (`peaked`: one logit far above the
+rest, forty between), and log probabilities with the top 20. The default shape is an
 n = 16 request beside a bystander on the embedded model's vocabulary.
 Prints a table and writes JSON (--out).
 
@@ -32,13 +33,18 @@ Case = Callable[[], object]
 def cases(rows: int, vocab: int) -> dict[str, Case]:
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(rows, vocab, generator=gen) * 3
+    peaked = torch.randn(rows, vocab, generator=gen) * 2.5   # a model's row: one logit far above, forty between
+    for b in range(rows):
+        between = torch.randperm(vocab, generator=gen)[:40]
+        peaked[b, between] = 8 + 7 * torch.rand(40, generator=gen)
+        peaked[b, between[0]] = 18
     mask = bytes(np.random.default_rng(0).integers(0, 256, mask_bytes(vocab), dtype=np.uint8))
     bias = RowExtras(bias=Biases.of((t, 1.5) for t in range(0, vocab, 97)))
 
-    def step(**kw: object) -> Case:
+    def step(x: torch.Tensor = logits, **kw: object) -> Case:
         seqs = [SeqWork(f"r{b}", [1], 9, [0], seed=b, **kw) for b in range(rows)]   # type: ignore[arg-type]
         sampling = sampler.SamplingRows.of(pack(IterationPlan(0, seqs)).arrays())
-        return lambda: sampler.sample(logits, sampling)
+        return lambda: sampler.sample(x, sampling)
 
     everyone, targets = torch.arange(rows), torch.zeros(rows, dtype=torch.long)
     return {"greedy": step(temperature=0.0), "greedy, masked": step(temperature=0.0, allowed_token_bitmask=mask),
@@ -46,6 +52,9 @@ def cases(rows: int, vocab: int) -> dict[str, Case]:
             "drawn, logit_bias": step(temperature=1.0, extra=bias),
             "top_k 50": step(temperature=1.0, top_k=50), "top_p 0.9": step(temperature=1.0, top_p=0.9),
             "top_p 0.99, T 2": step(temperature=2.0, top_p=0.99),   # a nucleus of most of the vocabulary
+            "top_k 50, peaked": step(peaked, temperature=1.0, top_k=50),
+            "top_p 0.9, peaked": step(peaked, temperature=1.0, top_p=0.9),
+            "top_k 40 top_p .95, peaked": step(peaked, temperature=1.0, top_k=40, top_p=0.95),
             "logprobs top 20": lambda: logprobs._compute(logits, everyone, targets, 20)}
 
 
@@ -77,12 +86,12 @@ def main() -> int:
             with mock.patch.object(cpu_kernels, "load", lambda: None):
                 times[name]["ops"].append(median_ms(fn, args.reps))
     print(f"{args.rows} x {args.vocab} float32 logits, {torch.get_num_threads()} threads, medians of {args.rounds} rounds (ms)")
-    print(f"{'case':20} {'fused':>8} {'ops':>8} {'ops / fused':>12}")
+    print(f"{'case':26} {'fused':>8} {'ops':>8} {'ops / fused':>12}")
     report = {"rows": args.rows, "vocab": args.vocab, "threads": torch.get_num_threads(), "cases": {}}
     for name, t in times.items():
         fused, ops = statistics.median(t["fused"]), statistics.median(t["ops"])
         report["cases"][name] = {"fused_ms": fused, "ops_ms": ops, "rounds": t}
-        print(f"{name:20} {fused:8.3f} {ops:8.3f} {ops / fused:11.1f}x")
+        print(f"{name:26} {fused:8.3f} {ops:8.3f} {ops / fused:11.1f}x")
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)
     print(f"wrote {args.out}")

@@ -73,6 +73,7 @@ struct Radix {
     int64_t count;
   };
   std::vector<std::pair<uint32_t, float>> left;
+  std::vector<int32_t> near;   // the ids of the tokens near the largest logit (near_tokens)
   Bucket at[2048];
 };
 
@@ -88,34 +89,66 @@ int64_t walk(const Radix& r, uint32_t w, int64_t count, double mass, int64_t& ab
   return -1;
 }
 
-// Of the tokens with an exponential whose logit's key is at least `least`: the least key at which those at or above
-// it first number `count` or sum to `p` of their exponentials' sum, walking down from the largest; 0 where all of
-// them do not. A radix select: a histogram of the row by key bits 31-21, then of the bucket the walk stops in by
-// bits 20-10, then 9-0: a few passes over the row where sorting it took 4 ms at 49,152 tokens (issue 44).
-uint32_t select_key(const float* x, const float* e, int64_t V, uint32_t least, int64_t count, double p, Radix& r) {
+// A select's tokens: the row's with an exponential and a logit's key at least `least`, each given to `f` as (key,
+// exponential) in token order; a token below `least` costs a compare.
+struct Whole {
+  const float* x;
+  const float* e;
+  int64_t V;
+  uint32_t least;
+  template <class F> void each(F f) const {
+    const float *xs = x, *es = e;   // locals: f's stores could alias the fields, reloaded every token otherwise
+    const uint32_t floor = least;
+    for (int64_t v = 0, n = V; v < n; ++v) {
+      const uint32_t k = order_key(xs[v]);
+      if (es[v] > 0.f && k >= floor) f(k, es[v]);
+    }
+  }
+};
+
+// ...or those of a list of ids (Near's), in its order
+struct Listed {
+  const float* x;
+  const float* e;
+  const std::vector<int32_t>& ids;
+  uint32_t least;
+  template <class F> void each(F f) const {
+    const float *xs = x, *es = e;
+    const uint32_t floor = least;
+    for (const int32_t v : ids) {
+      const uint32_t k = order_key(xs[v]);
+      if (k >= floor) f(k, es[v]);
+    }
+  }
+};
+
+// Of `tokens`: the least key at which those at or above it first number `count` or sum to `p` of `total` (< 0: of
+// their own exponentials' sum), walking down from the largest; 0 where all of them do not. A radix select: a
+// histogram by key bits 31-21, then of the bucket the walk stops in by bits 20-10, then 9-0: a few passes over the
+// row where sorting it took 4 ms at 49,152 tokens (issue 44), or over a list of a few dozen.
+template <class Tokens>
+uint32_t select_key(const Tokens& tokens, int64_t count, double p, double total, Radix& r) {
   constexpr int SHIFT[3] = {21, 10, 0};
   constexpr uint32_t WIDTH[3] = {2048, 2048, 1024};
   std::fill(r.at, r.at + WIDTH[0], Radix::Bucket{0.0, 0});
-  for (int64_t v = 0; v < V; ++v) {
-    const uint32_t k = order_key(x[v]);
-    if (e[v] > 0.f && k >= least) {
-      Radix::Bucket& h = r.at[k >> SHIFT[0]];
-      h.mass += e[v];
-      ++h.count;
-    }
+  tokens.each([&](uint32_t k, float ek) {
+    Radix::Bucket& h = r.at[k >> SHIFT[0]];
+    h.mass += ek;
+    ++h.count;
+  });
+  if (total < 0) {
+    total = 0;
+    for (uint32_t b = 0; b < WIDTH[0]; ++b) total += r.at[b].mass;
   }
-  double total = 0;
-  for (uint32_t b = 0; b < WIDTH[0]; ++b) total += r.at[b].mass;
   int64_t above_n = 0;
   double above_m = 0;
   const double mass = p * total;
   int64_t b = walk(r, WIDTH[0], count, mass, above_n, above_m);
   if (b < 0) return 0;
   r.left.clear();
-  for (int64_t v = 0; v < V; ++v) {
-    const uint32_t k = order_key(x[v]);
-    if (e[v] > 0.f && k >= least && (k >> SHIFT[0]) == static_cast<uint32_t>(b)) r.left.emplace_back(k, e[v]);
-  }
+  tokens.each([&](uint32_t k, float ek) {
+    if ((k >> SHIFT[0]) == static_cast<uint32_t>(b)) r.left.emplace_back(k, ek);
+  });
   for (int level = 1; level < 3; ++level) {
     const int s = SHIFT[level];
     const uint32_t w = WIDTH[level];
@@ -141,13 +174,55 @@ uint32_t select_key(const float* x, const float* e, int64_t V, uint32_t least, i
   return r.left.empty() ? 0 : r.left.front().first;  // every token left has this key (none: no cut)
 }
 
+// The tokens whose logit is within NEAR temperatures of the largest (a probability e^-12 of its or more), where they
+// are few (a model's row: a few dozen): wherever they number top_k, or hold top_p of the row's mass, the cuts fall
+// among them, and a select then reads their list instead of the row. A block of 64 without one is a vector compare.
+constexpr float NEAR = 12.f;
+
+// r.near: the near tokens' ids; returns their exponentials' sum, or -1 where there are none to use (many: more
+// than a sixteenth of the row; a logit that is not finite)
+double near_tokens(const float* x, const float* e, int64_t V, float logit, Radix& r) {
+  r.near.clear();
+  if (!finite(logit)) return -1.0;
+  int64_t count = 0;   // a vector count first: a flat row's many are not gathered
+#pragma omp simd reduction(+ : count)
+  for (int64_t v = 0; v < V; ++v) count += (e[v] > 0.f) & (x[v] >= logit);
+  if (count > V / 16) return -1.0;
+  double mass = 0;
+  for (int64_t lo = 0; lo < V; lo += 64) {
+    const int64_t hi = std::min(V, lo + 64);
+    uint32_t hit = 0;
+#pragma omp simd reduction(| : hit)
+    for (int64_t v = lo; v < hi; ++v) hit |= (e[v] > 0.f) & (x[v] >= logit);
+    for (int64_t v = lo; hit && v < hi; ++v) {
+      if ((e[v] > 0.f) & (x[v] >= logit)) {
+        r.near.push_back(static_cast<int32_t>(v));
+        mass += e[v];
+      }
+    }
+  }
+  return mass;
+}
+
 // top-k, then top-p over what top-k kept (vLLM's and transformers' order and renormalization), as cuts on the logits
 // so that equal logits share a fate (their exponentials may differ in the last bit: a vector lane's exp and a
 // scalar's): the k largest and any equal to the k-th; then the largest whose exponentials reach top_p of theirs,
-// and any equal to the last. The least logit's key kept (0: no cut).
-uint32_t cut(const float* x, const float* e, int64_t V, int64_t top_k, float top_p, Radix& r) {
-  const uint32_t least = top_k > 0 ? select_key(x, e, V, 0, top_k, 2.0, r) : 0;
-  return top_p < 1.f ? std::max(least, select_key(x, e, V, least, INT64_MAX, top_p, r)) : least;
+// and any equal to the last. `total`: the row's exponentials' sum; `near`: NEAR's logit. The least logit's key
+// kept (0: no cut).
+uint32_t cut(const float* x, const float* e, int64_t V, int64_t top_k, float top_p, double total, float near, Radix& r) {
+  const double near_mass = near_tokens(x, e, V, near, r);
+  const bool listed_k = near_mass >= 0 && static_cast<int64_t>(r.near.size()) >= top_k;   // top-k's cut among them
+  uint32_t least = 0;
+  if (top_k > 0)
+    least = listed_k ? select_key(Listed{x, e, r.near, 0}, top_k, 2.0, -1.0, r)
+                     : select_key(Whole{x, e, V, 0}, top_k, 2.0, -1.0, r);
+  if (top_p >= 1.f) return least;
+  if (least > 0)   // over what top-k kept: all near tokens where its cut was among them
+    return std::max(least, listed_k ? select_key(Listed{x, e, r.near, least}, INT64_MAX, top_p, -1.0, r)
+                                    : select_key(Whole{x, e, V, least}, INT64_MAX, top_p, -1.0, r));
+  // of the row's total either way; a margin against two sums' roundings: a near mass a hair short reads the row
+  return near_mass >= top_p * total * (1 + 1e-9) ? select_key(Listed{x, e, r.near, 0}, INT64_MAX, top_p, total, r)
+                                                 : select_key(Whole{x, e, V, 0}, INT64_MAX, top_p, total, r);
 }
 
 // e's blocks' sums after zeroing the tokens whose logit's key is below `least`; their total
@@ -225,7 +300,7 @@ std::pair<int64_t, bool> sample_row(const float* raw, const float* x, const uint
   }
   if (!(total > 0.0)) return {arg, false};  // a min-p past 1 (a malformed plan) left nothing, as on a device
   if (top_k > 0 || top_p < 1.f) {
-    const uint32_t least = cut(x, e, V, top_k, top_p, r);
+    const uint32_t least = cut(x, e, V, top_k, top_p, total, best - NEAR * temperature, r);
     if (least > 0) total = zero_below(x, e, V, least, block);
   }
   // the first token whose cumulative probability exceeds u * total (< total, as the argmax's term is 1): a block's
