@@ -189,16 +189,15 @@ double near_tokens(const float* x, const float* e, int64_t V, float logit, Radix
   for (int64_t v = 0; v < V; ++v) count += (e[v] > 0.f) & (x[v] >= logit);
   if (count > V / 16) return -1.0;
   double mass = 0;
-  for (int64_t lo = 0; lo < V; lo += 64) {
-    const int64_t hi = std::min(V, lo + 64);
-    uint32_t hit = 0;
+  for (int64_t lo = 0; lo < V; lo += 64) {   // a block's near tokens as the bits of a word, then its set bits
+    const int64_t n = std::min<int64_t>(64, V - lo);
+    uint64_t hit = 0;
 #pragma omp simd reduction(| : hit)
-    for (int64_t v = lo; v < hi; ++v) hit |= (e[v] > 0.f) & (x[v] >= logit);
-    for (int64_t v = lo; hit && v < hi; ++v) {
-      if ((e[v] > 0.f) & (x[v] >= logit)) {
-        r.near.push_back(static_cast<int32_t>(v));
-        mass += e[v];
-      }
+    for (int64_t i = 0; i < n; ++i) hit |= static_cast<uint64_t>((e[lo + i] > 0.f) & (x[lo + i] >= logit)) << i;
+    for (; hit; hit &= hit - 1) {
+      const int64_t v = lo + __builtin_ctzll(hit);
+      r.near.push_back(static_cast<int32_t>(v));
+      mass += e[v];
     }
   }
   return mass;
@@ -225,14 +224,20 @@ uint32_t cut(const float* x, const float* e, int64_t V, int64_t top_k, float top
                                                  : select_key(Whole{x, e, V, 0}, INT64_MAX, top_p, total, r);
 }
 
-// e's blocks' sums after zeroing the tokens whose logit's key is below `least`; their total
+// e's blocks' sums after zeroing the tokens whose logit's key is below `least`; their total. A compare of the
+// logits with the key's own value (key order is value order for finite floats; a token with an exponential has a
+// finite logit), which vectorizes where the keys did not.
 double zero_below(const float* x, float* e, int64_t V, uint32_t least, double* block) {
+  const uint32_t u = (least & 0x80000000u) ? least ^ 0x80000000u : ~least;   // order_key's inverse
+  float cut;
+  std::memcpy(&cut, &u, sizeof cut);
   double total = 0;
   for (int64_t lo = 0, b = 0; lo < V; lo += BLOCK, ++b) {
     const int64_t hi = std::min(V, lo + BLOCK);
     double s = 0;
+#pragma omp simd reduction(+ : s)
     for (int64_t v = lo; v < hi; ++v) {
-      e[v] = order_key(x[v]) < least ? 0.f : e[v];
+      e[v] = x[v] < cut ? 0.f : e[v];
       s += e[v];
     }
     block[b] = s;
