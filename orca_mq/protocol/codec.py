@@ -233,18 +233,17 @@ def columns(body: dict[str, Any], cls: type, *names: str) -> list[Any]:
     """Required columns `names` of a header-checked dict (`unpack`) of message `cls`, each checked as `from_dict`
     checks it and all equally long: what a relay routes by, without building the rest (a row's log
     probabilities, texts)."""
-    spec = _decoders(cls)
+    spec, out = _decoders(cls), []
     try:
-        out = [spec[name][0](body[name], name) if name in body else _missing(name) for name in names]
+        for name in names:
+            if name not in body:
+                raise ProtocolError(f"missing field {name!r}")
+            out.append(spec[name][0](body[name], name))
         if len(set(map(len, out))) > 1:
             raise ProtocolError(f"columns {', '.join(names)} differ in length")
     except ProtocolError as e:
         raise ProtocolError(f"{body['type']}: {e}", _request_id(body)) from None
     return out
-
-
-def _missing(name: str) -> Any:
-    raise ProtocolError(f"missing field {name!r}")
 
 
 def _decoders(cls: type) -> dict[str, tuple[Conv, bool]]:
@@ -345,7 +344,6 @@ def _converter(tp: Any) -> Conv:
         return mapping
     if dataclasses.is_dataclass(tp):
         spec = _decoders(tp)
-
         convs = [c for c, _ in spec.values()]
 
         def nested(v: Any, p: str) -> Any:
