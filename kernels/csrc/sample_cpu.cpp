@@ -106,7 +106,7 @@ struct Whole {
   }
 };
 
-// ...or those of a list of ids (Near's), in its order
+// ...or those of a list of ids (near_tokens'), in its order
 struct Listed {
   const float* x;
   const float* e;
