@@ -1,5 +1,6 @@
-"""Each client's share of what the server bounds for all of them: the broker's queue of requests and
-the KV pool's reservations (orca_mq.server.broker, orca_mq.sched.orca).
+"""Each client's share of what the server bounds for all of them: the broker's queue of requests, the
+KV pool's reservations (orca_mq.server.broker, orca_mq.sched.orca) and an iteration's rows
+(`in_turn`, orca_mq.sched.base).
 
 Who a client is (`client_name`): its API key where the server has keys (every connection with it),
 else its connection; a gateway's end clients (the HTTP API's: each end client's key, else its
@@ -11,10 +12,20 @@ within its fair share, capacity / (clients + 1) (a share kept for the next clien
 `headroom` units free: no client can take what the next one needs to start, and a lone client loses
 only the headroom (server.client_headroom; 0: no shares). Whether the units exist at all is the
 caller's own check.
+
+An iteration's rows (`in_turn`, scheduler.client_rows): on a CPU each row costs the sampler's passes
+over the vocabulary and its log probabilities, closing plans and penalties, so one client's 16 choices
+slow every other client's tokens (tools/bench_fairness.py); with a cap, while two or more clients
+have rows in an iteration, each keeps at most `cap` of them and the rest wait their turn. On a GPU,
+where a row is nearly free, a cap only shrinks batches: it is off by default.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from orca_mq.sched.request import Request
 
 MAX_LABEL_CHARS = 256   # an end client's name, as a gateway gives it
 
@@ -40,3 +51,22 @@ class FairShare:
         clients (it among them) holding any."""
         return (held == 0 or not self.headroom or held + need <= self.capacity // (clients + 1)
                 or total + need <= self.capacity - self.headroom)
+
+
+def in_turn(batch: list["Request"], cap: int) -> list["Request"]:
+    """`batch` with at most `cap` requests of each client while two or more clients have some in it (0:
+    no cap); a client's others wait, those planned least recently kept first (its requests take turns,
+    a new one first), the batch's order kept. The places they leave are not given to others."""
+    if not cap or len(batch) <= cap:
+        return batch
+    by: dict[str, list["Request"]] = {}
+    for r in batch:
+        by.setdefault(r.client, []).append(r)
+    if len(by) < 2 or all(len(mine) <= cap for mine in by.values()):
+        return batch
+    waiting = {id(r) for mine in by.values() if len(mine) > cap for r in sorted(mine, key=_planned)[cap:]}
+    return [r for r in batch if id(r) not in waiting]
+
+
+def _planned(r: "Request") -> int:
+    return r.planned

@@ -330,3 +330,31 @@ def test_select_shortcut_is_reserve_in_order():
         out = sched.step(0.0, [])
         results = [finish(p) for p in out.plans]
     assert shortcuts >= 5
+
+
+def test_a_clients_rows_take_turns_while_another_client_has_some():
+    """scheduler.client_rows = 2: while b's request runs, a's six take two places an iteration, least
+    recently planned first (each gets a turn in three), b's every iteration; then, alone, a's all run together.
+    Every request ends with all its tokens."""
+    sched = make(max_bs=32, **{"scheduler.client_rows": 2})
+    for i in range(6):
+        sched.add(Request(f"a{i}", [7] * 5, SamplingParams(max_tokens=12, ignore_eos=True), arrival=float(i), client="a"))
+    sched.add(Request("b0", [5] * 5, SamplingParams(max_tokens=4, ignore_eos=True), arrival=6.0, client="b"))
+    batches, events = [], []
+    while sched.has_work():
+        plan = sched.schedule(0.0)
+        batches.append([s.request_id for s in plan.seqs])
+        events += [(e.request_id, e.finish_reason) for e in sched.process_result(finish(plan), 0.0)]
+    assert [set(b) for b in batches[:4]] == [{"a0", "a1", "b0"}, {"a2", "a3", "b0"}, {"a4", "a5", "b0"}, {"a0", "a1", "b0"}]
+    # b0 ended in its fourth: a's all run, a0 and a1 (a turn ahead) end one iteration before the rest
+    assert batches[4:] == [[f"a{i}" for i in range(6)]] * 10 + [["a2", "a3", "a4", "a5"]]
+    assert sorted(rid for rid, reason in events if reason == "length") == sorted([f"a{i}" for i in range(6)] + ["b0"])
+    assert sum(b.count("a0") for b in batches) == 12 and sched.block_manager.n_rsrv == 0
+
+
+def test_client_rows_leave_one_client_and_the_request_level_batch_whole():
+    for policy in ("orca", "request"):
+        sched = make(policy, max_bs=32, **{"scheduler.client_rows": 1})
+        for i in range(4):
+            sched.add(Request(f"a{i}", [7] * 5, SamplingParams(max_tokens=3, ignore_eos=True), arrival=float(i), client="a" if policy == "orca" else "ab"[i % 2]))
+        assert [s.request_id for s in sched.schedule(0.0).seqs] == ["a0", "a1", "a2", "a3"]

@@ -5,7 +5,8 @@ reservation comes back; a FastServe job never waits below Q1 past starve_limit (
 iteration between two plans): it is promoted to Q1's tail, where it waits only for the Q1 jobs ahead of it
 (each runs at most one Q1 quantum before it is demoted, and a burst can queue many). With speculative
 decoding on, the engine keeps a random part of each draft, and the same holds; and with requests of
-several clients under their fair shares of the pool (server.client_headroom). With a model whose layers all
+several clients under their fair shares of the pool (server.client_headroom) and of an iteration's rows
+(scheduler.client_rows). With a model whose layers all
 slide, every row's window is held when it is planned, and a request holds about a window of blocks."""
 from __future__ import annotations
 
@@ -47,15 +48,15 @@ jobs = st.lists(st.tuples(st.floats(0, 0.3), st.integers(1, 40), st.integers(1, 
 @settings(max_examples=int(os.environ.get("ORCA_FUZZ_EXAMPLES", 80)), derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(jobs=jobs, policy=st.sampled_from(POLICIES), n_workers=st.integers(1, 2), budget=st.sampled_from([0, 24]),
        slots=st.sampled_from([64, 1024]), eos_at=st.integers(1, 30), spec=st.booleans(), sliding=st.booleans(),
-       headroom=st.sampled_from([0.0625, 0.5]))
+       headroom=st.sampled_from([0.0625, 0.5]), client_rows=st.sampled_from([0, 1]))
 def test_every_request_ends_once_frees_its_kv_and_never_starves(jobs, policy, n_workers, budget, slots, eos_at, spec,
-                                                                sliding, headroom):
+                                                                sliding, headroom, client_rows):
     name, kv_policy = policy
     overrides = {"scheduler.policy": name, "scheduler.max_bs": 2, "scheduler.max_num_batched_tokens": budget,
                  "engine.n_workers": n_workers, "engine.block_size": 4, "engine.n_slots": slots,
                  "engine.host_slots": 4096, "fastserve.starve_limit": STARVE_LIMIT,
                  "speculative.method": "ngram" if spec else "off", "speculative.lookup_min": 1,
-                 "server.client_headroom": headroom}
+                 "server.client_headroom": headroom, "scheduler.client_rows": client_rows}
     if kv_policy:
         overrides["fastserve.kv_policy"] = kv_policy
     sched: Scheduler = make_scheduler(load_config(overrides=overrides), SLIDING if sliding else INFO)

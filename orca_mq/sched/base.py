@@ -16,6 +16,7 @@ import numpy as np
 
 from orca_mq.protocol.iteration import NO_ROW, IterationPlan, IterationResult, SeqWork, pack
 from orca_mq.engine.dtype import resolve_dtype
+from orca_mq.fair_share import in_turn
 from orca_mq.kv.block_manager import BlockManager
 from orca_mq.kv.pool import PoolSize
 from orca_mq.kv.prefix import chain_seed
@@ -63,6 +64,7 @@ class Scheduler:
     def __init__(self, cfg: "Config", info: "ModelInfo") -> None:
         self.max_bs = cfg.scheduler.max_bs
         self.token_budget = cfg.scheduler.max_num_batched_tokens  # 0: no budget, whole prompts (ORCA)
+        self.client_rows = cfg.scheduler.client_rows  # each client's rows an iteration while others have some (0: no cap)
         self.n_workers = cfg.engine.n_workers
         # prefix hashes are seeded with what besides the tokens changes K/V: the model and its dtype
         seed = chain_seed(info.path, info.arch, resolve_dtype(cfg.model.dtype, cfg.engine.device)) if cfg.engine.prefix_caching else None
@@ -172,7 +174,7 @@ class Scheduler:
 
     def schedule(self, now: float) -> IterationPlan | None:
         """The next iteration, or None when nothing can run (`step` keeps the pipeline's cap)."""
-        selected = self.select(now)
+        selected = in_turn(self.select(now), self.client_rows)
         if self.columns is not None and selected and (
                 (steady := self.columns.kept(selected, self.ended)) is not None or decodes(selected)):   # every row a plain decode: in columns
             self.admitted(selected, now)

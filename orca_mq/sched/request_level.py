@@ -28,6 +28,7 @@ class RequestLevelScheduler(OrcaScheduler):
     def __init__(self, cfg: "Config", info: "ModelInfo") -> None:
         super().__init__(cfg, info)
         self.token_budget = 0                   # the baseline feeds prompts its own way, never chunked by a budget
+        self.client_rows = 0                    # and runs its batch whole, whoever sent it
         self.batch: list[Request] = []
         self.batch_input_len = 0                # the batch's shortest prompt
         self.inactive: dict[str, Request] = {}  # finished, still computed, KV held until the batch ends
