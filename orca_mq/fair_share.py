@@ -22,6 +22,7 @@ where a row is nearly free, a cap only shrinks batches: it is off by default.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -64,9 +65,5 @@ def in_turn(batch: list["Request"], cap: int) -> list["Request"]:
         by.setdefault(r.client, []).append(r)
     if len(by) < 2 or all(len(mine) <= cap for mine in by.values()):
         return batch
-    waiting = {id(r) for mine in by.values() if len(mine) > cap for r in sorted(mine, key=_planned)[cap:]}
+    waiting = {id(r) for mine in by.values() if len(mine) > cap for r in sorted(mine, key=attrgetter("planned"))[cap:]}
     return [r for r in batch if id(r) not in waiting]
-
-
-def _planned(r: "Request") -> int:
-    return r.planned
