@@ -15,9 +15,9 @@ caller's own check.
 
 An iteration's rows (`in_turn`, scheduler.client_rows): on a CPU each row costs the sampler's passes
 over the vocabulary and its log probabilities, closing plans and penalties, so one client's 16 choices
-slow every other client's tokens (tools/bench_fairness.py); with a cap, while two or more clients
-have rows in an iteration, each keeps at most `cap` of them and the rest wait their turn. On a GPU,
-where a row is nearly free, a cap only shrinks batches: it is off by default.
+slow every other client's tokens (tools/bench_fairness.py); with a cap, no client keeps more rows in
+an iteration than both the cap and the next largest client's count, the rest waiting their turn. On a
+GPU, where a row is nearly free, a cap only shrinks batches: it is off by default.
 """
 from __future__ import annotations
 
@@ -55,15 +55,22 @@ class FairShare:
 
 
 def in_turn(batch: list["Request"], cap: int) -> list["Request"]:
-    """`batch` with at most `cap` requests of each client while two or more clients have some in it (0:
-    no cap); a client's others wait, those planned least recently kept first (its requests take turns,
-    a new one first), the batch's order kept. The places they leave are not given to others."""
+    """`batch` with no client's requests outnumbering every other client's, past `cap` (0: no cap): a
+    client with more than both the next largest client's count and `cap` keeps the larger of the two, so
+    one client's many rows cannot make another's iterations cost many times its own, and clients of
+    equal counts (one user's parallel connections) run whole. A client's others wait, those planned
+    least recently kept first (its requests take turns, a new one first), the batch's order kept; the
+    places they leave are not given to others."""
     if not cap or len(batch) <= cap:
         return batch
     by: dict[str, list["Request"]] = {}
     for r in batch:
         by.setdefault(r.client, []).append(r)
-    if len(by) < 2 or all(len(mine) <= cap for mine in by.values()):
+    if len(by) < 2:
         return batch
-    waiting = {id(r) for mine in by.values() if len(mine) > cap for r in sorted(mine, key=attrgetter("planned"))[cap:]}
+    most, second = sorted(map(len, by.values()))[-1:-3:-1]
+    limit = max(cap, second)
+    if most <= limit:
+        return batch
+    waiting = {id(r) for mine in by.values() if len(mine) > limit for r in sorted(mine, key=attrgetter("planned"))[limit:]}
     return [r for r in batch if id(r) not in waiting]

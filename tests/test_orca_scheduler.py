@@ -352,9 +352,12 @@ def test_a_clients_rows_take_turns_while_another_client_has_some():
     assert sum(b.count("a0") for b in batches) == 12 and sched.block_manager.n_rsrv == 0
 
 
-def test_client_rows_leave_one_client_and_the_request_level_batch_whole():
-    for policy in ("orca", "request"):
+def test_client_rows_leave_one_client_equal_clients_and_the_request_level_batch_whole():
+    """A client is held only past both the cap and the next largest client's count: one client alone, two
+    of equal counts (one user's parallel connections) and the request-level baseline's batch run whole; of
+    five and three, the five keep three."""
+    for policy, clients, first in (("orca", "aaaa", 4), ("orca", "aabb", 4), ("request", "abab", 4), ("orca", "aaaaabbb", 6)):
         sched = make(policy, max_bs=32, **{"scheduler.client_rows": 1})
-        for i in range(4):
-            sched.add(Request(f"a{i}", [7] * 5, SamplingParams(max_tokens=3, ignore_eos=True), arrival=float(i), client="a" if policy == "orca" else "ab"[i % 2]))
-        assert [s.request_id for s in sched.schedule(0.0).seqs] == ["a0", "a1", "a2", "a3"]
+        for i, c in enumerate(clients):
+            sched.add(Request(f"{c}{i}", [7] * 5, SamplingParams(max_tokens=3, ignore_eos=True), arrival=float(i), client=c))
+        assert len(sched.schedule(0.0).seqs) == first
