@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 
+from orca_mq.api.metrics import EngineCollector
 from orca_mq.config import load_config
 from orca_mq.protocol.iteration import IterationPlan, IterationResult
 from orca_mq.protocol.sampling import SamplingParams
@@ -350,6 +351,8 @@ def test_a_clients_rows_take_turns_while_another_client_has_some():
     assert batches[4:] == [[f"a{i}" for i in range(6)]] * 10 + [["a2", "a3", "a4", "a5"]]
     assert sorted(rid for rid, reason in events if reason == "length") == sorted([f"a{i}" for i in range(6)] + ["b0"])
     assert sum(b.count("a0") for b in batches) == 12 and sched.block_manager.n_rsrv == 0
+    samples = {s.name: s.value for m in EngineCollector("m", {"scheduler": sched.stats()}).collect() for s in m.samples}
+    assert samples["orca_mq:client_turn_waits_total"] == 4 * 4   # a's four others, each of b's four iterations
 
 
 def test_client_rows_leave_one_client_equal_clients_and_the_request_level_batch_whole():

@@ -125,6 +125,8 @@ class EngineCollector(Collector):
             for pos, n in enumerate(sched["spec_accepted_per_pos"]):
                 per_pos.add_metric([self.model_name, str(pos)], n)
             yield per_pos
+        yield _counter("orca_mq:client_turn_waits", "Rows that waited an iteration for their client's turn (scheduler.client_rows).",
+                       lv, sched.get("turn_waits", 0))
         yield _counter("orca_mq:kv_offload_bytes", "KV bytes offloaded to host by finished requests.", lv, tel.get("offload_bytes", 0))
         yield _counter("orca_mq:kv_upload_bytes", "KV bytes uploaded to device by finished requests.", lv, tel.get("upload_bytes", 0))
         for key, name, doc in (

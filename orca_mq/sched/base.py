@@ -64,7 +64,8 @@ class Scheduler:
     def __init__(self, cfg: "Config", info: "ModelInfo") -> None:
         self.max_bs = cfg.scheduler.max_bs
         self.token_budget = cfg.scheduler.max_num_batched_tokens  # 0: no budget, whole prompts (ORCA)
-        self.client_rows = cfg.scheduler.client_rows  # each client's rows an iteration while others have some (0: no cap)
+        self.client_rows = cfg.scheduler.client_rows  # a client's rows an iteration past the next largest client's (0: no cap)
+        self.turn_waits = 0   # rows client_rows made wait an iteration, so far
         self.n_workers = cfg.engine.n_workers
         # prefix hashes are seeded with what besides the tokens changes K/V: the model and its dtype
         seed = chain_seed(info.path, info.arch, resolve_dtype(cfg.model.dtype, cfg.engine.device)) if cfg.engine.prefix_caching else None
@@ -167,14 +168,16 @@ class Scheduler:
         return {
             **self.block_manager.stats(), "waiting": sum(not r.running for r in self.pool.values()),
             "running": sum(r.running for r in self.pool.values()), "in_flight": len(self.in_flight),
-            "iterations": self.iteration, **({} if self.speculator is None else self.speculator.counters.stats()),
+            "iterations": self.iteration, "turn_waits": self.turn_waits, **({} if self.speculator is None else self.speculator.counters.stats()),
         }
 
     # ------------------------------------------------------------ iterations
 
     def schedule(self, now: float) -> IterationPlan | None:
         """The next iteration, or None when nothing can run (`step` keeps the pipeline's cap)."""
-        selected = in_turn(self.select(now), self.client_rows)
+        chosen = self.select(now)
+        selected = in_turn(chosen, self.client_rows)
+        self.turn_waits += len(chosen) - len(selected)
         if self.columns is not None and selected and (
                 (steady := self.columns.kept(selected, self.ended)) is not None or decodes(selected)):   # every row a plain decode: in columns
             self.admitted(selected, now)
