@@ -16,13 +16,15 @@ caller's own check.
 An iteration's rows (`in_turn`, scheduler.client_rows): on a CPU each row costs the sampler's passes
 over the vocabulary and its log probabilities, closing plans and penalties, so one client's 16 choices
 slow every other client's tokens (tools/bench_fairness.py); with a cap, no client keeps more rows in
-an iteration than both the cap and the next largest client's count, the rest waiting their turn. On a
-GPU, where a row is nearly free, a cap only shrinks batches: it is off by default.
+an iteration than both the cap and the most another client has, the rest waiting a later iteration. On
+a GPU, where a row is nearly free, a cap only shrinks batches: it is off by default.
 """
 from __future__ import annotations
 
+import heapq
+from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
-from operator import attrgetter
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -54,23 +56,31 @@ class FairShare:
                 or total + need <= self.capacity - self.headroom)
 
 
-def in_turn(batch: list["Request"], cap: int) -> list["Request"]:
+def in_turn(batch: list["Request"], cap: int, in_flight: Iterable[list["Request"]] = ()) -> list["Request"]:
     """`batch` with no client's requests outnumbering every other client's, past `cap` (0: no cap): a
-    client with more than both the next largest client's count and `cap` keeps the larger of the two, so
-    one client's many rows cannot make another's iterations cost many times its own, and clients of
-    equal counts (one user's parallel connections) run whole. A client's others wait, those planned
-    least recently kept first (its requests take turns, a new one first), the batch's order kept; the
-    places they leave are not given to others."""
+    client with more than both `cap` and the most any other client has in the batch or in an iteration
+    `in_flight` (another pipeline stage's, one planned ahead) keeps the larger of the two, its first in
+    the batch's order (the policy's: ORCA's earliest, FastServe's highest queue); its others wait for a
+    later iteration and their places are not given to others. So one client's many rows cannot make
+    another's iterations cost many times its own, and clients of equal counts (one user's parallel
+    connections) run whole."""
     if not cap or len(batch) <= cap:
         return batch
-    by: dict[str, list["Request"]] = {}
+    rows: Counter[str] = Counter(r.client for r in batch)
+    present = dict(rows)
+    for flight in in_flight:
+        for client, n in Counter(r.client for r in flight).items():
+            present[client] = max(present.get(client, 0), n)
+    if len(present) < 2:
+        return batch
+    (most, top), (second, _) = heapq.nlargest(2, ((n, c) for c, n in present.items()))
+    limits = {c: max(cap, second if c == top else most) for c, n in rows.items() if n > cap}
+    if all(rows[c] <= limit for c, limit in limits.items()):
+        return batch
+    kept: Counter[str] = Counter()
+    out = []
     for r in batch:
-        by.setdefault(r.client, []).append(r)
-    if len(by) < 2:
-        return batch
-    most, second = sorted(map(len, by.values()))[-1:-3:-1]
-    limit = max(cap, second)
-    if most <= limit:
-        return batch
-    waiting = {id(r) for mine in by.values() if len(mine) > limit for r in sorted(mine, key=attrgetter("planned"))[limit:]}
-    return [r for r in batch if id(r) not in waiting]
+        if r.client not in limits or kept[r.client] < limits[r.client]:
+            kept[r.client] += 1
+            out.append(r)
+    return out

@@ -333,10 +333,10 @@ def test_select_shortcut_is_reserve_in_order():
     assert shortcuts >= 5
 
 
-def test_a_clients_rows_take_turns_while_another_client_has_some():
-    """scheduler.client_rows = 2: while b's request runs, a's six take two places an iteration, least
-    recently planned first (each gets a turn in three), b's every iteration; then, alone, a's all run together.
-    Every request ends with all its tokens."""
+def test_a_clients_rows_wait_while_another_client_has_some():
+    """scheduler.client_rows = 2: while b's request runs, a's six keep two places an iteration, its first
+    in the batch's order (ORCA's: its earliest), b's every iteration; then, alone, a's all run together.
+    Every request ends with all its tokens, and the rows held are counted."""
     sched = make(max_bs=32, **{"scheduler.client_rows": 2})
     for i in range(6):
         sched.add(Request(f"a{i}", [7] * 5, SamplingParams(max_tokens=12, ignore_eos=True), arrival=float(i), client="a"))
@@ -346,13 +346,31 @@ def test_a_clients_rows_take_turns_while_another_client_has_some():
         plan = sched.schedule(0.0)
         batches.append([s.request_id for s in plan.seqs])
         events += [(e.request_id, e.finish_reason) for e in sched.process_result(finish(plan), 0.0)]
-    assert [set(b) for b in batches[:4]] == [{"a0", "a1", "b0"}, {"a2", "a3", "b0"}, {"a4", "a5", "b0"}, {"a0", "a1", "b0"}]
-    # b0 ended in its fourth: a's all run, a0 and a1 (a turn ahead) end one iteration before the rest
-    assert batches[4:] == [[f"a{i}" for i in range(6)]] * 10 + [["a2", "a3", "a4", "a5"]]
+    assert [set(b) for b in batches[:4]] == [{"a0", "a1", "b0"}] * 4
+    # b0 ended in its fourth: a's all run, a0 and a1 (four tokens ahead) end four iterations before the rest
+    assert batches[4:] == [[f"a{i}" for i in range(6)]] * 8 + [["a2", "a3", "a4", "a5"]] * 4
     assert sorted(rid for rid, reason in events if reason == "length") == sorted([f"a{i}" for i in range(6)] + ["b0"])
-    assert sum(b.count("a0") for b in batches) == 12 and sched.block_manager.n_rsrv == 0
+    assert sched.block_manager.n_rsrv == 0
     samples = {s.name: s.value for m in EngineCollector("m", {"scheduler": sched.stats()}).collect() for s in m.samples}
     assert samples["orca_mq:client_turn_waits_total"] == 4 * 4   # a's four others, each of b's four iterations
+
+
+def test_client_rows_count_another_clients_rows_in_flight():
+    """Two pipeline stages: b's row is in the other stage's iteration while the next one is planned, and
+    still holds a to two rows in every iteration until b0 ends."""
+    sched = make(max_bs=32, **{"scheduler.client_rows": 2, "engine.n_workers": 2})
+    for i in range(6):
+        sched.add(Request(f"a{i}", [7] * 5, SamplingParams(max_tokens=12, ignore_eos=True), arrival=float(i), client="a"))
+    sched.add(Request("b0", [5] * 5, SamplingParams(max_tokens=8, ignore_eos=True), arrival=6.0, client="b"))
+    results, finals, plans = [], set(), []
+    while sched.has_work():
+        out = sched.step(0.0, results)
+        finals |= {e.request_id for e in out.events if e.finish_reason}
+        plans += [([s.request_id for s in p.seqs], "b0" in finals) for p in out.plans]
+        results = [finish(p) for p in out.plans]
+    before = [ids for ids, b_ended in plans if not b_ended]
+    assert len(before) > 8 and all(sum(r.startswith("a") for r in ids) <= 2 for ids in before)
+    assert len(finals) == 7
 
 
 def test_client_rows_leave_one_client_equal_clients_and_the_request_level_batch_whole():
@@ -364,3 +382,4 @@ def test_client_rows_leave_one_client_equal_clients_and_the_request_level_batch_
         for i, c in enumerate(clients):
             sched.add(Request(f"{c}{i}", [7] * 5, SamplingParams(max_tokens=3, ignore_eos=True), arrival=float(i), client=c))
         assert len(sched.schedule(0.0).seqs) == first
+

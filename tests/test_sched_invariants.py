@@ -48,11 +48,11 @@ jobs = st.lists(st.tuples(st.floats(0, 0.3), st.integers(1, 40), st.integers(1, 
 @settings(max_examples=int(os.environ.get("ORCA_FUZZ_EXAMPLES", 80)), derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(jobs=jobs, policy=st.sampled_from(POLICIES), n_workers=st.integers(1, 2), budget=st.sampled_from([0, 24]),
        slots=st.sampled_from([64, 1024]), eos_at=st.integers(1, 30), spec=st.booleans(), sliding=st.booleans(),
-       headroom=st.sampled_from([0.0625, 0.5]), client_rows=st.sampled_from([0, 1]))
+       headroom=st.sampled_from([0.0625, 0.5]), client_rows=st.sampled_from([0, 1]), max_bs=st.sampled_from([2, 5]))
 def test_every_request_ends_once_frees_its_kv_and_never_starves(jobs, policy, n_workers, budget, slots, eos_at, spec,
-                                                                sliding, headroom, client_rows):
+                                                                sliding, headroom, client_rows, max_bs):
     name, kv_policy = policy
-    overrides = {"scheduler.policy": name, "scheduler.max_bs": 2, "scheduler.max_num_batched_tokens": budget,
+    overrides = {"scheduler.policy": name, "scheduler.max_bs": max_bs, "scheduler.max_num_batched_tokens": budget,
                  "engine.n_workers": n_workers, "engine.block_size": 4, "engine.n_slots": slots,
                  "engine.host_slots": 4096, "fastserve.starve_limit": STARVE_LIMIT,
                  "speculative.method": "ngram" if spec else "off", "speculative.lookup_min": 1,
@@ -129,6 +129,8 @@ def test_every_request_ends_once_frees_its_kv_and_never_starves(jobs, policy, n_
     assert finals == Counter({r.request_id: 1 for r in reqs}), "exactly one final per request"
     if spec:
         target(float(drafts), label="draft tokens")   # toward workloads that speculate most
+    if client_rows:
+        target(float(sched.turn_waits), label="rows held for their turn")   # toward workloads the cap binds in
     bm = sched.block_manager
     assert bm.num_free_blocks == bm.num_blocks and bm.n_rsrv == 0 and not bm.device.tables and not bm.host.tables
     assert bm.num_free_host_blocks == bm.num_host_blocks and not sched.pool and not sched.in_flight

@@ -64,7 +64,7 @@ class Scheduler:
     def __init__(self, cfg: "Config", info: "ModelInfo") -> None:
         self.max_bs = cfg.scheduler.max_bs
         self.token_budget = cfg.scheduler.max_num_batched_tokens  # 0: no budget, whole prompts (ORCA)
-        self.client_rows = cfg.scheduler.client_rows  # a client's rows an iteration past the next largest client's (0: no cap)
+        self.client_rows = cfg.scheduler.client_rows  # a client's rows an iteration past any other client's (0: no cap)
         self.turn_waits = 0   # rows client_rows made wait an iteration, so far
         self.n_workers = cfg.engine.n_workers
         # prefix hashes are seeded with what besides the tokens changes K/V: the model and its dtype
@@ -176,7 +176,7 @@ class Scheduler:
     def schedule(self, now: float) -> IterationPlan | None:
         """The next iteration, or None when nothing can run (`step` keeps the pipeline's cap)."""
         chosen = self.select(now)
-        selected = in_turn(chosen, self.client_rows)
+        selected = in_turn(chosen, self.client_rows, self.in_flight.values())
         self.turn_waits += len(chosen) - len(selected)
         if self.columns is not None and selected and (
                 (steady := self.columns.kept(selected, self.ended)) is not None or decodes(selected)):   # every row a plain decode: in columns
