@@ -383,3 +383,16 @@ def test_client_rows_leave_one_client_equal_clients_and_the_request_level_batch_
             sched.add(Request(f"{c}{i}", [7] * 5, SamplingParams(max_tokens=3, ignore_eos=True), arrival=float(i), client=c))
         assert len(sched.schedule(0.0).seqs) == first
 
+
+def test_a_started_request_behind_one_that_cannot_start_still_runs():
+    """x1 (10 of 16 blocks) fits the pool but not its client's share, so y1 (8) starts beside x0 and y0; when
+    x0 and y0 end, the clients' turns put x1 first, and x1 cannot fit beside y1's reservation. FCFS keeps
+    every later request from starting, but y1 has started: it must still run (before, the pass stopped at
+    x1, nothing ran and nothing was in flight: a deadlock), and x1 starts once y1 has ended."""
+    sched = make(max_bs=8, **{"engine.n_slots": 64})   # 16 blocks of 4; the default headroom keeps 1
+    for rid, client, prompt, max_tokens in (("x0", "x", 18, 2), ("y0", "y", 2, 2), ("x1", "x", 38, 2), ("y1", "y", 2, 30)):
+        sched.add(Request(rid, [7] * prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), client=client))
+    plan = sched.schedule(0.0)
+    assert [s.request_id for s in plan.seqs] == ["x0", "y0", "y1"]
+    events = run_from(sched, plan)
+    assert [rid for rid, _, reason in events if reason] == ["x0", "y0", "y1", "x1"]

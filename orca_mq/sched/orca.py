@@ -62,20 +62,27 @@ class OrcaScheduler(Scheduler):
 
     def reserve_in_order(self, order: Iterable[Request], strict: bool) -> list[Request]:
         """Up to max_bs idle requests in `order`, each new one reserving its max_tokens (n_rsrv) first.
-        One that does not fit the pool stops the batch when `strict` (FCFS: a later request may not
-        pass it), else is passed over; one past its client's share is passed over, and with `strict`
-        so are its client's later ones."""
+        One that does not fit the pool stops every later new one when `strict` (FCFS: a later request
+        may not pass it; those already started still run, or a started one behind it in the clients'
+        turns would wait for KV only it holds), else is passed over; one past its client's share is
+        passed over, and with `strict` so are its client's later ones."""
         bm = self.block_manager
         held: Counter[str] | None = None   # blocks reserved, by client: counted when a request first needs them
         batch: list[Request] = []
         waiting: set[str] = set()   # clients whose earlier request waits for its share
+        full = False                # a new request did not fit the pool (strict: no later one starts)
+        started = len(self.pool) - len(self.unstarted)   # started requests not passed yet: none left ends a full pass
         for req in order:
+            if full and not started:
+                break
+            new = req.phase is Phase.INITIATION and not req.reserved_blocks
+            started -= not new
             if req.in_flight and not self.selectable(req):   # an idle request is selectable: spares the call
                 continue
             if len(batch) == self.max_bs:
                 break
-            if req.phase is Phase.INITIATION and not req.reserved_blocks:
-                if req.client in waiting:
+            if new:
+                if full or req.client in waiting:
                     continue
                 if held is None:
                     held = Counter()
@@ -87,8 +94,7 @@ class OrcaScheduler(Scheduler):
                 after = bm.n_rsrv_after(cached, blocks)
                 if after > bm.num_blocks:   # a block it shares counts once
                     bm.let_go(cached)
-                    if strict:
-                        break
+                    full = strict
                     continue
                 if not self.shares.allows(held[req.client], bm.n_rsrv, after - bm.n_rsrv, len(held) + (req.client not in held)):
                     bm.let_go(cached)
