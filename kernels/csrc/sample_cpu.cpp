@@ -210,18 +210,17 @@ double near_tokens(const float* x, const float* e, int64_t V, float logit, Radix
 // kept (0: no cut).
 uint32_t cut(const float* x, const float* e, int64_t V, int64_t top_k, float top_p, double total, float near, Radix& r) {
   const double near_mass = near_tokens(x, e, V, near, r);
+  // the near tokens' list where `listed`, else the row: tokens with a logit's key at least `least`
+  const auto select = [&](bool listed, uint32_t least, int64_t count, double p, double of) {
+    return listed ? select_key(Listed{x, e, r.near, least}, count, p, of, r) : select_key(Whole{x, e, V, least}, count, p, of, r);
+  };
   const bool listed_k = near_mass >= 0 && static_cast<int64_t>(r.near.size()) >= top_k;   // top-k's cut among them
-  uint32_t least = 0;
-  if (top_k > 0)
-    least = listed_k ? select_key(Listed{x, e, r.near, 0}, top_k, 2.0, -1.0, r)
-                     : select_key(Whole{x, e, V, 0}, top_k, 2.0, -1.0, r);
+  const uint32_t least = top_k > 0 ? select(listed_k, 0, top_k, 2.0, -1.0) : 0;
   if (top_p >= 1.f) return least;
   if (least > 0)   // over what top-k kept: all near tokens where its cut was among them
-    return std::max(least, listed_k ? select_key(Listed{x, e, r.near, least}, INT64_MAX, top_p, -1.0, r)
-                                    : select_key(Whole{x, e, V, least}, INT64_MAX, top_p, -1.0, r));
+    return std::max(least, select(listed_k, least, INT64_MAX, top_p, -1.0));
   // of the row's total either way; a margin against two sums' roundings: a near mass a hair short reads the row
-  return near_mass >= top_p * total * (1 + 1e-9) ? select_key(Listed{x, e, r.near, 0}, INT64_MAX, top_p, total, r)
-                                                 : select_key(Whole{x, e, V, 0}, INT64_MAX, top_p, total, r);
+  return select(near_mass >= top_p * total * (1 + 1e-9), 0, INT64_MAX, top_p, total);
 }
 
 // e's blocks' sums after zeroing the tokens whose logit's key is below `least`; their total. A compare of the
