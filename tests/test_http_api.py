@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -233,6 +234,25 @@ def test_retrieve_tokenize_and_the_ready_line(server, oai, model):
     assert server.handle.ready_line == f"orca-mq ready on {server.address} and {server.base_url}"
     from orca_mq.logs import _running
     assert _running(server.log_dir)   # `orca-mq logs` finds it by its marker (pid and start time)
+
+
+def test_health_answers_at_once_while_the_worker_is_busy(server):
+    """A stats reply waits for the workers' counters, which a worker sends between iterations: while the
+    worker is busy (here stopped) past a stale reply, /health answers from the last one at once instead
+    of waiting server.stats_timeout for the new one (a load balancer's probe would time out)."""
+    assert httpx.get(server.base_url + "/health", timeout=30).json() == {"status": "ok"}
+    worker, took = server.pid_of("workers.main"), []
+    os.kill(worker, signal.SIGSTOP)
+    try:
+        time.sleep(STATS_MAX_AGE + 0.1)   # stale: each /health now asks the engine again
+        for _ in range(4):
+            start = time.monotonic()
+            assert httpx.get(server.base_url + "/health", timeout=30).json() == {"status": "ok"}
+            took.append(time.monotonic() - start)
+            time.sleep(0.3)
+    finally:
+        os.kill(worker, signal.SIGCONT)
+    assert max(took) < load_config().server.stats_timeout, took
 
 
 def test_health_is_503_until_the_server_answers(tmp_path):

@@ -65,6 +65,11 @@ from orca_mq.server.zmq_queue import BrokerLink
 
 STATS_TIMEOUT = 3.0    # a scheduler that does not answer stats within this is reported unavailable
 STATS_MAX_AGE = 1.0    # /health and /metrics reuse a stats reply this recent
+# /health waits this long for a stats reply under way, then answers from the last one: the reply waits
+# on the workers' counters, which a worker sends between iterations (a long prefill's second on a CPU),
+# and a load balancer's probe must not time out on a busy server. A server that stops answering turns
+# unavailable when the poll times out (STATS_TIMEOUT).
+HEALTH_WAIT = 0.05
 
 
 def _json_error(err: ApiError, request: Request) -> JSONResponse:
@@ -222,7 +227,7 @@ class Api:
         return {"version": __version__}
 
     async def health(self) -> JSONResponse:
-        await self._refresh()
+        await self._refresh(HEALTH_WAIT)
         sched = self.metrics.engine.stats.get("frontend", {})
         if not self.stats_ok:
             status = "unavailable" if self.metrics.engine.stats else "starting"
@@ -234,14 +239,18 @@ class Api:
         await self._refresh()
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    async def _refresh(self) -> None:
-        """One stats call at a time, shared by every /health and /metrics caller of that moment."""
+    async def _refresh(self, wait: float | None = None) -> None:
+        """One stats call at a time, shared by every /health and /metrics caller of that moment; `wait`:
+        at most this long for it (it goes on for the next caller)."""
         loop = asyncio.get_running_loop()
         if loop.time() - self.stats_at < STATS_MAX_AGE:
             return
         if self.stats_task is None or self.stats_task.done():
             self.stats_task = asyncio.create_task(self._poll())
-        await asyncio.shield(self.stats_task)
+        task = self.stats_task
+        await asyncio.wait([task], timeout=wait)   # neither a timeout nor a caller gone cancels it
+        if task.done():
+            task.result()   # what _poll does not expect is the caller's error
 
     async def _poll(self) -> None:
         try:
