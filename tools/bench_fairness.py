@@ -8,7 +8,9 @@ p99 above 100 ms. A benign request of the same size (n = 16 short choices) is th
 sharing the batch costs on this engine, pathology aside. `queue_flood` is many requests (17 x 64
 choices, one API key), reported beside. `one_request` is the host's floor: one ordinary request (one
 choice, generating to the context's end) keeps the engine busy, which is what any concurrent client does to
-the bystander's iterations; each attack's p99 is also given against it. The server has two API keys, the attacker's and the
+the bystander's iterations; each attack's p99 is also given against it. `long_prompt` is prompt_logprobs'
+control: as long a prompt, ordinary, whose chunks of prefill (scheduler.max_num_batched_tokens an
+iteration) cost the bystander's iterations what they cost. The server has two API keys, the attacker's and the
 bystander's (each key one client for the fair shares). `--tiny` serves a random 2-layer Llama with
 the embedded tokenizer: its layers cost little, so what is measured is what each request costs the
 server's loops and queues, and the sampler's passes over the 49,152-token vocabulary for each of its
@@ -65,6 +67,8 @@ def attacks(max_n: int, max_choices: int, max_logprobs: int, max_len: int) -> di
                                     "structured_outputs": {"regex": "<tool_call> +"}, "logit_bias": {str(SPACES_64): 100}})],
         "closing_plan": [(chat, {"messages": ASK, "n": max_n, "max_tokens": CYRILLIC_SHORTEST + 20,
                                  "structured_outputs": {"regex": CYRILLIC}})],
+        # the control for prompt_logprobs: as long a prompt, ordinary (its own tokens: no prefix cached)
+        "long_prompt": [("/v1/completions", {"prompt": [2000 + i for i in range(per_choice - 1)], "max_tokens": 1})],
         "prompt_logprobs": [("/v1/completions", {"prompt": [1000 + i for i in range(per_choice - 1)], "n": max_n,
                                                  "echo": True, "logprobs": 20, "max_tokens": 0})],
         "response_logprobs": [(chat, {"messages": ASK, "n": max_n, "logprobs": True, "top_logprobs": 20,
