@@ -54,6 +54,26 @@ def async_scheduling(cfg: "Config", policy: type["Scheduler"]) -> bool:
     return uses_cuda(cfg.engine.device)
 
 
+def prompt_order(prompts: list[Request], left: int | None) -> list[Request]:
+    """The order in which prompts take an iteration's budget (`left` tokens; None: no budget): first,
+    in batch order, those that finish their prefill within half of it, then the rest in batch order.
+    So a short prompt behind a long one is fed at once instead of waiting out the long one's chunks
+    (a second's wait or more on a CPU: tools/bench_fairness.py's long_prompt; vLLM's partial
+    prefills), while the long one keeps at least half the budget; where no short prompt comes after a
+    long one this is the batch's order (FCFS for ORCA)."""
+    if left is None or len(prompts) < 2:
+        return prompts
+    quick, first = left // 2, []
+    for req in prompts:
+        if req.prompt_left <= quick:
+            first.append(req)
+            quick -= req.prompt_left
+    if len(first) in (0, len(prompts)):
+        return prompts
+    taken = set(map(id, first))
+    return first + [req for req in prompts if id(req) not in taken]
+
+
 class Scheduler:
     """What every policy shares: the pool, KV blocks, iterations in flight, finishing."""
 
@@ -259,19 +279,19 @@ class Scheduler:
     def fit_budget(self, batch: list[Request]) -> list[Request]:
         """Sarathi-Serve's stall-free batching under a token budget (scheduler.max_num_batched_tokens):
         every increment request in the batch gets its one token first, then the prompts share what is
-        left, in batch order, a chunk each; a prompt left with no budget waits for a later iteration.
+        left a chunk each, in `prompt_order`; a prompt left with no budget waits for a later iteration.
         Sets each request's `chunk`; a prompt fed now first takes the blocks of it that requests
-        prefilling the same prefix published since it started (one that waits takes them when fed)."""
+        prefilling the same prefix published since it started (one that waits takes them when fed).
+        The batch keeps its order."""
         phases = list(map(PHASE, batch))   # one pass in C: a burst's ramp plans 256 requests' rows an iteration
         left = self.token_budget - phases.count(Phase.INCREMENT) if self.token_budget else None
-        kept, pooling = [], self.max_pooled   # embedding rows past it wait: an iteration's vectors stay in a frame
-        for req, phase in zip(batch, phases):
+        prompts = [req for req, phase in zip(batch, phases) if phase is Phase.INITIATION]
+        for req in batch:
             req.chunk = 0
-            if phase is not Phase.INITIATION:   # its one token is counted in `left` (a finished one pools nothing)
-                kept.append(req)
-                continue
+        pooling = self.max_pooled   # embedding rows past it wait: an iteration's vectors stay in a frame
+        for req in prompt_order(prompts, left):
             if left is not None and left <= 0:   # no budget left: the prompt waits
-                continue
+                break
             if req.pooling is not None:
                 if not pooling:
                     continue
@@ -282,9 +302,8 @@ class Scheduler:
             if left is not None:
                 req.chunk = min(req.chunk, left)
                 left -= req.chunk
-            if req.chunk:
-                kept.append(req)
-        return kept
+        # an increment's one token is counted in `left` (a finished one pools nothing)
+        return [req for req, phase in zip(batch, phases) if phase is not Phase.INITIATION or req.chunk]
 
     def process_result(self, result: IterationResult, now: float) -> list[TokenEvent]:
         """`apply`, its tokens as events."""
