@@ -246,22 +246,34 @@ def test_token_budget_defers_a_prompt_that_gets_no_tokens():
 
 def test_a_short_prompt_behind_a_long_ones_prefill_is_fed_at_once():
     """Budget 16: a 6-token prompt arrives every iteration while r0's 64 are fed in chunks; each finishes
-    within half the budget, so it is fed whole at once beside r0's chunk (before, r1 waited out r0's last
-    chunk), and r0 keeps the rest: at least half of what the increments leave. All end, the KV freed."""
+    within half of what the budget leaves, so it is fed whole at once before r0's chunk (before, r1
+    waited out r0's last chunk), and r0 keeps the rest, at least half; once r0's rest fits, it is fed
+    whole and the short one behind takes what is left. All end, the KV freed."""
     sched = make(max_bs=8, **{"scheduler.max_num_batched_tokens": 16})
     sched.add(req(0, prompt_len=64, max_tokens=2))
     sched.process_result(finish(sched.schedule(0.0)), 0.0)      # r0's first 16
     r0, fed = [], []
-    for i in range(1, 7):
+    for i in range(1, 6):
         sched.add(req(i, prompt_len=6, max_tokens=2))
         plan = sched.schedule(0.0)
         rows = {s.request_id: (s.start_pos, len(s.token_ids)) for s in plan.seqs}
         r0.append(rows["r0"][1])
         fed.append(rows[f"r{i}"])
         sched.process_result(finish(plan), 0.0)
-    assert r0 == [10, 9, 9, 9, 9, 2] and fed == [(0, 6)] * 6   # 15 left beside an increment: 9 and 6
+    assert r0 == [10, 9, 9, 9, 11] and fed == [(0, 6)] * 4 + [(0, 4)]   # 15 left beside an increment: 6 and 9
     run(sched)
     assert not sched.pool and sched.block_manager.n_rsrv == 0
+
+
+def test_only_short_prompts_right_behind_the_cut_one_go_first():
+    """A prompt that fits is never cut for a later one (10 then 8 under 16: FCFS), and a short prompt behind
+    a second long one waits with it: every prompt fed comes before every one that waits."""
+    for lens, plan in (((10, 8), [("r0", 10), ("r1", 6)]), ((40, 40, 5), [("r0", 16)]),
+                       ((40, 5, 40, 5), [("r0", 11), ("r1", 5)])):
+        sched = make(max_bs=8, **{"scheduler.max_num_batched_tokens": 16})
+        for i, n in enumerate(lens):
+            sched.add(req(i, prompt_len=n, max_tokens=2))
+        assert [(s.request_id, len(s.token_ids)) for s in sched.schedule(0.0).seqs] == plan, lens
 
 
 def test_request_level_baseline_ignores_the_token_budget():

@@ -55,23 +55,23 @@ def async_scheduling(cfg: "Config", policy: type["Scheduler"]) -> bool:
 
 
 def prompt_order(prompts: list[Request], left: int | None) -> list[Request]:
-    """The order in which prompts take an iteration's budget (`left` tokens; None: no budget): first,
-    in batch order, those that finish their prefill within half of it, then the rest in batch order.
-    So a short prompt behind a long one is fed at once instead of waiting out the long one's chunks
-    (a second's wait or more on a CPU: tools/bench_fairness.py's long_prompt; vLLM's partial
-    prefills), while the long one keeps at least half the budget; where no short prompt comes after a
-    long one this is the batch's order (FCFS for ORCA)."""
-    if left is None or len(prompts) < 2:
+    """The order in which prompts take an iteration's budget (`left` tokens; None: no budget): the
+    batch's, except that the prompts right behind the first one the budget cuts short go before it, as
+    many as finish within half of what is left there. So a chat turn behind a long prompt is fed at once
+    instead of waiting out the long one's chunks (a second or more on a CPU: tools/bench_behind_prompt.py;
+    vLLM's partial prefills), the long one keeps at least half, every prompt fed comes before every one
+    that waits (iteration-level FCFS), and a prompt that fits is never cut for a later one."""
+    if left is None:
         return prompts
-    quick, first = left // 2, []
-    for req in prompts:
-        if req.prompt_left <= quick:
-            first.append(req)
-            quick -= req.prompt_left
-    if len(first) in (0, len(prompts)):
-        return prompts
-    taken = set(map(id, first))
-    return first + [req for req in prompts if id(req) not in taken]
+    for i, req in enumerate(prompts):
+        if req.prompt_left > left:
+            quick, j = left // 2, i + 1
+            while j < len(prompts) and prompts[j].prompt_left <= quick:
+                quick -= prompts[j].prompt_left
+                j += 1
+            return [*prompts[:i], *prompts[i + 1:j], req, *prompts[j:]]
+        left -= req.prompt_left
+    return prompts
 
 
 class Scheduler:
