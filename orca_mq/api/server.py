@@ -227,7 +227,7 @@ class Api:
         return {"version": __version__}
 
     async def health(self) -> JSONResponse:
-        await self._refresh(HEALTH_WAIT)
+        await self._refresh(HEALTH_WAIT if self.stats_at >= 0 else None)   # the first waits: no reply to answer from
         sched = self.metrics.engine.stats.get("frontend", {})
         if not self.stats_ok:
             status = "unavailable" if self.metrics.engine.stats else "starting"
@@ -247,18 +247,17 @@ class Api:
             return
         if self.stats_task is None or self.stats_task.done():
             self.stats_task = asyncio.create_task(self._poll())
-        task = self.stats_task
-        await asyncio.wait([task], timeout=wait)   # neither a timeout nor a caller gone cancels it
-        if task.done():
-            task.result()   # what _poll does not expect is the caller's error
+        await asyncio.wait([self.stats_task], timeout=wait)   # neither a timeout nor a caller gone cancels it
 
     async def _poll(self) -> None:
+        """Never raises: no caller may be waiting to hear of it (Python 3.10's asyncio.TimeoutError is not
+        the builtin's; a stats reply the metrics cannot read is the engine's fault, not the probe's)."""
         try:
             self.metrics.engine.update(await self.client.stats(timeout=STATS_TIMEOUT))
             self.stats_ok = True
-        except (TimeoutError, ConnectionError, RuntimeError) as e:
+        except Exception as e:
             self.stats_ok = False
-            self.log.warning("stats unavailable", error=str(e))
+            self.log.warning("stats unavailable", error=str(e) or type(e).__name__)
         self.stats_at = asyncio.get_running_loop().time()
 
 
