@@ -73,14 +73,16 @@ def in_turn(batch: list["Request"], cap: int, in_flight: Iterable[list["Request"
             present[client] = max(present.get(client, 0), n)
     if len(present) < 2:
         return batch
-    (most, top), (second, _) = heapq.nlargest(2, ((n, c) for c, n in present.items()))
-    limits = {c: max(cap, second if c == top else most) for c, n in rows.items() if n > cap}
-    if all(rows[c] <= limit for c, limit in limits.items()):
+    # only the client with the most can outnumber every other: the rest are within the most
+    (_, top), (second, _) = heapq.nlargest(2, ((n, c) for c, n in present.items()))
+    limit = max(cap, second)
+    if rows[top] <= limit:
         return batch
-    kept: Counter[str] = Counter()
-    out = []
+    out, kept = [], 0
     for r in batch:
-        if r.client not in limits or kept[r.client] < limits[r.client]:
-            kept[r.client] += 1
-            out.append(r)
+        if r.client == top:
+            if kept == limit:
+                continue
+            kept += 1
+        out.append(r)
     return out
