@@ -13,7 +13,7 @@ from orca_mq.api.errors import from_validation
 from orca_mq.api.embeddings import EmbeddingRequest
 from orca_mq.api.schemas import ChatCompletionRequest, CompletionRequest
 from orca_mq.bench.http_bodies import ANY, SERVED, Expect, refused, served
-from orca_mq.bench.http_fuzz import FuzzReport
+from orca_mq.bench.http_fuzz import FuzzReport, _capped
 
 FAST = settings(max_examples=150, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 
@@ -67,3 +67,14 @@ def test_the_judge_counts_each_broken_promise(status, body, content_type, expect
     report.judge("POST /v1/completions", status, body, content_type, expect)
     assert report.n_violations == (violation is not None) and report.statuses[status] == 1
     assert violation is None or violation in report.violations[0], report.violations
+
+
+def test_the_schema_fuzz_caps_each_routes_own_length_field():
+    """A served schemathesis case generates a few tokens on every route: the Responses API's prompt is
+    `input`, as an embedding's is, but its length is max_output_tokens (uncapped, a case generated to the
+    context's end: minutes on a CPU, the fuzz's 120 s read timeout)."""
+    assert _capped("/v1/responses", {"input": ""}, 4) == {"input": "", "max_output_tokens": 4}
+    assert _capped("/v1/responses", {"input": "x", "max_output_tokens": 99}, 4)["max_output_tokens"] == 4
+    assert _capped("/v1/embeddings", {"input": "x"}, 4) == {"input": "x"}
+    assert _capped("/v1/chat/completions", {"max_tokens": 2}, 4) == {"max_tokens": 2, "max_completion_tokens": 4}
+    assert _capped("/v1/messages", {"max_tokens": 10**9}, 4)["max_tokens"] == 4

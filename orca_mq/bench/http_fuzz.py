@@ -94,11 +94,16 @@ def _whole(body: bytes, content_type: str) -> bool:
         return False
 
 
-def _capped(body: Any, cap: int) -> Any:
-    """A body that would be served generates at most `cap` tokens: a fuzz case costs milliseconds, not a whole context
-    (an embedding's body generates nothing: it takes no max_tokens)."""
-    if isinstance(body, dict) and "input" not in body:
-        for key in ("max_tokens", "max_completion_tokens"):
+# each generating route's own length fields (an embedding generates nothing; the Responses API's `input`
+# is its prompt, so a body's keys cannot tell the two apart)
+LENGTH_FIELDS = {"/v1/responses": ("max_output_tokens",), "/v1/embeddings": ()}
+MAX_TOKENS_FIELDS = ("max_tokens", "max_completion_tokens")
+
+
+def _capped(path: str, body: Any, cap: int) -> Any:
+    """A body that would be served generates at most `cap` tokens: a fuzz case costs milliseconds, not a whole context."""
+    if isinstance(body, dict):
+        for key in LENGTH_FIELDS.get(path, MAX_TOKENS_FIELDS):
             if type(body.get(key)) is int and body[key] > cap or key not in body:
                 body[key] = cap
     return body
@@ -122,7 +127,7 @@ def schema_fuzz(base_url: str, api_key: str | None, examples: int, seed: int = 0
             @given(case=op.as_strategy(generation_mode=mode))
             def run(case: Any) -> None:
                 if mode == schemathesis.GenerationMode.POSITIVE:
-                    case.body = _capped(case.body, max_tokens)
+                    case.body = _capped(case.path, case.body, max_tokens)
                 resp = case.call(base_url=base_url, headers=headers, timeout=120)
                 content_type = resp.headers.get("content-type", "")   # schemathesis: a list of values
                 report.judge(f"{case.method} {case.path} {case.body!r:.200}", resp.status_code, resp.content,
