@@ -149,10 +149,13 @@ class ResponsesRequest(Strict):
         if isinstance(self.input, str):
             return [{"role": "user", "content": self.input}]
         out: list[dict[str, Any]] = []
-        thinking = ""
+        # each assistant turn's text and thinking (by its place in out), in pieces joined once at the end:
+        # adding each item's text to the turn's string copied all of it per item (quadratic in the input)
+        texts: dict[int, tuple[list[str], list[str]]] = {}
+        thinking: list[str] = []
         for item in self.input:
             if isinstance(item, ReasoningItem):
-                thinking += "".join(p.text for p in item.content or item.summary)
+                thinking += [p.text for p in item.content or item.summary]
                 continue
             if isinstance(item, FunctionCallOutputItem):
                 text = item.output if isinstance(item.output, str) else "".join(p.text for p in item.output)
@@ -165,13 +168,19 @@ class ResponsesRequest(Strict):
             if turn.get("role") != "assistant" or (isinstance(item, MessageItem) and turn.get("tool_calls")):
                 turn = {"role": "assistant", "content": None}
                 out.append(turn)
+            content, reasoning = texts.setdefault(len(out) - 1, ([], []))
             if isinstance(item, MessageItem):
-                turn["content"] = (turn["content"] or "") + item.text
+                content.append(item.text)
             else:
                 turn.setdefault("tool_calls", []).append(
                     {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}})
-            if thinking:
-                turn["reasoning_content"], thinking = turn.get("reasoning_content", "") + thinking, ""
+            reasoning += thinking
+            thinking = []
+        for i, (content, reasoning) in texts.items():
+            if content:
+                out[i]["content"] = "".join(content)
+            if thought := "".join(reasoning):
+                out[i]["reasoning_content"] = thought
         return out
 
     def chat(self, history: list[dict[str, Any]]) -> dict[str, Any]:
