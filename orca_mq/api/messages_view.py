@@ -41,6 +41,8 @@ class MessageOutput(View):
         self.head = head                       # id, type, role, model
         self.blocks: list[dict[str, Any]] = []
         self.open: str | None = None           # the open block's type (thinking, text)
+        self.pieces: list[str] = []            # its text, joined when it closes (adding each delta to its
+                                               # string copied all of it: quadratic in the output)
 
     def start(self) -> list[str]:
         return [_event("message_start", message=self.head | {"content": [], "stop_reason": None, "stop_sequence": None,
@@ -66,7 +68,7 @@ class MessageOutput(View):
             self.blocks.append({"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking"
                                else {"type": "text", "text": ""})
             out.append(_event("content_block_start", index=len(self.blocks) - 1, content_block=dict(self.blocks[-1])))
-        self.blocks[-1][kind] += text
+        self.pieces.append(text)
         return [*out, _event("content_block_delta", index=len(self.blocks) - 1, delta={"type": DELTAS[kind], kind: text})]
 
     def call(self, call: CallDelta) -> list[str]:
@@ -81,6 +83,7 @@ class MessageOutput(View):
     def _close(self) -> list[str]:
         if self.open is None:
             return []
+        self.blocks[-1][self.open], self.pieces = "".join(self.pieces), []
         self.open = None
         return [_event("content_block_stop", index=len(self.blocks) - 1)]
 

@@ -42,6 +42,8 @@ class ResponseOutput(View):
         self.head = head                      # the response's fields but its status, output and usage
         self.items: list[dict[str, Any]] = []
         self.open: dict[str, int] = {}        # reasoning / message -> its item's index, while open
+        self.texts: dict[str, list[str]] = {}  # an open item's text in pieces, joined at the end (adding each
+                                               # delta to its string copied all of it: quadratic in the output)
         self.seq = 0
 
     def start(self) -> list[str]:
@@ -54,7 +56,7 @@ class ResponseOutput(View):
         status = "incomplete" if turn.reply.reason == "length" else "completed"
         for kind, i in sorted(self.open.items(), key=lambda kv: kv[1]):
             item, (part, event) = self.items[i], PARTS[kind]
-            text = item["content"][0]["text"]
+            text = item["content"][0]["text"] = "".join(self.texts.pop(kind, []))
             item["status"] = status
             out += [self._event(f"{event}.done", item_id=item["id"], output_index=i, content_index=0, text=text,
                                 **({"logprobs": []} if kind == "message" else {})),
@@ -92,7 +94,7 @@ class ResponseOutput(View):
             item["content"].append(dict(empty))
         i = self.open[kind]
         item = self.items[i]
-        item["content"][0]["text"] += text
+        self.texts.setdefault(kind, []).append(text)
         return [*out, self._event(f"{event}.delta", item_id=item["id"], output_index=i, content_index=0, delta=text,
                                   **({"logprobs": []} if kind == "message" else {}))]
 
