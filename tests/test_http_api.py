@@ -135,6 +135,21 @@ def test_malformed_and_oversized_bodies(server):
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
 
 
+def test_a_chunked_body_over_the_limit_is_413_too(server):
+    """No Content-Length (Transfer-Encoding: chunked): the body is cut off once past server.http_max_body_bytes
+    and refused as a declared one is, 413 request_too_large, not FastAPI's 400 'error parsing the body'."""
+    def body():   # valid JSON, 5 MB in 1 MB chunks
+        yield b'{"prompt": "'
+        for _ in range(5):
+            yield b"x" * 1_000_000
+        yield b'"}'
+
+    r = httpx.post(server.base_url + "/v1/completions", content=body(), timeout=30,
+                   headers={"content-type": "application/json"})
+    assert "content-length" not in r.request.headers and r.request.headers["transfer-encoding"] == "chunked"
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
+
+
 def _stats(zmq) -> dict:
     return zmq.stats()["scheduler"]
 

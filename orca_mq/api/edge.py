@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from starlette.exceptions import HTTPException
+
 from orca_mq.api.errors import ApiError, body_for
 from orca_mq.auth import KeyCheck
 
@@ -74,7 +76,9 @@ class BodyLimit:
             msg = await receive()
             seen += len(msg.get("body", b""))
             if seen > self.limit:
-                raise self._too_large()
+                # an HTTPException: FastAPI's body read passes it on to the handler (413 request_too_large);
+                # any other, an ApiError too, it turns into its 400 "There was an error parsing the body"
+                raise HTTPException(413, self._too_large().message)
             return msg
 
         await self.app(scope, limited, send)

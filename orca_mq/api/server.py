@@ -115,7 +115,8 @@ class Api:
 
         @app.exception_handler(HTTPException)
         async def http_error(request: Request, e: HTTPException) -> JSONResponse:  # unknown route, wrong method
-            code = {400: "invalid_json", 404: "not_found", 405: "method_not_allowed"}.get(e.status_code, "error")
+            code = {400: "invalid_json", 404: "not_found", 405: "method_not_allowed",
+                    413: "request_too_large"}.get(e.status_code, "error")   # 413: a chunked body past the limit (edge)
             return _json_error(ApiError(e.status_code, str(e.detail), code), request)
 
         @app.exception_handler(Exception)
