@@ -297,6 +297,7 @@ class Range:
 _POSITIVE = Range(0, above=True)
 _COUNT = Range(0)
 _ONE = Range(1)
+MAX_PROMPTS = 4096   # the most prompts (embedding inputs) an HTTP body's list may hold: its schema stops reading there
 # every int and float knob's range, checked once when a config is loaded (tests hold it complete)
 RANGES: dict[str, Range] = {
     "model.max_model_len": _ONE, "model.max_logprobs": Range(0, 1 << 20),
@@ -318,8 +319,8 @@ RANGES: dict[str, Range] = {
     "server.ready_timeout": _POSITIVE, "server.stop_grace": _COUNT, "server.stats_timeout": _POSITIVE,
     "server.max_restarts": _COUNT, "server.restart_window": _POSITIVE, "server.max_waiting": _COUNT,
     "server.max_frame_bytes": _ONE, "server.http_max_connections": _ONE, "server.http_max_body_bytes": _ONE,
-    "server.http_max_n": _ONE, "server.http_max_choices": _ONE, "server.http_max_logprobs": _ONE,
-    "server.responses_store": Range(0, note="0: none stored"), "server.http_max_embedding_inputs": _ONE,
+    "server.http_max_n": _ONE, "server.http_max_choices": Range(1, MAX_PROMPTS), "server.http_max_logprobs": _ONE,
+    "server.responses_store": Range(0, note="0: none stored"), "server.http_max_embedding_inputs": Range(1, MAX_PROMPTS),
     "server.nnodes": _ONE, "server.node_rank": _COUNT, "server.node_timeout": _POSITIVE,
     "server.client_headroom": Range(0, 0.5, note="0: no fair shares"),
     "structured.max_spec_bytes": _ONE, "structured.compile_timeout": _POSITIVE, "structured.cache_size": _COUNT,

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 from prometheus_client import generate_latest
+from pydantic import ValidationError
 from prometheus_client.parser import text_string_to_metric_families
 
 from orca_mq.bench.metrics import parse_goodput, summarize
@@ -17,7 +18,9 @@ from orca_mq.api.messages_view import MessageOutput
 from orca_mq.api.offload import SLICE, SlicedJSON
 from orca_mq.api.parsers import Delta
 from orca_mq.api.responses_view import ResponseOutput
-from orca_mq.api.schemas import Usage
+from orca_mq.api.embeddings import EmbeddingRequest
+from orca_mq.api.schemas import CompletionRequest, Usage
+from orca_mq.config import MAX_PROMPTS
 from orca_mq.api.responses_schema import MAX_ITEMS, ResponsesRequest
 from orca_mq.api.stream import StopStrings
 from orca_mq.api.metrics import ApiMetrics
@@ -140,3 +143,19 @@ def test_a_streamed_view_costs_each_delta_its_own_length(view):
         assert response["content"] == [{"type": "thinking", "thinking": "thinking", "signature": ""},
                                        {"type": "text", "text": answer}]
     assert took < 2.0, f"{took:.2f} s for 5,000 deltas"
+
+
+@pytest.mark.parametrize("schema,field", [(CompletionRequest, "prompt"), (EmbeddingRequest, "input")])
+def test_a_prompt_is_read_as_the_one_form_its_first_element_names(schema, field):
+    """A prompt's union is read by its first element's type, each list to its first wrong element and a batch
+    refused past MAX_PROMPTS before its prompts are read: the union tried every form and read every element of
+    each (800,000 one-id prompts in a 4 MB body: 2-5 s of the HTTP event loop, 800,003 errors)."""
+    for ok in ("hi", [], [5, 6], ["a", "b"], [[1], [2, 3]], [[]], [[0]] * MAX_PROMPTS):
+        assert getattr(schema.model_validate({field: ok}), field) == ok
+    for bad, loc, kind in [([[0]] * 800_000, (field,), "too_long"), (["a"] * (MAX_PROMPTS + 1), (field,), "too_long"),
+                           ([0] * 99_999 + ["a"], (field, "ids", 99_999), "int_type"), (["a", 1], (field, "texts", 1), "string_type"),
+                           ([[0, "x"]] * 3, (field, "batch", 0, 1), "int_type"), (5, (field,), "prompt_type"),
+                           (None, (field,), "prompt_type")]:
+        with pytest.raises(ValidationError) as e:
+            schema.model_validate({field: bad})
+        assert [(x["loc"], x["type"]) for x in e.value.errors()] == [(loc, kind)], str(bad)[:40]

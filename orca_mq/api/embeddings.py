@@ -28,7 +28,7 @@ from starlette.requests import Request
 from orca_mq.api.edge import end_client
 from orca_mq.api.errors import ApiError, classify
 from orca_mq.api.metrics import ApiMetrics
-from orca_mq.api.schemas import Strict, TokenId, prompt_batch
+from orca_mq.api.schemas import Prompts, Strict, prompt_batch
 from orca_mq.api.stream import OUTCOME_BY_STATUS, until_disconnect
 from orca_mq.client import AsyncClient
 from orca_mq.config import Pooling
@@ -39,7 +39,7 @@ from orca_mq.protocol.sampling_fields import INT32_MAX
 
 class EmbeddingRequest(Strict):
     model: str | None = None
-    input: str | list[TokenId] | list[str] | list[list[TokenId]]
+    input: Prompts
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(None, strict=True, ge=1, le=INT32_MAX)   # the hidden size only
     user: str | None = Field(None, max_length=256)                           # accepted, unused
