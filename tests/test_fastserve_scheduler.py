@@ -193,6 +193,28 @@ def test_no_starvation_of_a_long_job_under_a_stream_of_short_ones():
     assert long_runs(starve_limit=100.0)[0] == []   # without promotion the stream starves it
 
 
+@pytest.mark.parametrize("policy", ["reactive", "proactive"])
+def test_a_preempted_job_on_the_host_is_not_starved_by_a_stream_of_new_ones(policy: str):
+    """A long job preempted to the host waits for room to come back; new jobs behind it in priority
+    order (it is promoted to Q1's head) may not take that room, or a steady stream of short ones, each
+    fitting beside the others, keeps it on the host for as long as the stream lasts."""
+    sched = make(**{"engine.n_slots": 16 * BS, "engine.host_slots": 64 * BS, "fastserve.kv_policy": policy,
+                    "fastserve.starve_limit": 0.1, "fastserve.min_free_blocks": 0, "fastserve.burst_queues": 0,
+                    "fastserve.preempt_margin": 0.0, "engine.prefix_caching": False})
+    long = req("long", 4, 44)                                                    # 12 of the 16 blocks
+    shorts = [req(f"s{i}", 4, 8, arrival=0.05 + 0.03 * i) for i in range(100)]   # 3 blocks each, for 3 s
+    t, ends = 0.0, [0.0]
+    for p in run(sched, [long, *shorts]):
+        t += duration(p)
+        if any(s.request_id == "long" for s in p.seqs):
+            ends.append(t)
+    metrics = sched.request_metrics("long")
+    assert metrics["offloads"] >= 1 and metrics["promotions"] >= 1   # it was preempted to the host
+    gaps = [b - a for a, b in zip(ends, ends[1:])]
+    assert ends[-1] < 3.0 and max(gaps) < 0.5, (ends[-1], max(gaps))   # it runs while the stream lasts
+    assert_clean(sched)
+
+
 def test_enst_is_min_of_promotion_and_execution_time():
     mlfq = SkipJoinMLFQ(n_queues=6, quantum=0.1, ratio=2.0, starve_limit=10.0)
     jobs = [req(rid, 1, 1) for rid in "abcd"]

@@ -35,7 +35,8 @@ def select_batch(kv: DeferKV, order: list[Request], enst: dict[str, float], max_
                  budget: int | None = None) -> list[Request]:
     """The batch: jobs in priority order, up to max_bs, each resident for this iteration (made
     resident by this plan if need be, by the KV policy: started, or uploaded). A new job may not start
-    ahead of an earlier one that is waiting for room: big jobs are not starved by small ones. Under a
+    ahead of an earlier one that is waiting for room, new or on the host: big jobs are not starved by
+    small ones, nor a preempted job (promoted to Q1 at the latest) by a stream of arrivals. Under a
     token budget a prompt the budget cannot feed any more is passed over, so that decodes fill the
     batch: arrivals never take the running jobs' places for nothing. `reserve`: the device blocks the
     policy keeps unreserved ahead of time (`free_target`)."""
@@ -52,7 +53,7 @@ def select_batch(kv: DeferKV, order: list[Request], enst: dict[str, float], max_
             if new and not admitting:
                 continue
             if not kv.admit(req, order[i + 1:], taken, enst):
-                admitting = admitting and not new
+                admitting = False   # new or preempted to the host, no later new job takes the room it waits for
                 continue
         taken.add(req.request_id)
         batch.append(req)
