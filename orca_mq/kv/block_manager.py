@@ -231,10 +231,11 @@ class BlockManager(BlockTables):
         req.kv_published = max(req.kv_published, len(table))
         self._slide(req.request_id, table, req.n_prompt_fed)
 
-    def computed(self, req: KVRequest, n_tokens: int) -> None:
+    def computed(self, req: KVRequest, n_tokens: int, first: int | None = None) -> None:
         """Its first n_tokens tokens' K/V is computed (their iterations came back): publish the full
         blocks among them; with a window, then give back those before the window of its next row (at
-        position n_tokens): every iteration that read them has come back, later ones start after."""
+        position `first`, n_tokens unless given): every iteration that read them has come back, later
+        ones start after."""
         table = self.device.tables.get(req.request_id)
         if table is None:
             return
@@ -248,7 +249,7 @@ class BlockManager(BlockTables):
                 if table[i] != HOLE:   # a block of a cache hit that left the window before it was published
                     self.device.publish(table[i], hashes[i])
             req.kv_published = n_full
-        self._slide(req.request_id, table, n_tokens)
+        self._slide(req.request_id, table, n_tokens if first is None else first)
 
     def decoded(self, reqs: list[KVRequest], counts: list[int]) -> None:
         """computed(req, n) for decode rows whose K/V reached a new full block: in the usual case (the block

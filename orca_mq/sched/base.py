@@ -346,7 +346,9 @@ class Scheduler:
                 continue
             req.n_iterations += 1
             if req.request_id not in failed:   # its K/V is written: its full blocks join the prefix cache
-                self.block_manager.computed(req, req.n_prompt_fed if req.prompt_pending else req.num_tokens)
+                n = req.n_prompt_fed if req.prompt_pending else req.num_tokens
+                # an embedding's prompt is done: the request-level baseline reruns its last position until its batch ends
+                self.block_manager.computed(req, n, n - 1 if req.pooling is not None and not req.prompt_pending else None)
             if req.aborted or req.request_id in failed:  # its work failed on a worker: it ends, the batch goes on
                 reason = "abort" if req.aborted else "error"
                 self._finish(req, reason)
