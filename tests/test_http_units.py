@@ -153,8 +153,8 @@ def test_a_prompt_is_read_as_the_one_form_its_first_element_names(schema, field)
     for ok in ("hi", [], [5, 6], ["a", "b"], [[1], [2, 3]], [[]], [[0]] * MAX_PROMPTS):
         assert getattr(schema.model_validate({field: ok}), field) == ok
     for bad, loc, kind in [([[0]] * 800_000, (field,), "too_long"), (["a"] * (MAX_PROMPTS + 1), (field,), "too_long"),
-                           ([0] * 99_999 + ["a"], (field, "ids", 99_999), "int_type"), (["a", 1], (field, "texts", 1), "string_type"),
-                           ([[0, "x"]] * 3, (field, "batch", 0, 1), "int_type"), (5, (field,), "prompt_type"),
+                           ([0] * 99_999 + ["a"], (field, "list[int]", 99_999), "int_type"), (["a", 1], (field, "list[str]", 1), "string_type"),
+                           ([[0, "x"]] * 3, (field, "list[list[int]]", 0, 1), "int_type"), (5, (field,), "prompt_type"),
                            (None, (field,), "prompt_type")]:
         with pytest.raises(ValidationError) as e:
             schema.model_validate({field: bad})

@@ -52,23 +52,24 @@ def _prompt_kind(v: Any) -> str | None:
     tries each, and a list that fails one is read to its end: 800,000 one-id prompts in a 4 MB body
     cost 2-5 s of the event loop before the fan-out refused them)."""
     if isinstance(v, str):
-        return "text"
+        return "str"
     if not isinstance(v, list):
         return None
-    return "texts" if v and isinstance(v[0], str) else "batch" if v and isinstance(v[0], list) else "ids"
+    return "list[str]" if v and isinstance(v[0], str) else "list[list[int]]" if v and isinstance(v[0], list) else "list[int]"
 
 
 def _batch_bounded(v: Any) -> Any:
     """A batch of more than MAX_PROMPTS is refused before its prompts are read."""
-    if isinstance(v, list) and len(v) > MAX_PROMPTS and _prompt_kind(v) != "ids":
+    if isinstance(v, list) and len(v) > MAX_PROMPTS and _prompt_kind(v) != "list[int]":
         raise PydanticCustomError("too_long", "a batch of at most {most} prompts, not {n}", {"most": MAX_PROMPTS, "n": len(v)})
     return v
 
 
-# a prompt, its ids, or a batch of either (at most MAX_PROMPTS); a list stops at its first wrong element
-Prompts = Annotated[Annotated[str, Tag("text")] | Annotated[list[TokenId], Field(fail_fast=True), Tag("ids")]
-                    | Annotated[list[str], Field(fail_fast=True), Tag("texts")]
-                    | Annotated[list[Annotated[list[TokenId], Field(fail_fast=True)]], Field(fail_fast=True), Tag("batch")],
+# a prompt, its ids, or a batch of either (at most MAX_PROMPTS); a list stops at its first wrong element. The
+# tags are pydantic's own names for union members, which an error's param leaves out (api/errors.py)
+Prompts = Annotated[Annotated[str, Tag("str")] | Annotated[list[TokenId], Field(fail_fast=True), Tag("list[int]")]
+                    | Annotated[list[str], Field(fail_fast=True), Tag("list[str]")]
+                    | Annotated[list[Annotated[list[TokenId], Field(fail_fast=True)]], Field(fail_fast=True), Tag("list[list[int]]")],
                     Discriminator(_prompt_kind, custom_error_type="prompt_type", custom_error_message=(
                         "Input should be a string, a list of token ids, a list of strings or a list of lists of token ids")),
                     BeforeValidator(_batch_bounded)]
