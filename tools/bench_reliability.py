@@ -39,7 +39,8 @@ from orca_mq.bench.bench_server import Server
 from orca_mq.bench.http_fuzz import body_fuzz, schema_fuzz
 from orca_mq.bench.reliability import SoakConfig, fuzz, garbage_frames, reproduce, soak
 from orca_mq.client import AsyncClient
-from orca_mq.config import Config
+from orca_mq.config import load_config
+from orca_mq.fair_share import FairShare
 from orca_mq.protocol import encode
 from orca_mq.protocol.client_msgs import Generate
 from orca_mq.server.process import free_port
@@ -74,9 +75,10 @@ async def _huge_prompt(address: str) -> dict[str, Any]:
     return out
 
 
-async def _overload(address: str, capacity: int, settle: float, extra: int = 50) -> dict[str, Any]:
-    """capacity + extra requests at once: the extra ones should get `overloaded` at once, and no other one.
-    Every final within `settle` seconds is counted (served requests take far longer: they are left then)."""
+async def _overload(address: str, capacity: int, headroom: int, settle: float, extra: int = 50) -> dict[str, Any]:
+    """capacity + extra requests at once, from one client: the extra ones and the `headroom` its fair share keeps
+    for other clients (server.client_headroom) should get `overloaded` at once, and no other one. Every final
+    within `settle` seconds is counted (served requests take far longer: they are left then)."""
     async with AsyncClient(address) as client:
         t = time.perf_counter()
         times: dict[asyncio.Task[Any], float] = {}
@@ -93,7 +95,7 @@ async def _overload(address: str, capacity: int, settle: float, extra: int = 50)
         for task in pending:
             task.cancel()  # leaving a stream aborts its request
         await asyncio.gather(*tasks, return_exceptions=True)
-    return {"sent": capacity + extra, "capacity": capacity, "expected_overloaded": extra, "overloaded": len(refused),
+    return {"sent": capacity + extra, "capacity": capacity, "expected_overloaded": extra + headroom, "overloaded": len(refused),
             "other_finals": len(codes) - len(refused), "still_running": len(pending), "settle_s": settle,
             "first_overloaded_ms": refused[0] * 1e3 if refused else None,
             "last_overloaded_ms": refused[-1] * 1e3 if refused else None}
@@ -137,13 +139,14 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], metavar="section.key=value", help="server config")
     ap.add_argument("--out", default="results/reliability.json")
     args = ap.parse_args()
-    cfg = Config()
+    cfg = load_config(None, args.set)
     capacity = cfg.server.max_waiting + cfg.scheduler.max_bs
     report: dict[str, Any] = {"args": vars(args)}
     http_port = free_port()
     with Server(1, 2, cfg.scheduler.max_bs, [f"server.http_address=127.0.0.1:{http_port}", *args.set]) as server:
         if not args.soak_only:
-            _faults(server, report, args, capacity, cfg.server.max_frame_bytes)
+            _faults(server, report, args, capacity, FairShare.of(capacity, cfg.server.client_headroom).headroom,
+                    cfg.server.max_frame_bytes)
         soak_cfg = SoakConfig(clients=args.clients, requests_per_client=args.requests_per_client, vanishing_clients=8,
                               max_tokens=args.max_tokens)
         res = asyncio.run(soak(server.address, soak_cfg, args.seed))
@@ -158,7 +161,8 @@ def main() -> None:
     print(f"wrote {args.out}")
 
 
-def _faults(server: Any, report: dict[str, Any], args: argparse.Namespace, capacity: int, max_frame: int) -> None:
+def _faults(server: Any, report: dict[str, Any], args: argparse.Namespace, capacity: int, headroom: int,
+            max_frame: int) -> None:
     """Steps 1-4: fuzz, oversize frames, huge prompts, overload."""
     broker = server.pid_of("orca_mq.server.broker")
     rng = random.Random(args.seed)
@@ -177,7 +181,7 @@ def _faults(server: Any, report: dict[str, Any], args: argparse.Namespace, capac
     report["oversize"] = {"frames": 3, "frame_mb": (max_frame + (16 << 20)) / 2**20,
                           "broker_rss_mb_before": rss0, "broker_rss_mb_after": _rss_mb(broker)}
     report["huge_prompt"] = asyncio.run(_huge_prompt(server.address))
-    report["overload"] = asyncio.run(_overload(server.address, capacity, args.settle))
+    report["overload"] = asyncio.run(_overload(server.address, capacity, headroom, args.settle))
     asyncio.run(_settled(server.address))  # the overload step's aborted requests leave first
 
 
