@@ -23,6 +23,7 @@ from orca_mq.api.schemas import CompletionRequest, Usage
 from orca_mq.config import MAX_PROMPTS
 from orca_mq.api.responses_schema import MAX_ITEMS, ResponsesRequest
 from orca_mq.api.stream import StopStrings
+from orca_mq.api.turn import Turn
 from orca_mq.api.metrics import ApiMetrics
 from orca_mq.server.telemetry import Telemetry
 
@@ -159,3 +160,25 @@ def test_a_prompt_is_read_as_the_one_form_its_first_element_names(schema, field)
         with pytest.raises(ValidationError) as e:
             schema.model_validate({field: bad})
         assert [(x["loc"], x["type"]) for x in e.value.errors()] == [(loc, kind)], str(bad)[:40]
+
+
+def test_a_stream_closed_at_its_first_event_ends_its_request():
+    """A Responses or Messages stream whose client leaves after the opening events (before any delta) closes
+    its choices at once: the engine request was left to the garbage collector's finalizing of its pieces."""
+    closed = []
+
+    class Fan:
+        async def close(self):
+            closed.append(True)
+
+    class View:
+        def start(self):
+            return ["event: opened"]
+
+    async def leave_early():
+        stream = Turn(Fan(), None).events(View(), lambda response: None)
+        assert await stream.__anext__() == "event: opened"
+        await stream.aclose()
+
+    asyncio.run(leave_early())
+    assert closed == [True]

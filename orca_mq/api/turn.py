@@ -95,16 +95,19 @@ class Turn:
 
     async def events(self, view: View, done: Callable[[dict[str, Any]], None]) -> AsyncIterator[str]:
         """The response's events as the output streams (`start`ed); `done` gets the whole response at the end.
-        An error ends the stream with the view's error event."""
-        for event in view.start():
-            yield event
+        An error ends the stream with the view's error event; a stream closed before its deltas began
+        ends the request at once too (not when the garbage collector finalizes its pieces)."""
         try:
+            for event in view.start():
+                yield event
             async for delta in self.deltas():
                 for event in view.add(delta):
                     yield event
         except ApiError as e:
             yield view.error(e)
             return
+        finally:
+            await self.fan.close()
         events, response = view.end(self)
         done(response)
         for event in events:
