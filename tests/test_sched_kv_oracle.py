@@ -143,7 +143,7 @@ def check_kv(sched):
         assert rid in sched.pool, f"host table of {rid} not in pool"
 
 
-def run(seed: int) -> dict:
+def run(seed: int) -> None:
     rnd = random.Random(seed)
     name, kvp = rnd.choice([("orca", None), ("request", None), ("srpt", None), ("fastserve", "proactive"),
                             ("fastserve", "reactive"), ("fastserve", "defer")])
@@ -168,7 +168,7 @@ def run(seed: int) -> dict:
         overrides["fastserve.kv_policy"] = kvp
     cfg = load_config(overrides=overrides)
     sched = make_scheduler(cfg, SLIDING if rnd.random() < 0.15 else INFO)
-    profile_early = rnd.random() < 0.7 or slots * 1 < 65 * 2
+    profile_early = rnd.random() < 0.7 or slots < 2 * 65   # a pool too small for the increment probes is given one
     if sched.needs_profile and profile_early:
         sched.use_profile(PROFILE)
     bases = [[rnd.randrange(3, 9) for _ in range(40)] for _ in range(3)]
@@ -207,41 +207,31 @@ def run(seed: int) -> dict:
     in_flight = deque()
     engine = Engine(sched, {r.request_id: r for r, _, _ in reqs})
     finals = Counter()
-    added = set()
     now = 0.0
     results = []
     eos_at = rnd.randrange(1, 40)
-    log = []
-    for step_i in range(5000):
-        if sched.needs_profile and not profile_early and not sched.profiled and step_i == 0:
-            pass
+    for _ in range(5000):
         while pending and pending[0][0].arrival <= now:
             r, fate, ft = pending.popleft()
             try:
                 sched.add(r)
-                added.add(r.request_id)
                 fates[r.request_id] = (fate, ft)
-                log.append(("add", r.request_id))
             except ValueError:
                 assert sched.block_manager.blocks_for(r.max_total_tokens) > sched.block_manager.num_blocks
                 finals[r.request_id] += 1
         events = []
         for rid, (fate, ft) in list(fates.items()):
             if fate in ("abort", "abort2") and ft <= now:
-                log.append(("abort", rid))
                 events += sched.abort(rid)
                 fates[rid] = ("abort", ft + 0.01) if fate == "abort2" else ("none", 0)
-        # random out-of-order results with n_workers 2? keep FIFO (pipeline order)
-        k = len(results)
-        out = sched.step(now, results)
-        log.append(("step", now, k, [p.iteration for p in out.plans]))
+        out = sched.step(now, results)   # results in plan order, as a pipeline returns them
         for e in events + out.events:
             assert not finals[e.request_id], f"{e.request_id}: an event after its final ({e})"
             if e.finish_reason is not None:
                 finals[e.request_id] += 1
         for plan in out.plans:
             seqs = plan.seqs
-            assert len(seqs) <= max_bs or name == "request" and len(seqs) <= max_bs, (len(seqs), max_bs)
+            assert len(seqs) <= max_bs, (len(seqs), max_bs)
             if budget and name != "request" and plan.iteration > 0:
                 ntok = sum(len(s.token_ids) for s in seqs)
                 prompt_toks = sum(len(s.token_ids) for s in seqs if s.start_pos < len(byid[s.request_id].prompt_token_ids))
@@ -324,7 +314,6 @@ def run(seed: int) -> dict:
     assert bm.num_free_blocks == bm.num_blocks and bm.n_rsrv == 0 and not bm.device.tables and not bm.host.tables, bm.stats()
     assert bm.num_free_host_blocks == bm.num_host_blocks
     assert not sched.pool and not sched.in_flight
-    return overrides
 
 
 @pytest.mark.parametrize("block", range(4))
