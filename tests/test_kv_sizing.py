@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from orca_mq.client import Client
 from orca_mq.config import load_config
+from orca_mq.engine.kv_budget import profile_rows
 from orca_mq.kv.pool import AUTO_CPU_SLOTS, PoolSize
 from orca_mq.kv.sizing import FAKE_ENV, KVSizing, check_fits
 from tests.serving_harness import start_server
@@ -35,6 +36,16 @@ def test_the_terms_leave_whole_blocks_and_the_scratch_block(total: int, util: fl
         assert (s.blocks + 1) * block_bytes <= s.kv_bytes < (s.blocks + 2) * block_bytes
     else:
         assert s.blocks == 0
+
+
+@given(budget=st.integers(0, 4096), max_bs=st.integers(1, 512), max_len=st.integers(2, 8192))
+def test_the_profiled_iteration_carries_the_most_tokens_an_iteration_can(budget: int, max_bs: int, max_len: int) -> None:
+    """The token budget, or max_bs decode rows' tokens where that is more (each takes its token past a
+    smaller budget), or a whole context; at most max_bs rows unless the context is shorter, none too long."""
+    rows = profile_rows(budget, max_bs, max_len)
+    tokens = max(budget, max_bs) if budget else max_len - 1
+    assert sum(rows) == tokens and all(1 <= n <= max_len - 1 for n in rows)
+    assert len(rows) <= max_bs or len(rows) == -(-tokens // (max_len - 1))
 
 
 def test_each_term_is_said_and_a_pool_short_of_one_request_is_refused_in_one_line() -> None:

@@ -31,9 +31,11 @@ Agree = Callable[[int], int]   # this stage's block count -> the one every stage
 
 
 def profile_rows(budget: int, max_bs: int, max_len: int) -> list[int]:
-    """Prompt lengths of the profiled iteration: the token budget (0, whole prompts: the context)
-    over max_bs rows (fewer when the budget is smaller), none longer than max_len - 1."""
-    tokens = budget or max_len - 1
+    """Prompt lengths of the profiled iteration: the most tokens an iteration carries (the token
+    budget, or max_bs when that is more: each decode row takes its token past a smaller budget; 0,
+    whole prompts: the context) over max_bs rows (fewer when there are fewer tokens), none longer
+    than max_len - 1."""
+    tokens = max(budget, max_bs) if budget else max_len - 1
     rows = max(min(max_bs, tokens), -(-tokens // (max_len - 1)))
     base, extra = divmod(tokens, rows)
     return [base + (i < extra) for i in range(rows)]
