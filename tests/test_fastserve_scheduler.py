@@ -19,7 +19,7 @@ from orca_mq.sched.fastserve import FastServeScheduler, select_batch
 from orca_mq.protocol.iteration import IterationPlan, IterationResult
 from orca_mq.kv.policy import ProactiveKV, ReactiveKV
 from orca_mq.sched.mlfq import SkipJoinMLFQ
-from orca_mq.sched.profiler import IterationProfile
+from orca_mq.sched.profiler import IterationProfile, Profiler
 from orca_mq.protocol.sampling import SamplingParams
 from orca_mq.sched.request import Request
 from orca_mq.models.info import ModelInfo
@@ -414,6 +414,22 @@ def test_probes_run_through_the_loop_first_and_requests_wait_for_the_profile():
     assert p.initiation_time(51) == pytest.approx(0.06) and p.initiation_time(201) == pytest.approx(0.21)
     assert p.increment_time(3) == pytest.approx(0.025)
     assert IterationProfile.from_dict(p.to_dict()) == p
+
+
+@pytest.mark.parametrize("block_size, blocks", [(16, 4), (4, 3), (1, 2)])
+def test_a_pool_smaller_than_one_increment_probe_still_profiles(block_size: int, blocks: int):
+    """A pool under the increment probes' context of 64 tokens (a test's, a tiny device's) still gets an
+    increment probe, shorter, inside the pool (it had none, and fitting the profile failed)."""
+    prof = Profiler(block_size, blocks, max_len=4096, max_bs=8, repeats=1)
+    kinds = {prof._what[p.iteration][0] for p in prof.plans if p.iteration in prof._what}
+    assert kinds == {"initiation", "increment"}
+    assert all(b < blocks for p in prof.plans for s in p.seqs for b in s.block_table)
+    assert all(len(s.block_table) * block_size >= s.start_pos + len(s.token_ids) for p in prof.plans for s in p.seqs)
+    now = 0.0
+    while (plan := prof.next_plan(now)) is not None:
+        now += 0.01
+        done = prof.finish(now)
+    assert done is not None and done.increment and done.initiation
 
 
 def test_token_budget_skip_join_and_charges_use_the_prompt_chunk():

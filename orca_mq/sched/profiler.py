@@ -94,7 +94,8 @@ class IterationProfile:
 class Profiler:
     """The synthetic iterations to time and the profile fitted from their timings:
     initiation of one request of 1, 16, 32, 64, ... up to max_len tokens, and increments of
-    1, 2, 4, ... max_bs requests, all inside a KV pool of num_blocks blocks. The probes write
+    1, 2, 4, ... max_bs requests (at most as many as the pool holds, each with INCREMENT_CONTEXT of KV
+    or what a smaller pool has), all inside a KV pool of num_blocks blocks. The probes write
     garbage into blocks no request owns yet, so they run before any request, one at a time, through
     the scheduler's own iteration loop (`Scheduler.step`): offline, served (timing the whole
     pipeline, control frame out to tokens back) and simulated alike. Their iteration numbers are
@@ -102,14 +103,15 @@ class Profiler:
 
     def __init__(self, block_size: int, num_blocks: int, max_len: int, max_bs: int, repeats: int = 3) -> None:
         max_len = min(max_len, num_blocks * block_size)
-        per_req = -(-(INCREMENT_CONTEXT + 1) // block_size)
+        context = min(INCREMENT_CONTEXT, max_len - 1)   # a pool smaller than one probe request still gets one
+        per_req = -(-(context + 1) // block_size)
         probes: list[tuple[str, int, list[SeqWork]]] = [
             ("initiation", n, [SeqWork("probe", [PROBE_TOKEN] * n, 0, list(range(-(-n // block_size))))])
             for n in sorted({1, max_len, *(n for n in (16 << i for i in range(16)) if n < max_len)})
         ]
         most = min(max_bs, num_blocks // per_req)
         for b in sorted({most, *(b for b in (1 << i for i in range(16)) if b < most)} - {0}):
-            seqs = [SeqWork(f"probe{i}", [PROBE_TOKEN], INCREMENT_CONTEXT, list(range(i * per_req, (i + 1) * per_req)))
+            seqs = [SeqWork(f"probe{i}", [PROBE_TOKEN], context, list(range(i * per_req, (i + 1) * per_req)))
                     for i in range(b)]
             probes.append(("increment", b, seqs))
         self.plans: list[IterationPlan] = []
