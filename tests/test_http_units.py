@@ -4,6 +4,7 @@ JSON body sent in slices."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from types import SimpleNamespace
 
@@ -15,7 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from orca_mq.bench.metrics import parse_goodput, summarize
 from orca_mq.api.errors import classify
 from orca_mq.api.messages_view import MessageOutput
-from orca_mq.api.offload import SLICE, SlicedJSON
+from orca_mq.api.chat_format import ChatFormat
+from orca_mq.api.offload import SLICE, Builder, SlicedJSON
 from orca_mq.api.parsers import Delta
 from orca_mq.api.responses_view import ResponseOutput
 from orca_mq.api.embeddings import EmbeddingRequest
@@ -23,6 +25,7 @@ from orca_mq.api.schemas import CompletionRequest, Usage
 from orca_mq.config import MAX_PROMPTS
 from orca_mq.api.responses_schema import MAX_ITEMS, ResponsesRequest
 from orca_mq.api.stream import StopStrings
+from orca_mq.api.reply import Reply
 from orca_mq.api.turn import Turn
 from orca_mq.api.metrics import ApiMetrics
 from orca_mq.server.telemetry import Telemetry
@@ -182,3 +185,39 @@ def test_a_stream_closed_at_its_first_event_ends_its_request():
 
     asyncio.run(leave_early())
     assert closed == [True]
+
+
+
+@pytest.mark.parametrize("tokens, off_loop", [(10, False), (100_000, True)])
+def test_a_streamed_reply_of_a_long_output_finishes_off_the_event_loop(tokens, off_loop):
+    """The Responses and Messages streams' last delta finishes the reply: the parser's end and the count of
+    the thinking's tokens (a whole long thinking tokenized again: about 0.1 s). A long output's runs on the
+    builder's thread, as the chat stream's finish chunk does; a short one's stays on the loop."""
+    threads = []
+
+    def count(text: str) -> int:
+        threads.append(threading.current_thread())
+        return len(text)
+
+    choice = SimpleNamespace(gen=SimpleNamespace(finish_reason="stop", completion_tokens=tokens, prompt_tail=""))
+    builder = Builder()
+
+    class Fan:
+        def __init__(self):
+            self.builder = builder
+
+        async def results(self):
+            yield choice, "<think>hmm"
+            yield choice, None
+
+        async def close(self):
+            pass
+
+    async def stream():
+        reply = Reply(ChatFormat(None, "deepseek_r1", False, count=count), frozenset(), False)
+        return [d async for d in Turn(Fan(), reply).deltas()], reply
+
+    deltas, reply = asyncio.run(stream())
+    builder.close()
+    assert reply.reasoning_tokens == len("hmm") and reply.reason == "stop" and len(deltas) == 2
+    assert (threads[0] is not threading.main_thread()) == off_loop

@@ -14,6 +14,7 @@ from starlette.requests import Request
 
 from orca_mq.api.errors import ApiError
 from orca_mq.api.fanout import Fanout, begin
+from orca_mq.api.offload import weight
 from orca_mq.api.parsers import CallDelta, Delta, Parsed
 from orca_mq.api.reply import Reply
 from orca_mq.api.schemas import Usage
@@ -71,11 +72,15 @@ class Turn:
         await begin(self.fan, request)
 
     async def deltas(self) -> AsyncIterator[Delta]:
-        """What each piece adds, the last one's with the reply finished (`reply.reason`); leaving early, or
-        an error raised here (ApiError), ends the request."""
+        """What each piece adds, the last one's with the reply finished (`reply.reason`: the parser's end and
+        the thinking's count, off the loop when the output is long, as the chat stream's finish chunk);
+        leaving early, or an error raised here (ApiError), ends the request."""
         try:
             async for c, text in self.fan.results():
-                yield self.reply.feed(c.gen, text) if text is not None else self.reply.finish(c.gen)
+                if text is not None:
+                    yield self.reply.feed(c.gen, text)
+                else:
+                    yield await self.fan.builder.build(lambda: self.reply.finish(c.gen), weight(c.gen.completion_tokens, 0))
         finally:
             await self.fan.close()
 
