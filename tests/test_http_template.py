@@ -114,7 +114,7 @@ def test_template_kwargs_reach_the_template(served):
 def test_template_kwargs_out_of_bounds_are_400_naming_them(served):
     _, oai, model, _, _ = served
     for kwargs, words in (({"messages": []}, "'messages'"), ({"add_generation_prompt": False}, "'add_generation_prompt'"),
-                          ({"x": "a" * MAX_TEMPLATE_KWARGS_CHARS}, "characters as JSON"), ([1], "dictionary")):
+                          ({"x": "a" * MAX_TEMPLATE_KWARGS_CHARS}, "characters as JSON"), ([1], "an object")):
         with pytest.raises(openai.BadRequestError, match=words) as e:
             oai.chat.completions.create(model=model, messages=CHAT, max_tokens=1, extra_body={"chat_template_kwargs": kwargs})
         assert e.value.param == "chat_template_kwargs", e.value.body

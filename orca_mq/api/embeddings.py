@@ -20,11 +20,12 @@ from __future__ import annotations
 import asyncio
 import base64
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field
 from starlette.requests import Request
 
+from orca_mq.api.body import parsed
 from orca_mq.api.edge import end_client
 from orca_mq.api.errors import ApiError, classify
 from orca_mq.api.metrics import ApiMetrics
@@ -73,7 +74,7 @@ class Embeddings:
         self.client, self.metrics, self.model = client, metrics, model
         self.hidden_size, self.max_inputs = hidden_size, max_inputs
 
-    async def create(self, body: EmbeddingRequest, request: Request) -> EmbeddingList:
+    async def create(self, body: Annotated[EmbeddingRequest, parsed(EmbeddingRequest)], request: Request) -> EmbeddingList:
         model = self.model(body.model)
         inputs = prompt_batch(body.input)
         if len(inputs) > self.max_inputs:

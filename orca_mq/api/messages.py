@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import Request
 
+from orca_mq.api.body import sized
 from orca_mq.api.messages_schema import MessagesRequest
 from orca_mq.api.messages_view import MessageOutput
 from orca_mq.api.responses_schema import validated
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
 
 async def message(api: Api, body: MessagesRequest, request: Request) -> Response:
     head = {"id": new_id("msg"), "type": "message", "role": "assistant", "model": api.model_for(body.model)}
-    turn = await api.turn(validated(ChatCompletionRequest, body.chat()), request)
+    turn = await api.turn(await sized(request, lambda: validated(ChatCompletionRequest, body.chat())), request)
     view = MessageOutput(head)
     if not body.stream:
         return JSONResponse(await turn.shown(view, request))

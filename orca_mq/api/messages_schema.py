@@ -21,8 +21,8 @@ from typing import Annotated, Any, Literal
 from pydantic import Discriminator, Field, Tag, model_validator
 from pydantic_core import PydanticCustomError
 
-from orca_mq.api.fields import http
-from orca_mq.api.schemas import MAX_STOP_LEN, MAX_STOP_STRINGS, Strict
+from orca_mq.api.fields import bounded, http
+from orca_mq.api.schemas import MAX_MESSAGES, MAX_STOP_LEN, MAX_STOP_STRINGS, Strict
 from orca_mq.api.tools import MAX_TOOLS
 from orca_mq.protocol.sampling_fields import INT32_MAX
 
@@ -143,14 +143,14 @@ class MessagesRequest(Strict):
 
     model: str = Field(max_length=256)
     max_tokens: http("max_tokens")
-    messages: list[MessageParam] = Field(min_length=1)
+    messages: bounded(list[MessageParam], MAX_MESSAGES, least=1)
     system: str | list[TextBlock] | None = None
-    stop_sequences: list[str] | None = Field(None, max_length=MAX_STOP_STRINGS)
+    stop_sequences: bounded(list[str], MAX_STOP_STRINGS) | None = None
     stream: bool = Field(False, strict=True)
     temperature: http("temperature", high=1.0) | None = None   # Anthropic's range
     top_p: http("top_p") | None = None
     top_k: http("top_k") | None = None
-    tools: list[ToolParam] | None = Field(None, max_length=MAX_TOOLS)
+    tools: bounded(list[ToolParam], MAX_TOOLS) | None = None
     tool_choice: ToolChoiceParam | None = None
     thinking: ThinkingParam | None = None
     output_config: OutputConfig | None = None

@@ -29,6 +29,7 @@ T = TypeVar("T")
 HEAVY = 2000            # weight past which a response is built off the loop (~a few ms of building)
 SLICE = 1 << 20         # bytes of a response body written in one turn of the loop
 CHARS_PER_WEIGHT = 64   # characters of text that weigh as much as one log probability
+BODY_BYTES_PER_WEIGHT = 16   # bytes of a request's body whose validation weighs as much (orca_mq.api.body)
 _NULL = '"logprobs":null'
 
 

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import Request
 
+from orca_mq.api.body import sized
 from orca_mq.api.responses_schema import ResponsesRequest, validated
 from orca_mq.api.responses_store import ResponseStore
 from orca_mq.api.responses_view import ResponseOutput, new_id
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
 async def respond(api: Api, store: ResponseStore, body: ResponsesRequest, request: Request) -> Response:
     model = api.model_for(body.model)
     history = store.get(body.previous_response_id) if body.previous_response_id is not None else []
-    chat = validated(ChatCompletionRequest, body.chat(history))
+    chat = await sized(request, lambda: validated(ChatCompletionRequest, body.chat(history)))
     turn = await api.turn(chat, request)
     rid = new_id("resp")
     view = ResponseOutput(_head(rid, model, body))

@@ -22,11 +22,11 @@ from typing import Annotated, Any, Literal
 from pydantic import Discriminator, Field, Tag, ValidationError
 
 from orca_mq.api.errors import from_validation
-from orca_mq.api.fields import http
-from orca_mq.api.schemas import JsonSchemaFormat, Strict
+from orca_mq.api.fields import at_most, bounded, http
+from orca_mq.api.schemas import MAX_MESSAGES, JsonSchemaFormat, Strict
 from orca_mq.api.tools import MAX_TOOLS, Function
 
-MAX_ITEMS = 4096       # input items of one request (each a message at least: the context bounds them long before)
+MAX_ITEMS = MAX_MESSAGES   # input items of one request (each a message at least)
 
 
 class _Item(Strict):
@@ -124,9 +124,9 @@ class ResponsesRequest(Strict):
                    "prompt_cache_key": (), "safety_identifier": (), "stream_options": ()}
 
     model: str | None = None
-    input: str | list[InputItem] = Field(max_length=MAX_ITEMS)
+    input: Annotated[str | list[InputItem], at_most(MAX_ITEMS)]   # one too_long, not the union's errors
     instructions: str | None = None
-    tools: list[FunctionTool] | None = Field(None, max_length=MAX_TOOLS)
+    tools: bounded(list[FunctionTool], MAX_TOOLS) | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedTool | None = None
     parallel_tool_calls: bool | None = Field(None, strict=True)
     max_output_tokens: http("max_tokens") | None = None

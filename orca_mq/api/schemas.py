@@ -38,10 +38,11 @@ from orca_mq.api.tools import MAX_TOOLS, Tool, ToolCall, ToolCallDelta, ToolChoi
 from orca_mq.api.logprobs import ChatLogprobs, CompletionLogprobs
 from orca_mq.admission.prompts import check_template_kwargs
 from orca_mq.errors import InvalidRequest
-from orca_mq.api.fields import http
+from orca_mq.api.fields import bounded, http
 from orca_mq.protocol.sampling_fields import (BIAS, INT32_MAX, MAX_LOGIT_BIAS_ENTRIES, MAX_STOP_TOKEN_IDS, TOKEN_ID,
                                               min_tokens_problem)
 
+MAX_MESSAGES = 4096             # messages of one request (Responses' input items): each costs the HTTP loop microseconds
 MAX_STOP_STRINGS = 16           # these two bound the work of the stop-string check on every token
 MAX_STOP_LEN = 256
 TokenId = http(TOKEN_ID)
@@ -170,12 +171,12 @@ class _Sampling(Strict):
     user: str | None = Field(None, max_length=256)                         # OpenAI's end-user id: accepted, unused
     top_k: http("top_k", low=-1) | None = None                             # vLLM extension; -1 = off, as vLLM
     ignore_eos: http("ignore_eos") | None = None                           # vLLM extension
-    stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)  # vLLM extension
+    stop_token_ids: bounded(list[TokenId], MAX_STOP_TOKEN_IDS) | None = None  # vLLM extension
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None  # vLLM extension: json | regex | choice | grammar | json_object
     presence_penalty: http("presence_penalty") | None = None
     frequency_penalty: http("frequency_penalty") | None = None
-    logit_bias: dict[BiasKey, http(BIAS)] | None = Field(None, max_length=MAX_LOGIT_BIAS_ENTRIES)   # the server's model.max_logit_bias: the frontend's
+    logit_bias: bounded(dict[BiasKey, http(BIAS)], MAX_LOGIT_BIAS_ENTRIES) | None = None   # the server's model.max_logit_bias: the frontend's
     repetition_penalty: http("repetition_penalty") | None = None           # vLLM extension
     min_tokens: http("min_tokens") | None = None                           # vLLM extension
     min_p: http("min_p") | None = None                                     # vLLM extension
@@ -290,7 +291,7 @@ class ChatMessage(Strict):
     role: str
     content: str | list[TextPart] | None = None   # None only beside an assistant's tool_calls
     name: str | None = Field(None, max_length=256)                 # accepted, not shown to the model
-    tool_calls: list[ToolCall] | None = Field(None, max_length=MAX_TOOLS)   # an assistant's earlier calls
+    tool_calls: bounded(list[ToolCall], MAX_TOOLS) | None = None   # an assistant's earlier calls
     tool_call_id: str | None = Field(None, max_length=256)         # a tool message's call
     reasoning_content: str | None = None                           # an assistant's thinking (a reasoning model's template reads it)
 
@@ -299,11 +300,13 @@ class ChatMessage(Strict):
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
             raise PydanticCustomError("missing_parameter", "a message needs content (only an assistant's tool_calls "
                                       "may stand without it)", {"param": "content"})
+        if isinstance(self.content, list):   # joined once, where the body is validated (api/body.py: off the loop)
+            self.content = "".join(p.text for p in self.content)
         return self
 
     @property
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
+        return self.content if isinstance(self.content, str) else ""   # parts were joined at validation
 
     def plain(self) -> dict[str, Any]:
         calls = [c.model_dump() for c in self.tool_calls or []]
@@ -326,11 +329,11 @@ class ChatMessage(Strict):
 class ChatCompletionRequest(_Sampling):
     UNSUPPORTED = CHAT_UNSUPPORTED
 
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: bounded(list[ChatMessage], MAX_MESSAGES, least=1)
     max_completion_tokens: http("max_tokens") | None = None
     logprobs: bool | None = Field(None, strict=True)                      # each token's log probability...
     top_logprobs: http("logprobs") | None = None          # ...and its k most likely (needs logprobs)
-    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
+    tools: bounded(list[Tool], MAX_TOOLS) | None = None
     tool_choice: ToolChoice | None = None         # default: auto with tools, none without
     parallel_tool_calls: bool | None = Field(None, strict=True)   # default true
     chat_template_kwargs: dict[str, Any] | None = None   # vLLM extension: more variables for the chat template

@@ -24,6 +24,7 @@ import os
 import signal
 import time
 from collections.abc import Callable, Iterator
+from typing import Annotated
 
 import uvicorn
 import zmq.asyncio
@@ -42,6 +43,7 @@ from orca_mq.models.files import resolve_model_path
 from orca_mq.models.registry import read_model_info
 from orca_mq.logs import setup_logging
 from orca_mq.protocol.control_msgs import Ready
+from orca_mq.api.body import parsed
 from orca_mq.api.edge import ApiKeyGuard, BodyLimit, Handled, end_client
 from orca_mq.api.embeddings import Embeddings
 from orca_mq.api.errors import INTERNAL_TEXT, ApiError, body_for, from_validation
@@ -104,6 +106,7 @@ class Api:
 
     def _routes(self) -> FastAPI:
         app = FastAPI(title="orca-mq", docs_url=None, redoc_url=None)
+        app.state.builder = self.builder   # bodies are validated off the loop as heavy responses are built (api/body.py)
 
         @app.exception_handler(RequestValidationError)
         async def invalid(request: Request, e: RequestValidationError) -> JSONResponse:
@@ -140,7 +143,7 @@ class Api:
 
     # ---------------------------------------------------------------- generation
 
-    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+    async def completions(self, body: Annotated[CompletionRequest, parsed(CompletionRequest)], request: Request) -> Response:
         rid, model = new_id("cmpl"), self.model_for(body.model)
 
         def chunk(c: Choice, text: str, reason: str | None, usage: Usage | None) -> Completion:
@@ -153,7 +156,7 @@ class Api:
 
         return await self._serve(body, request, chunk, whole)
 
-    async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
+    async def chat(self, body: Annotated[ChatCompletionRequest, parsed(ChatCompletionRequest)], request: Request) -> Response:
         rid, model = new_id("chatcmpl"), self.model_for(body.model)
         body.bind(await self.chat_format())
         return await self._serve(body, request, *chat_builders(body, rid, model))
@@ -171,10 +174,10 @@ class Api:
             raise
         return StreamingResponse(events(fan, chunk, body.include_usage, opening), media_type="text/event-stream")
 
-    async def responses(self, body: ResponsesRequest, request: Request) -> Response:
+    async def responses(self, body: Annotated[ResponsesRequest, parsed(ResponsesRequest)], request: Request) -> Response:
         return await respond(self, self.responses_store, body, request)
 
-    async def messages(self, body: MessagesRequest, request: Request) -> Response:
+    async def messages(self, body: Annotated[MessagesRequest, parsed(MessagesRequest)], request: Request) -> Response:
         return await message(self, body, request)
 
     async def turn(self, body: ChatCompletionRequest, request: Request) -> Turn:
@@ -216,11 +219,11 @@ class Api:
     def _card(self, name: str) -> ModelCard:
         return ModelCard(id=name, created=self.created, max_model_len=self.max_model_len)
 
-    async def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
+    async def tokenize(self, body: Annotated[TokenizeRequest, parsed(TokenizeRequest)]) -> TokenizeResponse:
         self._check_model(body.model)
         return await self.tokenization.tokenize(body)
 
-    async def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
+    async def detokenize(self, body: Annotated[DetokenizeRequest, parsed(DetokenizeRequest)]) -> DetokenizeResponse:
         self._check_model(body.model)
         return await self.tokenization.detokenize(body)
 

@@ -21,7 +21,8 @@ from pydantic import BaseModel, Field, model_validator
 from pydantic_core import PydanticCustomError
 
 from orca_mq.api.errors import ApiError
-from orca_mq.api.schemas import ChatMessage, Strict, TokenId
+from orca_mq.api.fields import bounded
+from orca_mq.api.schemas import MAX_MESSAGES, ChatMessage, Strict, TokenId
 from orca_mq.config import Config
 from orca_mq.errors import InvalidRequest
 from orca_mq.protocol.client_msgs import Generate
@@ -38,7 +39,7 @@ class TokenizeRequest(Strict):
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    messages: bounded(list[ChatMessage], MAX_MESSAGES, least=1) | None = None
     # whether the tokenizer adds its special tokens (BOS): default yes for a prompt, no for messages (the
     # chat template writes them), as vLLM and as a generation of the same prompt
     add_special_tokens: bool | None = Field(None, strict=True)
