@@ -6,7 +6,8 @@ another, and a /health poller. Measured: the bystander's latency p50/p99 idle an
 and /health's. Target: no attack raises the bystander's p99 above 2x its idle p99, nor /health's
 p99 above 100 ms. A benign request of the same size (n = 16 short choices) is the control: what
 sharing the batch costs on this engine, pathology aside. `queue_flood` is many requests (17 x 64
-choices, one API key), reported beside. `one_request` is the host's floor: one ordinary request (one
+choices, one API key), reported beside; `many_messages` and `many_parts` four bodies at
+server.http_max_body_bytes of small messages or of one message's text parts (validation costs a body's elements). `one_request` is the host's floor: one ordinary request (one
 choice, generating to the context's end) keeps the engine busy, which is what any concurrent client does to
 the bystander's iterations; each attack's p99 is also given against it. `long_prompt` is prompt_logprobs'
 control: as long a prompt, ordinary, whose chunks of prefill (scheduler.max_num_batched_tokens an
@@ -54,9 +55,12 @@ TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {"typ
 ASK = [{"role": "user", "content": "What time is it?"}]
 
 
-def attacks(max_n: int, max_choices: int, max_logprobs: int, max_len: int) -> dict[str, list[tuple[str, dict[str, Any]]]]:
+def attacks(max_n: int, max_choices: int, max_logprobs: int, max_len: int,
+            max_body: int) -> dict[str, list[tuple[str, dict[str, Any]]]]:
     """Each attack's requests: (path, body)."""
     per_choice = max_logprobs // (max_n * 21)          # positions one choice may carry at 20 alternatives
+    tiny, part = {"role": "user", "content": "x"}, {"type": "text", "text": "x"}
+    fill = lambda unit: (max_body - 100) // len(json.dumps(unit) + ", ")   # noqa: E731 (a body at the size bound)
     deep = "[" * 100_000 + "]" * 100_000
     chat = "/v1/chat/completions"
     return {
@@ -82,6 +86,10 @@ def attacks(max_n: int, max_choices: int, max_logprobs: int, max_len: int) -> di
                                "max_tokens": max_len - 64, "ignore_eos": True})],
         "nested_args": [(chat, {"messages": [*ASK, {"role": "assistant", "content": None, "tool_calls": [
             {"id": "c", "type": "function", "function": {"name": "get_time", "arguments": deep}}]}], "tools": [TOOL]})],
+        # bodies at the size bound of small elements (validation costs a body's elements): messages past the
+        # bound on them (refused), and one message of text parts (accepted: one long prompt)
+        "many_messages": [(chat, {"messages": [tiny] * fill(tiny), "max_tokens": 1})] * 4,
+        "many_parts": [(chat, {"messages": [{"role": "user", "content": [part] * fill(part)}], "max_tokens": 1})] * 4,
         "queue_flood": [("/v1/completions", {"prompt": ["Count:"] * max_choices, "max_tokens": 64, "ignore_eos": True})] * 17,
     }
 
@@ -207,7 +215,8 @@ def main() -> None:
         args.set.append(f"model.path={random_llama(Path(tempfile.mkdtemp(prefix='fairness-')) / 'tiny', layers=2, max_positions=2048)}")
     cfg = load_config(overrides=args.set)
     max_len = min(cfg.model.max_model_len, 2048)
-    plan = attacks(cfg.server.http_max_n, cfg.server.http_max_choices, cfg.server.http_max_logprobs, max_len)
+    plan = attacks(cfg.server.http_max_n, cfg.server.http_max_choices, cfg.server.http_max_logprobs, max_len,
+                   cfg.server.http_max_body_bytes)
     names = [n for n in args.attacks.split(",") if n] or list(plan)
     port = free_port()
     report: dict[str, Any] = {"machine": {"cpus": os.cpu_count(), "load_avg_start": os.getloadavg(), "python": platform.python_version()},
