@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import httpx
@@ -87,3 +88,36 @@ def test_tokenize_is_the_frontends_prompt_path(api, prompts):
 def test_tokenize_mistakes_are_openai_error_objects(api, path, body, status, needle):
     r = _call(api, "POST", path, body)
     assert r.status_code == status and needle in r.json()["error"]["message"], r.text
+
+
+def test_every_post_route_documents_the_body_it_reads(api):
+    """The bodies are read by api/body.py, not by FastAPI, which documents only what it reads: each route
+    says its schema itself, definitions inlined (the schema fuzzers generate their cases from it: without
+    it they sent no body at all)."""
+    paths = _call(api, "GET", "/openapi.json").json()["paths"]
+    fields = {"/v1/completions": "prompt", "/v1/chat/completions": "messages", "/v1/responses": "input",
+              "/v1/messages": "messages", "/v1/embeddings": "input", "/tokenize": "messages", "/detokenize": "tokens"}
+    for path, field in fields.items():
+        body = paths[path]["post"]["requestBody"]
+        schema = body["content"]["application/json"]["schema"]
+        assert body["required"] and field in schema["properties"] and "#/$defs/" not in json.dumps(schema), path
+
+
+@pytest.mark.parametrize("encoding", ["utf-8-sig", "utf-16", "utf-32"])
+def test_a_body_is_read_in_the_encodings_json_reads_and_a_non_object_is_named(api, encoding):
+    """As json.loads reads bytes (Starlette's request.json() before api/body.py): a UTF-8 BOM, UTF-16 and
+    UTF-32 bodies are read; a body of JSON that is no object is said to be one that must be."""
+    body = {"messages": [{"role": "user", "content": "Say hi."}]}
+    want = _call(api, "POST", "/tokenize", body).json()["tokens"]
+    got = _raw(api, "/tokenize", json.dumps(body).encode(encoding))
+    assert got.status_code == 200 and got.json()["tokens"] == want
+    for raw in (b"null", b"[]", b"5"):
+        err = _raw(api, "/tokenize", raw).json()["error"]
+        assert err["code"] == "invalid_type" and "must be a JSON object" in err["message"], raw
+
+
+def _raw(api: Api, path: str, content: bytes) -> httpx.Response:
+    async def go() -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=api.app), base_url="http://api") as c:
+            return await c.post(path, content=content, headers={"content-type": "application/json"})
+    return asyncio.run(go())

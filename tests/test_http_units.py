@@ -4,6 +4,7 @@ JSON body sent in slices."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 import time
 from types import SimpleNamespace
@@ -294,3 +295,27 @@ def test_a_messages_text_parts_are_joined_once_where_the_body_is_validated():
     body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": [
         {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]})
     assert body.messages[0].content == "ab" and body.messages[0].text == "ab"
+
+
+def test_the_collector_stays_paused_while_any_validation_runs_and_comes_back_after_the_last():
+    """Validations overlap (the loop's small bodies, the builder's large ones): the first in pauses the cyclic
+    collector and the last out resumes it. Each remembering what it found left it off for good when a small
+    body's began inside a large one's and ended after it (a reviewer's race: found within seconds)."""
+    from orca_mq.api.body import _PAUSE
+    assert gc.isenabled()
+    outer, inner = threading.Event(), threading.Event()
+
+    def large():
+        with _PAUSE:
+            outer.set()
+            inner.wait(5)
+
+    t = threading.Thread(target=large)
+    t.start()
+    outer.wait(5)
+    with _PAUSE:       # a small body's validation, begun inside the large one's
+        assert not gc.isenabled()
+        inner.set()
+        t.join(5)      # the large one ends first
+        assert not gc.isenabled()
+    assert gc.isenabled()

@@ -6,17 +6,24 @@ JSON decode alone 70-90 ms), every other client's tokens and /health waiting mea
 bytes are decoded and validated in one call (pydantic's `model_validate_json`) as a heavy response is
 built (orca_mq.api.offload: a body weighs a unit per BODY_BYTES_PER_WEIGHT bytes, so past 32 KB on the
 builder's thread, which hands the GIL back at the schemas' Python validators); a small body in place,
-cheaper than the hop. A refusal is FastAPI's RequestValidationError, each location under "body", read
-by the same handler as before: no body is a missing one, a body that is not declared JSON
-(content-type application/json or +json) is no JSON object, a body that does not parse is invalid JSON.
+cheaper than the hop. The cyclic garbage collector pauses meanwhile (a body's objects hold no cycles,
+and the full collections their number set off held the GIL 30-120 ms each). A refusal is FastAPI's
+RequestValidationError, each location under "body", read by the same handler as before: no body is a
+missing one, a body that is not declared JSON (content-type application/json or +json) is no JSON
+object, a body that does not parse is invalid JSON. A body in UTF-16, UTF-32 or with a UTF-8 BOM is read
+as json.loads reads bytes; JSON nested deeper than 200 levels is refused (pydantic's parser's bound).
 
-An endpoint's body parameter is `Annotated[Model, parsed(Model)]`; the app's state carries the
-builder (`app.state.builder`).
+An endpoint's body parameter is `Annotated[Model, parsed(Model)]`, its route registered with
+`openapi_extra=documented(endpoint)` (FastAPI documents only the bodies it reads itself: the schema
+fuzzers generate cases from it); the app's state carries the builder (`app.state.builder`).
 """
 from __future__ import annotations
 
 import email.message
 import gc
+import inspect
+import json
+import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -35,6 +42,24 @@ def parsed(model: type[M]) -> Any:
     async def read(request: Request) -> M:
         return await validate(request, model)
     return Depends(read)
+
+
+def documented(endpoint: Callable[..., Any]) -> dict[str, Any]:
+    """openapi_extra naming the body an endpoint's `body` parameter reads (`Annotated[Model, parsed(Model)]`),
+    its schema's definitions inlined (no two models' same-named parts share a component)."""
+    model = inspect.signature(endpoint, eval_str=True).parameters["body"].annotation.__origin__
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def inline(node: Any) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref", "")
+            if ref.startswith("#/$defs/"):
+                return inline(defs[ref.removeprefix("#/$defs/")]) | {k: inline(v) for k, v in node.items() if k != "$ref"}
+            return {k: inline(v) for k, v in node.items()}
+        return [inline(v) for v in node] if isinstance(node, list) else node
+
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": inline(schema)}}}}
 
 
 async def validate(request: Request, model: type[M]) -> M:
@@ -64,15 +89,38 @@ def _json(content_type: str | None) -> bool:
     return message.get_content_maintype() == "application" and (subtype == "json" or subtype.endswith("+json"))
 
 
+class _CollectorPause:
+    """The cyclic garbage collector off while any validation runs: validations overlap (the loop's small
+    bodies, the builder's large ones), so the first in turns it off and the last out back on, if it was."""
+
+    def __init__(self) -> None:
+        self.lock, self.inside, self.resume = threading.Lock(), 0, False
+
+    def __enter__(self) -> None:
+        with self.lock:
+            if not self.inside:
+                self.resume = gc.isenabled()
+                gc.disable()
+            self.inside += 1
+
+    def __exit__(self, *exc: object) -> None:
+        with self.lock:
+            self.inside -= 1
+            if not self.inside and self.resume:
+                gc.enable()
+
+
+_PAUSE = _CollectorPause()
+
+
 def _validated(model: type[M], raw: bytes) -> M:
-    """The body as `model`, the cyclic garbage collector paused meanwhile: a body's objects hold no cycles,
-    and the full collections their number set off held the GIL 30-120 ms each (six in 4 MB of parts)."""
-    collecting = gc.isenabled()
-    gc.disable()
     try:
-        return model.model_validate_json(raw)
+        if (encoding := json.detect_encoding(raw)) != "utf-8":   # as json.loads reads bytes (a BOM, UTF-16, UTF-32)
+            raw = raw.decode(encoding).encode()
+        with _PAUSE:
+            return model.model_validate_json(raw)
+    except UnicodeDecodeError as e:
+        raise RequestValidationError([{"type": "json_invalid", "loc": ("body",), "msg": "JSON decode error", "input": {},
+                                       "ctx": {"error": str(e)}}]) from None
     except ValidationError as e:
         raise RequestValidationError([{**err, "loc": ("body", *err["loc"])} for err in e.errors(include_url=False)]) from None
-    finally:
-        if collecting:
-            gc.enable()

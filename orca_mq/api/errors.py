@@ -79,7 +79,7 @@ def from_validation(errors: Sequence[Any]) -> ApiError:
     if "param" in ctx:  # ours (orca_mq.api.schemas): the message names the field
         return ApiError(400, str(err["msg"]), kind if kind in CUSTOM else "invalid_value", str(ctx["param"]))
     param = ".".join(map(str, _path(err["loc"][1:]))) or None
-    if param is None and kind in ("model_attributes_type", "dict_type"):
+    if param is None and kind in ("model_attributes_type", "model_type", "dict_type"):
         return ApiError(400, "the body must be a JSON object (header content-type: application/json)", "invalid_type")
     code = "missing_parameter" if kind == "missing" else "invalid_type" if kind.endswith(("_type", "_parsing")) else "invalid_value"
     return ApiError(400, f"{param or 'body'}: {err['msg']}", code, param)

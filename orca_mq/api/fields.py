@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from pydantic import AfterValidator, BeforeValidator, Field
-from pydantic_core import PydanticCustomError, PydanticKnownError
+from pydantic_core import PydanticCustomError
 
 from orca_mq.protocol.sampling_fields import FIELDS, SamplingField
 
@@ -45,10 +45,11 @@ def bounded(kind: Any, most: int, least: int = 0) -> Any:
 def at_most(most: int) -> Any:
     """A list or dict of more than `most` elements refused before they are read: pydantic's max_length
     counts them after validating each (a body of 123,000 small messages: 0.7 s of validation to refuse).
-    The error is pydantic's own too_long."""
+    The error is pydantic's too_long, without its "after validation"."""
     def check(v: Any) -> Any:
         if isinstance(v, (list, dict)) and len(v) > most:
-            raise PydanticKnownError("too_long", {"field_type": "List" if isinstance(v, list) else "Dictionary",
-                                                  "max_length": most, "actual_length": len(v)})
+            raise PydanticCustomError("too_long", "{field_type} should have at most {max_length} items, not {actual_length}",
+                                      {"field_type": "List" if isinstance(v, list) else "Dictionary", "max_length": most,
+                                       "actual_length": len(v)})
         return v
     return BeforeValidator(check)

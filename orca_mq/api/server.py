@@ -24,7 +24,7 @@ import os
 import signal
 import time
 from collections.abc import Callable, Iterator
-from typing import Annotated
+from typing import Annotated, Any
 
 import uvicorn
 import zmq.asyncio
@@ -43,7 +43,7 @@ from orca_mq.models.files import resolve_model_path
 from orca_mq.models.registry import read_model_info
 from orca_mq.logs import setup_logging
 from orca_mq.protocol.control_msgs import Ready
-from orca_mq.api.body import parsed
+from orca_mq.api.body import documented, parsed
 from orca_mq.api.edge import ApiKeyGuard, BodyLimit, Handled, end_client
 from orca_mq.api.embeddings import Embeddings
 from orca_mq.api.errors import INTERNAL_TEXT, ApiError, body_for, from_validation
@@ -127,15 +127,16 @@ class Api:
             self.log.exception("request failed", error=str(e)[:500])
             return _json_error(ApiError(500, INTERNAL_TEXT, "internal"), request)
 
-        app.post("/v1/completions", response_model=None)(self.completions)
-        app.post("/v1/chat/completions", response_model=None)(self.chat)
-        app.post("/v1/responses", response_model=None)(self.responses)
-        app.post("/v1/messages", response_model=None)(self.messages)
-        app.post("/v1/embeddings")(self.embeddings.create)
+        posts: list[tuple[str, Callable[..., Any], dict[str, Any]]] = [
+            ("/v1/completions", self.completions, {"response_model": None}),
+            ("/v1/chat/completions", self.chat, {"response_model": None}),
+            ("/v1/responses", self.responses, {"response_model": None}),
+            ("/v1/messages", self.messages, {"response_model": None}),
+            ("/v1/embeddings", self.embeddings.create, {}), ("/tokenize", self.tokenize, {}), ("/detokenize", self.detokenize, {})]
+        for path, endpoint, more in posts:   # each reads its body itself (api/body.py), documented here
+            app.post(path, openapi_extra=documented(endpoint), **more)(endpoint)
         app.get("/v1/models")(self.models)
         app.get("/v1/models/{model_id:path}")(self.retrieve_model)
-        app.post("/tokenize")(self.tokenize)
-        app.post("/detokenize")(self.detokenize)
         app.get("/version")(self.version)
         app.get("/health")(self.health)
         app.get("/metrics")(self.scrape)
