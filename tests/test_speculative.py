@@ -212,3 +212,18 @@ def test_constrained_drafts_follow_the_grammar(tiny_served_dir, constraint: dict
     on, on_reasons, stats = _run(model, prompts, params, speculative__method="ngram")
     assert on == off and on_reasons == off_reasons
     assert stats["spec_accepted_tokens"] > 0 and stats["free_slots"] == stats["n_slots"] - stats["used_slots"]
+
+
+def test_async_scheduling_still_speculates(tiny_served_dir) -> None:
+    """Under async scheduling every running request was planned ahead of its last token, so none was ever
+    idle when drafts were proposed: no draft at all (64 iterations for 8 x 64 tokens, against 25 without
+    async). A request likely to draft now waits for its token instead: the same tokens, in far fewer
+    iterations than one a token."""
+    model, prompts = str(tiny_served_dir), _prompts(8)
+    params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+    sync, _, _ = _run(model, prompts, params, speculative__method="ngram")
+    llm = LLM(model, dtype="float32", block_size=4, n_slots=8192, speculative__method="ngram", async_scheduling="on")
+    outs = llm.generate(prompts, params)
+    stats = llm.scheduler.stats()
+    assert llm.scheduler.ahead and [o.token_ids for o in outs] == sync
+    assert stats["spec_accepted_tokens"] > 64 and stats["iterations"] < 0.75 * 64, stats

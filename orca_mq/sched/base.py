@@ -440,11 +440,13 @@ class Scheduler:
     def selectable(self, req: Request) -> bool:
         """Idle, or running and plannable ahead: in the last iteration planned (whose tokens the engine
         keeps), decoding freely (no prompt left, no grammar that needs its token first), and that
-        token not its last by length (a stop token found late costs one row of a wasted iteration)."""
+        token not its last by length (a stop token found late costs one row of a wasted iteration), nor
+        likely to propose a draft once that token is back (Speculator.will_draft)."""
         return not req.running or (
             self.ahead and req.in_flight == 1 and req.planned == self.iteration and req.phase is Phase.INCREMENT
             and req.grammar is None and not req.aborted and not req.draft
-            and len(req.output_token_ids) + 2 <= req.params.max_tokens)
+            and len(req.output_token_ids) + 2 <= req.params.max_tokens
+            and not (self.speculator is not None and self.speculator.will_draft(req)))
 
     def enter(self, req: Request) -> None:
         """A request joined the pool (FastServe: its skip-join)."""

@@ -51,19 +51,18 @@ class Speculator:
         room = self.cap - tokens
         out: dict[str, list[int]] = {}
         for req in batch:
-            if room <= 0:
-                break
             spec = req.spec
-            if spec is None or req.running or req.prompt_pending or not self.eligible(req):
+            if spec is None or req.prompt_pending or not self.eligible(req):
                 continue
-            if spec.wait:
+            if spec.wait:   # a back-off counts the iterations a request takes part in, planned ahead or not
                 spec.wait -= 1
+                continue
+            if room <= 0 or req.running:   # planned ahead: its last token is not known yet
                 continue
             k = min(spec.k, room, req.params.max_tokens - len(req.output_token_ids) - 1, max_len - req.num_tokens)
             if k <= 0:
                 continue
-            spec.index.extend(req.output_token_ids[len(spec.index.tokens) - len(req.prompt_token_ids):])
-            draft = spec.index.propose(k)
+            draft = self._index(req).propose(k)
             if draft:
                 out[req.request_id] = draft
                 room -= len(draft)
@@ -91,6 +90,23 @@ class Speculator:
                 del s.token_ids[len(s.token_ids) - s.draft + kept:]
                 s.draft = req.draft = kept
             s.draft_bitmasks = masks
+
+    def will_draft(self, req: "Request") -> bool:
+        """Whether a request is likely to propose a draft once its token in flight is back (its tokens so
+        far end in an n-gram seen before, no back-off): under async scheduling it then waits for that token
+        rather than being planned ahead, which would leave it never idle when drafts are proposed (async
+        scheduling on and no draft at all, before). It takes part in every other iteration then, which
+        pays where a draft keeps a token or more; one that keeps missing backs off and is planned ahead."""
+        spec = req.spec
+        return spec is not None and not spec.wait and self.eligible(req) and bool(self._index(req).propose(1))
+
+    @staticmethod
+    def _index(req: "Request") -> "NgramIndex":
+        """The request's n-gram index, its output tokens added."""
+        spec = req.spec
+        assert spec is not None
+        spec.index.extend(req.output_token_ids[len(spec.index.tokens) - len(req.prompt_token_ids):])
+        return spec.index
 
     def learn(self, req: "Request", drafted: int, kept: int) -> None:
         """A verify row came back keeping `kept` of its `drafted` tokens: k follows what it keeps."""
