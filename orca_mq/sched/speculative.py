@@ -35,6 +35,7 @@ class Speculator:
         self.cfg = cfg
         self.cap = min(cfg.max_batch_tokens, token_budget) if token_budget else cfg.max_batch_tokens
         self.counters = SpecCounters(accepted_per_pos=[0] * cfg.num_tokens)
+        self.spare = self.cap   # draft tokens the next iteration may hold (the last one's room), less those promised
 
     @staticmethod
     def eligible(req: "Request") -> bool:
@@ -48,7 +49,7 @@ class Speculator:
     def propose(self, batch: list["Request"], tokens: int, max_len: int) -> dict[str, list[int]]:
         """Drafts for the batch's increment rows, in batch order, while the iteration (`tokens` so
         far) stays within the cap; none past a request's max_tokens or the model's length."""
-        room = self.cap - tokens
+        room = self.spare = self.cap - tokens
         out: dict[str, list[int]] = {}
         for req in batch:
             spec = req.spec
@@ -93,12 +94,17 @@ class Speculator:
 
     def will_draft(self, req: "Request") -> bool:
         """Whether a request is likely to propose a draft once its token in flight is back (its tokens so
-        far end in an n-gram seen before, no back-off): under async scheduling it then waits for that token
-        rather than being planned ahead, which would leave it never idle when drafts are proposed (async
-        scheduling on and no draft at all, before). It takes part in every other iteration then, which
-        pays where a draft keeps a token or more; one that keeps missing backs off and is planned ahead."""
+        far end in an n-gram seen before, no back-off, room left for drafts in the next iteration as the
+        last one's rows leave it, less the k of each request already held back): under async scheduling it
+        then waits for that token rather than being planned ahead, which would leave it never idle when
+        drafts are proposed (async scheduling on and no draft at all, before). It takes part in every other
+        iteration then, which pays where a draft keeps a token or more; one that keeps missing backs off,
+        and without room it is planned ahead (at a full batch it would wait for no draft)."""
         spec = req.spec
-        return spec is not None and not spec.wait and self.eligible(req) and bool(self._index(req).propose(1))
+        if spec is None or spec.wait or self.spare <= 0 or not self.eligible(req) or not self._index(req).propose(1):
+            return False
+        self.spare -= spec.k
+        return True
 
     @staticmethod
     def _index(req: "Request") -> "NgramIndex":
