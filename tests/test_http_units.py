@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from orca_mq.bench.metrics import parse_goodput, summarize
 from orca_mq.api.errors import classify
 from orca_mq.api.messages_view import MessageOutput
-from orca_mq.api.body import parsed
+from orca_mq.api.body import _PAUSE, parsed
 from orca_mq.api.chat_format import ChatFormat
 from orca_mq.api.offload import SLICE, Builder, SlicedJSON
 from orca_mq.api.parsers import Delta
@@ -301,7 +301,6 @@ def test_the_collector_stays_paused_while_any_validation_runs_and_comes_back_aft
     """Validations overlap (the loop's small bodies, the builder's large ones): the first in pauses the cyclic
     collector and the last out resumes it. Each remembering what it found left it off for good when a small
     body's began inside a large one's and ended after it (a reviewer's race: found within seconds)."""
-    from orca_mq.api.body import _PAUSE
     assert gc.isenabled()
     outer, inner = threading.Event(), threading.Event()
 

@@ -7,8 +7,8 @@ and /health's. Target: no attack raises the bystander's p99 above 2x its idle p9
 p99 above 100 ms. A benign request of the same size (n = 16 short choices) is the control: what
 sharing the batch costs on this engine, pathology aside. `queue_flood` is many requests (17 x 64
 choices, one API key), reported beside; `many_messages` and `many_parts` four bodies at
-server.http_max_body_bytes of small messages or of one message's text parts (validation costs a body's elements). `one_request` is the host's floor: one ordinary request (one
-choice, generating to the context's end) keeps the engine busy, which is what any concurrent client does to
+server.http_max_body_bytes of small messages or of one message's text parts (validation costs a body's
+elements). `one_request` is the host's floor: one ordinary request (one choice, generating to the context's end) keeps the engine busy, which is what any concurrent client does to
 the bystander's iterations; each attack's p99 is also given against it. `long_prompt` is prompt_logprobs'
 control: as long a prompt, ordinary, whose chunks of prefill (scheduler.max_num_batched_tokens an
 iteration) cost the bystander's iterations what they cost. The server has two API keys, the attacker's and the
@@ -60,7 +60,6 @@ def attacks(max_n: int, max_choices: int, max_logprobs: int, max_len: int,
     """Each attack's requests: (path, body)."""
     per_choice = max_logprobs // (max_n * 21)          # positions one choice may carry at 20 alternatives
     tiny, part = {"role": "user", "content": "x"}, {"type": "text", "text": "x"}
-    fill = lambda unit: (max_body - 100) // len(json.dumps(unit) + ", ")   # noqa: E731 (a body at the size bound)
     deep = "[" * 100_000 + "]" * 100_000
     chat = "/v1/chat/completions"
     return {
@@ -88,10 +87,16 @@ def attacks(max_n: int, max_choices: int, max_logprobs: int, max_len: int,
             {"id": "c", "type": "function", "function": {"name": "get_time", "arguments": deep}}]}], "tools": [TOOL]})],
         # bodies at the size bound of small elements (validation costs a body's elements): messages past the
         # bound on them (refused), and one message of text parts (accepted: one long prompt)
-        "many_messages": [(chat, {"messages": [tiny] * fill(tiny), "max_tokens": 1})] * 4,
-        "many_parts": [(chat, {"messages": [{"role": "user", "content": [part] * fill(part)}], "max_tokens": 1})] * 4,
+        "many_messages": [(chat, {"messages": [tiny] * _filling(tiny, max_body), "max_tokens": 1})] * 4,
+        "many_parts": [(chat, {"messages": [{"role": "user", "content": [part] * _filling(part, max_body)}],
+                               "max_tokens": 1})] * 4,
         "queue_flood": [("/v1/completions", {"prompt": ["Count:"] * max_choices, "max_tokens": 64, "ignore_eos": True})] * 17,
     }
+
+
+def _filling(unit: dict[str, Any], max_body: int) -> int:
+    """How many `unit`s, JSON-encoded as a list's elements, make a body at the size bound."""
+    return (max_body - 100) // len(json.dumps(unit) + ", ")
 
 
 def _attack(base: str, requests: list[tuple[str, dict[str, Any]]], conn: Any) -> None:
