@@ -75,7 +75,7 @@ class SchedulerConfig:
     max_bs: int = 32
     max_num_batched_tokens: int = 256
     async_scheduling: Switch = "auto"
-    client_rows: int = 0
+    client_rows: int = -1
 
 
 @dataclass(slots=True)
@@ -308,7 +308,7 @@ RANGES: dict[str, Range] = {
     "engine.gpu_memory_utilization": Range(0, 1, above=True), "engine.block_size": _ONE, "engine.host_slots": _COUNT, "engine.deterministic_rows": _ONE,
     "engine.cuda_graph_max_bs": Range(0, note="0: scheduler.max_bs"),
     "scheduler.max_bs": _ONE, "scheduler.max_num_batched_tokens": Range(0, note="0: whole prompts"),
-    "scheduler.client_rows": Range(0, note="0: no cap"),
+    "scheduler.client_rows": Range(-1, note="-1: 2 on a CPU, none on CUDA; 0: no cap"),
     "speculative.num_tokens": Range(1, 64), "speculative.lookup_min": _ONE, "speculative.lookup_max": Range(1, 64),
     "speculative.max_batch_tokens": _ONE,
     "fastserve.n_queues": _ONE, "fastserve.quantum": Range(0, note="0: one profiled iteration"),

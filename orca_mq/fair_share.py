@@ -16,8 +16,8 @@ caller's own check.
 An iteration's rows (`in_turn`, scheduler.client_rows): on a CPU each row costs the sampler's passes
 over the vocabulary and its log probabilities, closing plans and penalties, so one client's 16 choices
 slow every other client's tokens (tools/bench_fairness.py); with a cap, no client keeps more rows in
-an iteration than both the cap and the most another client has, the rest waiting a later iteration. On
-a GPU, where a row is nearly free, a cap only shrinks batches: it is off by default.
+an iteration than both the cap and the most another client has, the rest waiting a later iteration. Its
+default (auto) is 2 on a CPU and no cap on CUDA, where a row is nearly free and a cap only shrinks batches.
 """
 from __future__ import annotations
 

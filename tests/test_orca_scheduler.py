@@ -416,6 +416,16 @@ def test_client_rows_leave_one_client_equal_clients_and_the_request_level_batch_
         assert len(sched.schedule(0.0).seqs) == first
 
 
+def test_client_rows_default_caps_clients_on_a_cpu_only():
+    """scheduler.client_rows' default (-1, auto): a cap of two rows where the engine computes on a CPU, none on
+    CUDA (decided from engine.device alone; nothing runs); a number given is kept."""
+    assert make().client_rows == 2
+    assert make(**{"engine.device": "cuda"}).client_rows == 0
+    assert make(**{"engine.device": "cuda", "scheduler.client_rows": 3}).client_rows == 3
+    assert make(**{"scheduler.client_rows": 0}).client_rows == 0
+    assert make("request").client_rows == 0
+
+
 def test_a_started_request_behind_one_that_cannot_start_still_runs():
     """x1 (10 of 16 blocks) fits the pool but not its client's share, so y1 (8) starts beside x0 and y0; when
     x0 and y0 end, the clients' turns put x1 first, and x1 cannot fit beside y1's reservation. FCFS keeps

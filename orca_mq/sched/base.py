@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 
 RECORD_WINDOW = 10_000   # iterations kept in `record`: it is read by tests and stats, and must not grow forever
 KEPT_METRICS = 10_000    # finished requests whose metrics stay available
+CPU_CLIENT_ROWS = 2      # scheduler.client_rows' auto on a CPU: every bench_fairness attack's floor (BENCHMARKS.md, stops 61-62)
 
 
 def async_scheduling(cfg: "Config", policy: type["Scheduler"]) -> bool:
@@ -52,6 +53,13 @@ def async_scheduling(cfg: "Config", policy: type["Scheduler"]) -> bool:
     if mode == "on":
         return True
     return uses_cuda(cfg.engine.device)
+
+
+def client_rows(cfg: "Config") -> int:
+    """`scheduler.client_rows`: auto (-1) = CPU_CLIENT_ROWS on a CPU, where every row of an iteration costs
+    every other row time (the sampler's passes, the model's arithmetic on a few cores), no cap on CUDA."""
+    rows = cfg.scheduler.client_rows
+    return rows if rows >= 0 else 0 if uses_cuda(cfg.engine.device) else CPU_CLIENT_ROWS
 
 
 def prompt_order(prompts: list[Request], left: int | None) -> list[Request]:
@@ -84,7 +92,7 @@ class Scheduler:
     def __init__(self, cfg: "Config", info: "ModelInfo") -> None:
         self.max_bs = cfg.scheduler.max_bs
         self.token_budget = cfg.scheduler.max_num_batched_tokens  # 0: no budget, whole prompts (ORCA)
-        self.client_rows = cfg.scheduler.client_rows  # a client's rows an iteration past any other client's (0: no cap)
+        self.client_rows = client_rows(cfg)  # a client's rows an iteration past any other client's (0: no cap)
         self.turn_waits = 0   # rows client_rows made wait an iteration, so far
         self.n_workers = cfg.engine.n_workers
         # prefix hashes are seeded with what besides the tokens changes K/V: the model and its dtype
