@@ -170,12 +170,13 @@ async def measure(base: str, requests: list[tuple[str, dict[str, Any]]] | None, 
             await asyncio.sleep(0.05)
         out["attack_s"] = time.perf_counter() - t
         await asyncio.sleep(max(0.0, least - out["attack_s"]))
-        if mine.poll(1):
+        # off this loop: a wait here would stall the probes in flight, a cut attack's second counted as theirs
+        if await asyncio.to_thread(mine.poll, 1):
             out["attack"] = [{"status": s, "seconds": round(d, 2), "bytes": b} for s, d, b in mine.recv()]
         else:
             out["attack"] = "cut at the window (the attacker left: its requests abort)"
         proc.terminate()
-        proc.join(10)
+        await asyncio.to_thread(proc.join, 10)
     end = t + max(out.get("attack_s", seconds), least)
     until.set()
     await asyncio.gather(*tasks)
