@@ -71,12 +71,13 @@ def same_plan(a: IterationPlan, b: IterationPlan) -> None:
             assert getattr(pa, f.name) == getattr(pb, f.name), f"iteration {a.iteration}: column {f.name} differs"
 
 
+@pytest.mark.parametrize("client_rows", [0, 2])   # two clients' requests: with a cap, batches hold some back
 @pytest.mark.parametrize("policy,ahead,workers,slots", CASES)
-def test_columnar_plans_equal_the_general_path(policy: str, ahead: str, workers: int, slots: int,
+def test_columnar_plans_equal_the_general_path(policy: str, ahead: str, workers: int, slots: int, client_rows: int,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = load_config(overrides={"scheduler.policy": policy, "scheduler.async_scheduling": ahead, "engine.n_workers": workers,
                                  "scheduler.max_bs": 8, "scheduler.max_num_batched_tokens": 32, "engine.block_size": 4,
-                                 "engine.n_slots": slots, "engine.host_slots": 1024})
+                                 "engine.n_slots": slots, "engine.host_slots": 1024, "scheduler.client_rows": client_rows})
     pair: list[Scheduler] = [make_scheduler(cfg, INFO), make_scheduler(cfg, INFO)]
     pair[1].columns = None   # the general path only
     for s in pair:

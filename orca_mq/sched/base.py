@@ -125,6 +125,7 @@ class Scheduler:
         # iterations in flight with decode rows it planned: their slots and ids, `ended` then, and their plan rows (None: all)
         self.columnar: dict[int, tuple[np.ndarray, list[str], int, list[int] | None]] = {}
         self.ended = 0   # requests that finished or were asked to abort while running, so far
+        self.retiring: list[Request] | None = None   # while a result applies: the requests it finished (`apply`)
 
     # ------------------------------------------------------------ the iteration loop
 
@@ -325,18 +326,29 @@ class Scheduler:
         del self.in_flight[result.iteration]
         parts: list[Tokens] = []
         general: Sequence[int] = range(len(batch))
-        if (columnar := self.columnar.pop(result.iteration, None)) is not None and not (result.failed or result.verify_rows):
-            slots, ids, ended, rows = columnar   # its decode rows in columns, the rest (a merged plan's) row by row
-            tokens = result.token_ids
-            if rows is None:
-                cols = apply_decode(self, batch, ids, tokens, slots, ended, now)
-            else:
-                cols = apply_decode(self, [batch[i] for i in rows], ids, [tokens[i] for i in rows], slots, ended, now)
-            if cols is not None:
-                parts.append(cols)
-                general = () if rows is None else sorted(set(general) - set(rows))
-        if general:
-            parts.append(self._apply_rows(batch, result, general, now))
+        # the requests it finishes leave once it is applied, in plan order: a merged plan's decode rows apply
+        # first (in columns), and the order blocks go back in is the prefix cache's LRU order
+        self.retiring = []
+        try:
+            if (columnar := self.columnar.pop(result.iteration, None)) is not None and not (result.failed or result.verify_rows):
+                slots, ids, ended, rows = columnar   # its decode rows in columns, the rest (a merged plan's) row by row
+                tokens = result.token_ids
+                if rows is None:
+                    cols = apply_decode(self, batch, ids, tokens, slots, ended, now)
+                else:
+                    cols = apply_decode(self, [batch[i] for i in rows], ids, [tokens[i] for i in rows], slots, ended, now)
+                if cols is not None:
+                    parts.append(cols)
+                    general = () if rows is None else sorted(set(general) - set(rows))
+            if general:
+                parts.append(self._apply_rows(batch, result, general, now))
+        finally:
+            retiring, self.retiring = self.retiring, None
+            if len(retiring) > 1:
+                place = {id(req): i for i, req in enumerate(batch)}
+                retiring.sort(key=lambda req: place[id(req)])
+            for req in retiring:
+                self._retire(req)
         self.after_iteration(batch, now)
         return self.emit(parts)
 
@@ -406,7 +418,10 @@ class Scheduler:
         self.ended += 1
         if req.grammar is not None:
             req.grammar.release()
-        self._retire(req)
+        if self.retiring is not None:
+            self.retiring.append(req)
+        else:
+            self._retire(req)
 
     def _retire(self, req: Request) -> None:
         """A finished request leaves the pool and frees its KV (and its token history on the last stage)."""
