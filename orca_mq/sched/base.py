@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
 RECORD_WINDOW = 10_000   # iterations kept in `record`: it is read by tests and stats, and must not grow forever
 KEPT_METRICS = 10_000    # finished requests whose metrics stay available
-CPU_CLIENT_ROWS = 2      # scheduler.client_rows' auto on a CPU: every bench_fairness attack's floor (BENCHMARKS.md, stops 61-62)
+CPU_CLIENT_ROWS = 2      # scheduler.client_rows' auto on a CPU (tools/bench_fairness.py: BENCHMARKS.md, stops 61-62, 65)
 
 
 def async_scheduling(cfg: "Config", policy: type["Scheduler"]) -> bool:
